@@ -64,6 +64,9 @@ def _install(name: str, source_file: str | None) -> None:
         raise EncodingUnavailable(f"unknown encoding {name!r}; known: {sorted(KNOWN_HASHES)}")
     cache_dir = _cache_dir()
     target = _cache_path(name, cache_dir)
+    # tiktoken reads the variable at load time; pointing it at the directory we
+    # fill is what makes get_encoding() find the file instead of downloading.
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(cache_dir)
     if source_file is None and target.exists():
         if hashlib.sha256(target.read_bytes()).hexdigest() == expected:
             return
@@ -78,9 +81,6 @@ def _install(name: str, source_file: str | None) -> None:
     tmp = target.with_suffix(f".tmp{os.getpid()}")
     tmp.write_bytes(data)
     os.replace(tmp, target)
-    # tiktoken reads the variable at load time; pointing it at the directory we
-    # filled is what makes get_encoding() find the file instead of downloading.
-    os.environ["TIKTOKEN_CACHE_DIR"] = str(cache_dir)
 
 
 def get_encoding(name: str, source_file: str | None = None) -> tiktoken.Encoding:

@@ -1,0 +1,111 @@
+"""Command line: ``python -m extproc {serve,validate,envoy-config,hash-key}``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from extproc.policy.schema import PolicyError, hash_key
+from extproc.policyfile import load_policy
+
+
+def _hostport(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from extproc.admin import start_admin
+    from extproc.reloader import watch_policy_dir
+    from extproc.runtime import Runtime
+    from extproc.server import serve
+
+    policy = load_policy(args.policy)
+    runtime = Runtime(policy)
+    ghost, gport = _hostport(args.grpc)
+    ahost, aport = _hostport(args.admin)
+    server = await serve(runtime, ghost, gport)
+    admin = await start_admin(runtime, ahost, aport)
+    watcher = asyncio.create_task(watch_policy_dir(runtime, Path(args.policy), args.reload_interval))
+    print(f"sluice extproc: gRPC {ghost}:{gport}, admin http://{ahost}:{aport}/metrics", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    watcher.cancel()
+    # Let in-flight streams finish their current message; Envoy retries nothing, so be brief.
+    await server.stop(grace=2)
+    await admin.cleanup()
+    runtime.close()
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    try:
+        policy = load_policy(args.policy)
+    except PolicyError as exc:
+        for p in exc.problems:
+            print(p, file=sys.stderr)
+        return 1
+    print(f"ok: {len(policy.backends)} backends, {len(policy.tiers)} tiers, {len(policy.tenants)} tenants")
+    return 0
+
+
+def _envoy_config(args: argparse.Namespace) -> int:
+    from extproc.envoyconfig import BackendRoute, EnvoyOptions, write_config
+
+    policy = load_policy(args.policy)
+    lhost, lport = _hostport(args.listen)
+    ehost, eport = _hostport(args.extproc)
+    opts = EnvoyOptions(listen_host=lhost, listen_port=lport, admin_port=args.admin_port,
+                        extproc_host=ehost, extproc_port=eport,
+                        failure_mode_allow=policy.gateway.failure_mode_allow,
+                        message_timeout_ms=policy.gateway.message_timeout_ms,
+                        max_body_bytes=policy.gateway.max_body_bytes)
+    routes = [BackendRoute(b.name, b.host, b.port, tuple(m.name for m in b.models)) for b in policy.backends]
+    write_config(args.output, routes, opts)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m extproc", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="run the ext_proc gRPC server")
+    s.add_argument("--policy", default="policies", help="directory of policy YAML files")
+    s.add_argument("--grpc", default="127.0.0.1:50051")
+    s.add_argument("--admin", default="127.0.0.1:9100")
+    s.add_argument("--reload-interval", type=float, default=1.0)
+    s.add_argument("--log-level", default="INFO")
+    v = sub.add_parser("validate", help="check policy files; prints file:line: message per problem")
+    v.add_argument("policy")
+    e = sub.add_parser("envoy-config", help="render the Envoy bootstrap from the policy's backends")
+    e.add_argument("policy")
+    e.add_argument("-o", "--output", required=True)
+    e.add_argument("--listen", default="127.0.0.1:10000")
+    e.add_argument("--admin-port", type=int, default=9901)
+    e.add_argument("--extproc", default="127.0.0.1:50051")
+    k = sub.add_parser("hash-key", help="print the sha256 form of an API key for the policy")
+    k.add_argument("key")
+    args = ap.parse_args(argv)
+    if args.cmd == "serve":
+        logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        with contextlib.suppress(KeyboardInterrupt):
+            return asyncio.run(_serve(args))
+        return 0
+    if args.cmd == "validate":
+        return _validate(args)
+    if args.cmd == "envoy-config":
+        return _envoy_config(args)
+    print(hash_key(args.key))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""The admin HTTP port: /metrics for Prometheus, /healthz, and /debug/state for tests."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from extproc.runtime import Runtime
+
+
+def admin_app(runtime: Runtime) -> web.Application:
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=runtime.metrics.render(), headers={"content-type": CONTENT_TYPE_LATEST})
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def state(_: web.Request) -> web.Response:
+        return web.json_response(runtime.status())
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/debug/state", state)
+    return app
+
+
+async def start_admin(runtime: Runtime, host: str, port: int) -> web.AppRunner:
+    runner = web.AppRunner(admin_app(runtime), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner

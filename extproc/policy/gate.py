@@ -1,0 +1,118 @@
+"""Per-tenant TPM/RPM admission with pre-charge and settle: the state seam.
+
+``LocalState`` keeps every tenant's buckets in this process. A shared store for
+many replicas implements the same four methods (``admit``, ``settle``, ``view``,
+``reconfigure``) atomically on its side; nothing above this seam changes.
+Pure: callers pass ``now``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from extproc.policy.bucket import Ledger, TokenBucket
+from extproc.policy.schema import Limits
+
+
+@dataclass(frozen=True, slots=True)
+class RateView:
+    limit: int
+    remaining: int
+    reset_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    admitted: bool
+    tokens: RateView
+    requests: RateView
+    reason: str | None = None
+    message: str = ""
+    retry_after_s: float = 0.0
+
+
+class _TenantBuckets:
+    __slots__ = ("tpm", "rpm", "limits")
+
+    def __init__(self, limits: Limits, now: float) -> None:
+        self.limits = limits
+        self.tpm = TokenBucket(limits.burst_tokens, limits.tpm / 60.0, now)
+        self.rpm = TokenBucket(limits.rpm, limits.rpm / 60.0, now)
+
+    def apply(self, limits: Limits, scale: float, now: float) -> None:
+        if limits != self.limits or scale != 1.0 or self.tpm.capacity != limits.burst_tokens:
+            self.limits = limits
+            self.tpm.reconfigure(limits.burst_tokens * scale, limits.tpm * scale / 60.0, now)
+            self.rpm.reconfigure(limits.rpm, limits.rpm / 60.0, now)
+
+
+def _view(bucket: TokenBucket, limit: int, now: float) -> RateView:
+    return RateView(limit=limit, remaining=max(0, math.floor(bucket.remaining(now))),
+                    reset_s=bucket.reset_after_s(now))
+
+
+class LocalState:
+    def __init__(self) -> None:
+        self._tenants: dict[str, _TenantBuckets] = {}
+        self.ledger = Ledger()
+        self.in_flight = 0
+
+    def _buckets(self, tenant: str, limits: Limits, now: float, scale: float = 1.0) -> _TenantBuckets:
+        b = self._tenants.get(tenant)
+        if b is None:
+            b = self._tenants[tenant] = _TenantBuckets(limits, now)
+        b.apply(limits, scale, now)
+        return b
+
+    def view(self, tenant: str, limits: Limits, now: float) -> tuple[RateView, RateView]:
+        b = self._buckets(tenant, limits, now)
+        return _view(b.tpm, limits.tpm, now), _view(b.rpm, limits.rpm, now)
+
+    def admit(self, tenant: str, limits: Limits, cost: int, now: float, scale: float = 1.0) -> Verdict:
+        """Charge 1 request and ``cost`` tokens together, or neither."""
+        b = self._buckets(tenant, limits, now, scale)
+        if cost > b.tpm.capacity:
+            tv, rv = _view(b.tpm, limits.tpm, now), _view(b.rpm, limits.rpm, now)
+            return Verdict(False, tv, rv, "tpm_request_too_large",
+                           f"Request needs {cost} tokens, more than the {int(b.tpm.capacity)} this key may use "
+                           "at once. Lower max_tokens or shorten the prompt.", math.inf)
+        # Peek before charging so a request refused for tokens does not eat an RPM slot.
+        rpm_wait = max(0.0, 1 - b.rpm.remaining(now)) / max(b.rpm.rate_per_s, 1e-9)
+        tpm_wait = max(0.0, cost - b.tpm.remaining(now)) / max(b.tpm.rate_per_s, 1e-9)
+        if rpm_wait > 0 or tpm_wait > 0:
+            tv, rv = _view(b.tpm, limits.tpm, now), _view(b.rpm, limits.rpm, now)
+            if rpm_wait >= tpm_wait:
+                return Verdict(False, tv, rv, "rpm",
+                               f"Rate limit reached: {limits.rpm} requests per minute.", rpm_wait)
+            return Verdict(False, tv, rv, "tpm",
+                           f"Rate limit reached: {limits.tpm} tokens per minute; this request needs {cost}.",
+                           tpm_wait)
+        b.rpm.try_charge(1, now)
+        b.tpm.try_charge(cost, now)
+        self.ledger.record_precharge(cost)
+        self.in_flight += 1
+        return Verdict(True, _view(b.tpm, limits.tpm, now), _view(b.rpm, limits.rpm, now))
+
+    def settle(self, tenant: str, reserved: int, actual: int, now: float) -> None:
+        b = self._tenants.get(tenant)
+        if b is not None:
+            b.tpm.settle(reserved, actual, now)
+        self.ledger.record_settle(reserved, actual)
+        self.in_flight -= 1
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop buckets of tenants no longer in the policy (in-flight ones settle harmlessly)."""
+        for name in list(self._tenants):
+            if name not in keep:
+                del self._tenants[name]
+
+    def snapshot(self, now: float) -> dict[str, object]:
+        return {
+            "in_flight": self.in_flight,
+            "ledger": {"precharged": self.ledger.precharged, "charged": self.ledger.charged,
+                       "refunded": self.ledger.refunded, "excess": self.ledger.excess,
+                       "outstanding": self.ledger.outstanding, "balanced": self.ledger.balanced()},
+            "buckets": {name: {"tokens": b.tpm.remaining(now), "requests": b.rpm.remaining(now)}
+                        for name, b in self._tenants.items()},
+        }

