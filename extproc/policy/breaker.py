@@ -1,0 +1,463 @@
+"""Circuit breaker for one backend (or model route): trip, cool down, probe, ramp up.
+
+CLOSED: outcomes fill a sliding window (``window_s`` in ``window_buckets`` fixed
+buckets: constant memory at any rate). It trips on ``consecutive_failures`` in a row;
+on an error share >= ``error_ratio`` or a share slower than ``latency_slo_s`` >=
+``latency_breach_ratio``, both once the window holds ``min_requests``; on backend
+preemptions (``observe_preemptions``); or on ``trip()`` (e.g. an OOM).
+
+OPEN denies all for ``cooldown_s * cooldown_multiplier**level`` (capped at
+``max_cooldown_s``); ``level`` grows per trip and returns to 0 after
+``cooldown_reset_s`` of uninterrupted CLOSED.
+
+HALF_OPEN probes first: one request at a time until ``probe_successes`` succeed (a
+probe that never reports frees its place after ``probe_timeout_s``). Then it ramps:
+step ``i`` admits ``ramp_steps[i]`` of the calls via a credit accumulator (each call
+adds the fraction, a call passes when the credit reaches 1: deterministic, exact over
+any run), each step lasting ``ramp_step_s``; after the last, CLOSED. Any failure in
+HALF_OPEN re-opens with the next, longer cooldown; with an SLO set, so does a slow
+probe, and a step whose slow share reaches ``latency_breach_ratio``.
+
+What counts: ``FAILURE`` (5xx, timeout, transport error, OOM) is the backend's fault.
+``CLIENT_ERROR`` (4xx; a backend 429 too, load the slot and watermark controls already
+answer) and ``CANCELLED`` (the client left) are ignored: they say nothing about the
+backend, and counting them would let one bad client open the breaker for everyone.
+Outcomes arriving while OPEN come from requests admitted before the trip: ignored. In
+HALF_OPEN every outcome, a straggler's too, is fresh evidence and counts.
+
+Manual override (``set_manual``) decides the verdict until it expires or is cleared;
+the automatic machine is suspended meanwhile (outcomes still fill the window, nothing
+trips). After a manual *open* it resumes in HALF_OPEN (probe, then ramp): nobody has
+seen the backend healthy since. After a manual *closed* it resumes in CLOSED with the
+window gathered during the override, so a backend that kept failing trips at once.
+
+Pure: no I/O, no clock (``now`` is monotonic seconds, passed in), no threads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from typing import Any, Literal, NamedTuple
+
+__all__ = [
+    "REASON_HALF_OPEN_THROTTLE",
+    "REASON_MANUAL_OPEN",
+    "REASON_OPEN",
+    "Breaker",
+    "BreakerConfig",
+    "BreakerEvent",
+    "BreakerState",
+    "BreakerVerdict",
+    "Outcome",
+    "outcome_for_status",
+]
+
+REASON_OPEN = "breaker_open"
+REASON_HALF_OPEN_THROTTLE = "breaker_half_open_throttle"
+REASON_MANUAL_OPEN = "breaker_manual_open"
+_EPS = 1e-9
+
+
+class BreakerState(StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class Outcome(StrEnum):
+    SUCCESS = "success"
+    FAILURE = "failure"  # 5xx, timeout, transport error, OOM
+    CLIENT_ERROR = "client_error"  # 4xx: not counted
+    CANCELLED = "cancelled"  # client disconnected: not counted
+
+
+def outcome_for_status(status: int) -> Outcome:
+    """Classify an upstream HTTP status (timeouts and resets are ``FAILURE`` directly)."""
+    if status >= 500:
+        return Outcome.FAILURE
+    return Outcome.CLIENT_ERROR if status >= 400 else Outcome.SUCCESS
+
+
+@dataclass(frozen=True)
+class BreakerConfig:
+    window_s: float = 30.0
+    window_buckets: int = 30
+    min_requests: int = 20
+    error_ratio: float = 0.5
+    consecutive_failures: int = 5  # 0 disables
+    latency_slo_s: float | None = None  # None disables the latency trip
+    latency_breach_ratio: float = 0.5
+    cooldown_s: float = 30.0
+    max_cooldown_s: float = 120.0
+    cooldown_multiplier: float = 2.0
+    cooldown_reset_s: float = 300.0  # healthy CLOSED time that resets cooldown growth
+    ramp_steps: Sequence[float] = (0.1, 0.25, 0.5, 1.0)
+    ramp_step_s: float = 10.0
+    probe_successes: int = 1
+    probe_timeout_s: float = 30.0
+    throttle_retry_after_s: float = 1.0
+    trip_on_preemption: bool = True
+    preemption_threshold: float = 1.0  # counter increase within window_s that trips
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ramp_steps", tuple(float(s) for s in self.ramp_steps))
+        steps = self.ramp_steps
+        problems = [
+            (self.window_s > 0, "window_s must be > 0"),
+            (self.window_buckets >= 1, "window_buckets must be >= 1"),
+            (self.min_requests >= 1, "min_requests must be >= 1"),
+            (0 < self.error_ratio <= 1, "error_ratio must be in (0, 1]"),
+            (self.consecutive_failures >= 0, "consecutive_failures must be >= 0"),
+            (self.latency_slo_s is None or self.latency_slo_s > 0, "latency_slo_s must be > 0"),
+            (0 < self.latency_breach_ratio <= 1, "latency_breach_ratio must be in (0, 1]"),
+            (0 < self.cooldown_s <= self.max_cooldown_s, "need 0 < cooldown_s <= max_cooldown_s"),
+            (self.cooldown_multiplier >= 1, "cooldown_multiplier must be >= 1"),
+            (self.cooldown_reset_s >= 0, "cooldown_reset_s must be >= 0"),
+            (bool(steps) and all(0 < s <= 1 for s in steps), "ramp_steps must be in (0, 1]"),
+            (list(steps) == sorted(steps), "ramp_steps must not decrease"),
+            (self.ramp_step_s >= 0, "ramp_step_s must be >= 0"),
+            (self.probe_successes >= 1, "probe_successes must be >= 1"),
+            (self.probe_timeout_s > 0, "probe_timeout_s must be > 0"),
+            (self.preemption_threshold > 0, "preemption_threshold must be > 0"),
+        ]
+        errors = [msg for ok, msg in problems if not ok]
+        if errors:
+            raise ValueError("; ".join(errors))
+
+
+@dataclass(frozen=True)
+class BreakerVerdict:
+    allowed: bool
+    state: BreakerState
+    reason: str | None = None  # None when allowed
+    retry_after_s: float | None = None
+
+
+class BreakerEvent(NamedTuple):
+    at: float
+    from_state: BreakerState
+    to_state: BreakerState
+    cause: str  # a label-safe token: error_ratio, manual_open, recovered, ...
+
+
+@dataclass(frozen=True)
+class _Manual:
+    state: BreakerState
+    reason: str
+    until: float | None
+    since: float
+
+
+class _Window:
+    """Sums of a few values over the last ``span`` seconds, in ``n`` fixed buckets."""
+
+    def __init__(self, span: float, n: int, width: int) -> None:
+        self._bucket_s = span / n
+        self._n = n
+        self._buckets: deque[list[float]] = deque()  # [index, *values]
+        self.sums = [0.0] * width
+
+    def add(self, now: float, *values: float) -> None:
+        self.prune(now)
+        idx = math.floor(now / self._bucket_s)
+        if not self._buckets or self._buckets[-1][0] != idx:
+            self._buckets.append([idx] + [0.0] * len(self.sums))
+        last = self._buckets[-1]
+        for i, v in enumerate(values):
+            last[i + 1] += v
+            self.sums[i] += v
+
+    def prune(self, now: float) -> list[float]:
+        oldest = math.floor(now / self._bucket_s) - self._n + 1
+        while self._buckets and self._buckets[0][0] < oldest:
+            gone = self._buckets.popleft()
+            for i in range(len(self.sums)):
+                self.sums[i] -= gone[i + 1]
+        return self.sums
+
+    def clear(self) -> None:
+        self._buckets.clear()
+        self.sums = [0.0] * len(self.sums)
+
+
+class Breaker:
+    """One breaker. Callers serialise access (one event loop, or a lock)."""
+
+    def __init__(self, config: BreakerConfig | None = None, now: float = 0.0) -> None:
+        self.config = cfg = config or BreakerConfig()
+        self._now = now
+        self._state = BreakerState.CLOSED
+        self._since = now
+        self._open_until = now
+        self._level = 0
+        self._trips = 0
+        self._last_cause: str | None = None
+        self._window = _Window(cfg.window_s, cfg.window_buckets, 3)  # total, failed, slow
+        self._preempt = _Window(cfg.window_s, cfg.window_buckets, 1)
+        self._last_preempt_total: float | None = None
+        self._consecutive = 0
+        self._probe_since: float | None = None  # a probe is in flight since then
+        self._probe_ok = 0
+        self._step = -1  # -1: probe phase; else index into ramp_steps
+        self._step_start = now
+        self._step_seen = [0, 0]  # outcomes, slow outcomes in the current step
+        self._credit = 0.0
+        self._manual: _Manual | None = None
+        self._events: deque[BreakerEvent] = deque(maxlen=1000)
+
+    def state(self, now: float) -> BreakerState:
+        self._advance(now)
+        return self._effective()
+
+    def drain_events(self) -> list[BreakerEvent]:
+        """Transitions since the last call, oldest first (the newest 1000 are kept)."""
+        out = list(self._events)
+        self._events.clear()
+        return out
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        now = self._advance(now)
+        total, failed, slow = self._window.prune(now)
+        is_open = self._manual is None and self._state is BreakerState.OPEN
+        return {
+            "state": str(self._effective()),
+            "automatic_state": str(self._state),
+            "since": self._since,
+            "cooldown_left_s": self._open_until - now if is_open else 0.0,
+            "next_cooldown_s": self._cooldown(),
+            "trips": self._trips,
+            "trip_level": self._level,
+            "last_cause": self._last_cause,
+            "phase": self._phase(),
+            "ramp_fraction": self._fraction(),
+            "window": {"requests": int(total), "failures": int(failed), "slow": int(slow)},
+            "consecutive_failures": self._consecutive,
+            "preemptions_in_window": self._preempt.prune(now)[0],
+            "manual": None if self._manual is None else asdict(self._manual),
+        }
+
+    def allow(self, now: float) -> BreakerVerdict:
+        now = self._advance(now)
+        cfg = self.config
+        if (m := self._manual) is not None:
+            if m.state is BreakerState.CLOSED:
+                return BreakerVerdict(True, BreakerState.CLOSED)
+            left = cfg.cooldown_s if m.until is None else m.until - now
+            return BreakerVerdict(False, BreakerState.OPEN, REASON_MANUAL_OPEN, left)
+        state = self._state
+        if state is BreakerState.CLOSED:
+            return BreakerVerdict(True, state)
+        if state is BreakerState.OPEN:
+            return BreakerVerdict(False, state, REASON_OPEN, self._open_until - now)
+        if self._step < 0:
+            if self._probe_since is None:
+                self._probe_since = now
+                return BreakerVerdict(True, state)
+        else:
+            self._credit += cfg.ramp_steps[self._step]
+            if self._credit >= 1.0 - _EPS:
+                self._credit -= 1.0
+                return BreakerVerdict(True, state)
+        return BreakerVerdict(False, state, REASON_HALF_OPEN_THROTTLE, cfg.throttle_retry_after_s)
+
+    def record(self, outcome: Outcome | str, latency_s: float | None, now: float) -> None:
+        """Report one finished (or failed) request; record it as soon as it is known."""
+        now = self._advance(now)
+        outcome = Outcome(outcome)
+        half_open = self._manual is None and self._state is BreakerState.HALF_OPEN
+        if outcome in (Outcome.CLIENT_ERROR, Outcome.CANCELLED):
+            if half_open and self._step < 0:
+                self._probe_since = None  # the probe proved nothing; let another go
+            return
+        failed = outcome is Outcome.FAILURE
+        slo = self.config.latency_slo_s
+        slow = slo is not None and latency_s is not None and latency_s > slo
+        if self._manual is not None or self._state is BreakerState.CLOSED:
+            self._window.add(now, 1.0, float(failed), float(slow))
+            self._consecutive = self._consecutive + 1 if failed else 0
+            if self._manual is None:
+                self._evaluate(now)
+        elif half_open:
+            if failed:
+                self._trip(now, "half_open_failure")
+            elif self._step < 0:
+                self._probe_since = None
+                if slow:
+                    self._trip(now, "half_open_slow")
+                else:
+                    self._probe_ok += 1
+                    if self._probe_ok >= self.config.probe_successes:
+                        self._start_step(0, now)
+            else:
+                self._step_seen[0] += 1
+                self._step_seen[1] += int(slow)
+
+    def record_success(self, now: float, latency_s: float | None = None) -> None:
+        self.record(Outcome.SUCCESS, latency_s, now)
+
+    def record_failure(self, now: float, latency_s: float | None = None) -> None:
+        self.record(Outcome.FAILURE, latency_s, now)
+
+    def observe_preemptions(self, total: float, now: float) -> bool:
+        """Feed the backend's ``vllm:num_preemptions_total``; True when it tripped us.
+
+        The first value is a baseline; a value lower than the last is a counter reset
+        (backend restart): a new baseline, not a trip.
+        """
+        now = self._advance(now)
+        last, self._last_preempt_total = self._last_preempt_total, total
+        if last is None or total <= last or self._effective() is BreakerState.OPEN:
+            return False  # baseline, reset, or the tail of a batch we already stopped feeding
+        self._preempt.add(now, total - last)
+        cfg = self.config
+        if not cfg.trip_on_preemption or self._manual is not None:
+            return False
+        if self._preempt.prune(now)[0] >= cfg.preemption_threshold - _EPS:
+            self._trip(now, "preemption")
+            return True
+        return False
+
+    def trip(self, now: float, cause: str = "backend_oom") -> bool:
+        """Open now for an outside reason (e.g. the backend reported OOM)."""
+        now = self._advance(now)
+        if self._manual is not None or self._state is BreakerState.OPEN:
+            return False
+        self._trip(now, cause)
+        return True
+
+    def set_manual(
+        self,
+        state: Literal["open", "closed"] | None,
+        reason: str,
+        until: float | None,
+        now: float,
+    ) -> None:
+        """Force open/closed until ``until`` (None: until cleared); ``state=None`` clears."""
+        now = self._advance(now)
+        if state is None:
+            if self._manual is not None:
+                self._end_manual(now, "manual_cleared")
+            return
+        forced = BreakerState(state)
+        if forced is BreakerState.HALF_OPEN:
+            raise ValueError("manual state must be 'open' or 'closed'")
+        if until is not None and until <= now:
+            raise ValueError("manual override 'until' must be in the future")
+        before = self._effective()
+        self._manual = _Manual(forced, reason, until, now)
+        self._emit(now, before, forced, f"manual_{forced}")
+
+    def _effective(self) -> BreakerState:
+        return self._manual.state if self._manual is not None else self._state
+
+    def _phase(self) -> str | None:
+        if self._manual is not None or self._state is not BreakerState.HALF_OPEN:
+            return None
+        return "probe" if self._step < 0 else "ramp"
+
+    def _fraction(self) -> float:
+        """Share of traffic the breaker currently lets through."""
+        state = self._effective()
+        if state is BreakerState.CLOSED:
+            return 1.0
+        if state is BreakerState.OPEN or self._step < 0:
+            return 0.0
+        return self.config.ramp_steps[self._step]
+
+    def _cooldown(self) -> float:
+        cfg = self.config
+        return min(cfg.max_cooldown_s, cfg.cooldown_s * cfg.cooldown_multiplier**self._level)
+
+    def _emit(self, at: float, src: BreakerState, dst: BreakerState, cause: str) -> None:
+        self._events.append(BreakerEvent(at, src, dst, cause))
+
+    def _enter(self, at: float, state: BreakerState, cause: str, src: BreakerState) -> None:
+        self._state, self._since = state, at
+        self._probe_since, self._probe_ok, self._step = None, 0, -1
+        self._credit = 0.0
+        if state is not BreakerState.CLOSED:
+            self._preempt.clear()  # preemptions before a trip (or an override) are spent
+        self._emit(at, src, state, cause)
+
+    def _trip(self, at: float, cause: str) -> None:
+        cooldown = self._cooldown()
+        if cooldown < self.config.max_cooldown_s:
+            self._level += 1
+        self._trips += 1
+        self._last_cause = cause
+        self._open_until = at + cooldown
+        self._window.clear()
+        self._consecutive = 0
+        self._enter(at, BreakerState.OPEN, cause, self._state)
+
+    def _evaluate(self, now: float) -> None:
+        cfg = self.config
+        total, failed, slow = self._window.prune(now)
+        if cfg.consecutive_failures and self._consecutive >= cfg.consecutive_failures:
+            self._trip(now, "consecutive_failures")
+        elif total >= cfg.min_requests and failed >= cfg.error_ratio * total - _EPS:
+            self._trip(now, "error_ratio")
+        elif (
+            cfg.latency_slo_s is not None
+            and total >= cfg.min_requests
+            and slow >= cfg.latency_breach_ratio * total - _EPS
+        ):
+            self._trip(now, "latency_slo")
+
+    def _start_step(self, step: int, at: float) -> None:
+        self._step, self._step_start, self._step_seen = step, at, [0, 0]
+
+    def _end_manual(self, at: float, cause: str) -> None:
+        m, self._manual = self._manual, None
+        assert m is not None
+        if m.state is BreakerState.OPEN:
+            self._enter(at, BreakerState.HALF_OPEN, cause, m.state)
+        else:
+            self._enter(at, BreakerState.CLOSED, cause, m.state)
+            self._evaluate(at)
+
+    def _advance(self, now: float) -> float:
+        """Apply every transition due by ``now``, each at the time it fell due."""
+        now = self._now = max(now, self._now)
+        while self._step_due(now):
+            pass
+        return now
+
+    def _step_due(self, now: float) -> bool:
+        """Make the one transition due by ``now``, if any; True if one was made."""
+        cfg = self.config
+        if (m := self._manual) is not None:
+            if m.until is not None and now >= m.until:
+                self._end_manual(m.until, "manual_expired")
+                return True
+            return False
+        if self._state is BreakerState.CLOSED:
+            if self._level and now - self._since >= cfg.cooldown_reset_s:
+                self._level = 0
+            return False
+        if self._state is BreakerState.OPEN:
+            if now < self._open_until:
+                return False
+            self._enter(self._open_until, BreakerState.HALF_OPEN, "cooldown_elapsed", self._state)
+            return True
+        if self._step < 0:
+            if self._probe_since is not None and now - self._probe_since >= cfg.probe_timeout_s:
+                self._probe_since = None
+            return False
+        if now - self._step_start < cfg.ramp_step_s:
+            return False
+        due = self._step_start + cfg.ramp_step_s
+        seen, slow = self._step_seen
+        if cfg.latency_slo_s is not None and seen and slow >= cfg.latency_breach_ratio * seen:
+            self._trip(due, "latency_slo")
+        elif self._step + 1 >= len(cfg.ramp_steps):
+            self._window.clear()
+            self._consecutive = 0
+            self._enter(due, BreakerState.CLOSED, "recovered", self._state)
+        else:
+            self._start_step(self._step + 1, due)
+        return True

@@ -1,0 +1,405 @@
+"""The rendered Envoy bootstrap: its shape, and the real Envoy binary accepting and running it."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
+
+from extproc.envoyconfig import (
+    BACKEND_HEADER,
+    EXTPROC_CLUSTER,
+    HEADER,
+    BackendRoute,
+    EnvoyOptions,
+    buffer_limit_bytes,
+    render_bootstrap,
+    render_yaml,
+    write_config,
+)
+
+BACKENDS = (
+    BackendRoute("sim", "127.0.0.1", 8000, ("llama-3-8b",)),
+    BackendRoute("big", "localhost", 8001),
+)
+HCM_TYPE = "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+
+
+def envoy_binary() -> str:
+    found = shutil.which("envoy")
+    if found:
+        return found
+    beside = Path(sys.executable).with_name("envoy")
+    if beside.exists():
+        return str(beside)
+    pytest.skip("envoy binary not found")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hcm(config: dict) -> dict:
+    (listener,) = config["static_resources"]["listeners"]
+    (chain,) = listener["filter_chains"]
+    (network_filter,) = chain["filters"]
+    assert network_filter["typed_config"]["@type"].endswith(HCM_TYPE)
+    return network_filter["typed_config"]
+
+
+def ext_proc(config: dict) -> dict:
+    return hcm(config)["http_filters"][0]["typed_config"]
+
+
+def clusters(config: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in config["static_resources"]["clusters"]}
+
+
+# --- shape ------------------------------------------------------------------------------
+
+
+def test_filters_are_ext_proc_then_router() -> None:
+    names = [f["name"] for f in hcm(render_bootstrap(BACKENDS, EnvoyOptions()))["http_filters"]]
+    assert names == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+
+
+def test_ext_proc_modes_timeouts_and_fail_closed_defaults() -> None:
+    cfg = ext_proc(render_bootstrap(BACKENDS, EnvoyOptions()))
+    assert cfg["processing_mode"] == {
+        "request_header_mode": "SEND",
+        "response_header_mode": "SEND",
+        "request_body_mode": "BUFFERED",
+        "response_body_mode": "STREAMED",
+        "request_trailer_mode": "SKIP",
+        "response_trailer_mode": "SKIP",
+    }
+    assert cfg["grpc_service"]["envoy_grpc"]["cluster_name"] == EXTPROC_CLUSTER
+    assert cfg["grpc_service"]["timeout"] == "2s"
+    assert cfg["message_timeout"] == "2s"
+    assert cfg["max_message_timeout"] == "120s"
+    assert cfg.get("failure_mode_allow", False) is False
+    assert cfg["status_on_error"] == {"code": "ServiceUnavailable"}
+    assert cfg["allow_mode_override"] is True
+    # content-length must survive so the server can fix it after rewriting a buffered body
+    assert not cfg.get("allow_content_length_header", False)
+    assert cfg.get("route_cache_action", "DEFAULT") == "DEFAULT"
+    assert not cfg.get("disable_clear_route_cache", False)
+
+
+def test_options_reach_ext_proc() -> None:
+    opts = EnvoyOptions(
+        message_timeout_ms=350,
+        max_message_timeout_ms=30000,
+        failure_mode_allow=True,
+        status_on_error=500,
+    )
+    cfg = ext_proc(render_bootstrap(BACKENDS, opts))
+    assert cfg["message_timeout"] == "0.350s"
+    assert cfg["max_message_timeout"] == "30s"
+    assert cfg["failure_mode_allow"] is True
+    assert cfg["status_on_error"] == {"code": "InternalServerError"}
+
+
+def test_listener_buffer_exceeds_body_cap() -> None:
+    for cap in (1, 64 * 1024, 1 << 20, 8 << 20):
+        config = render_bootstrap(BACKENDS, EnvoyOptions(max_body_bytes=cap))
+        (listener,) = config["static_resources"]["listeners"]
+        limit = listener["per_connection_buffer_limit_bytes"]
+        assert limit == buffer_limit_bytes(cap) == max(2 * cap, cap + (1 << 20))
+        assert limit > cap
+
+
+def test_listener_admin_and_hcm() -> None:
+    opts = EnvoyOptions(listen_host="0.0.0.0", listen_port=18000, admin_port=19901)
+    config = render_bootstrap(BACKENDS, opts)
+    assert config["admin"]["address"]["socket_address"] == {
+        "address": "127.0.0.1",
+        "port_value": 19901,
+    }
+    (listener,) = config["static_resources"]["listeners"]
+    assert listener["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": 18000}
+    manager = hcm(config)
+    assert manager.get("codec_type", "AUTO") == "AUTO"  # the enum default is omitted
+    assert manager["stream_idle_timeout"] == "300s"
+    assert manager["request_timeout"] == "0s"
+    (log,) = manager["access_log"]
+    fields = log["typed_config"]["log_format"]["json_format"]
+    for operator in ("%RESPONSE_CODE%", "%RESPONSE_FLAGS%", "%DURATION%", "%UPSTREAM_CLUSTER%"):
+        assert operator in fields.values()
+    assert fields["sluice_reason"] == "%RESP(X-SLUICE-REASON)%"
+    assert "access_log" not in hcm(render_bootstrap(BACKENDS, EnvoyOptions(access_log=False)))
+
+
+def test_routes_one_per_backend_header_then_catch_all() -> None:
+    route_config = hcm(render_bootstrap(BACKENDS, EnvoyOptions()))["route_config"]
+    (vhost,) = route_config["virtual_hosts"]
+    routes = vhost["routes"]
+    assert len(routes) == len(BACKENDS) + 1
+    for backend, route in zip(BACKENDS, routes, strict=False):
+        assert route["match"]["headers"] == [
+            {"name": BACKEND_HEADER, "string_match": {"exact": backend.name}}
+        ]
+        assert route["route"]["cluster"] == backend.name
+    catch_all = routes[-1]
+    assert catch_all["match"] == {"prefix": "/"}
+    assert catch_all["route"]["cluster"] == BACKENDS[0].name
+    for route in routes:
+        assert route["route"]["timeout"] == "0s"
+        assert route["route"]["idle_timeout"] == "300s"
+    # clients cannot choose a backend, and the choice is not sent upstream
+    assert route_config["internal_only_headers"] == [BACKEND_HEADER]
+    assert route_config["request_headers_to_remove"] == [BACKEND_HEADER]
+
+
+def test_clusters() -> None:
+    opts = EnvoyOptions(extproc_host="extproc", extproc_port=50052)
+    by_name = clusters(render_bootstrap(BACKENDS, opts))
+    assert list(by_name) == [EXTPROC_CLUSTER, "sim", "big"]
+
+    ext = by_name[EXTPROC_CLUSTER]
+    assert ext["type"] == "STRICT_DNS"  # a host name, not an IP
+    protocol = ext["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]
+    assert "http2_protocol_options" in protocol["explicit_http_config"]
+    (limits,) = ext["circuit_breakers"]["thresholds"]
+    for key in ("max_connections", "max_pending_requests", "max_requests"):
+        assert limits[key] == opts.extproc_max_requests > 1024
+    address = ext["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert address["socket_address"] == {"address": "extproc", "port_value": 50052}
+
+    assert by_name["sim"]["type"] == "STATIC"
+    assert by_name["big"]["type"] == "STRICT_DNS"
+    for name in ("sim", "big"):
+        backend = by_name[name]
+        assert backend["connect_timeout"] == "2s"
+        protocol = backend["typed_extension_protocol_options"][
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+        ]
+        assert "http_protocol_options" in protocol["explicit_http_config"]
+        (limits,) = backend["circuit_breakers"]["thresholds"]
+        assert limits["max_requests"] > 1024
+
+
+@pytest.mark.parametrize(
+    "backends",
+    [
+        (),
+        (BackendRoute("a", "127.0.0.1", 1), BackendRoute("a", "127.0.0.1", 2)),
+        (BackendRoute(EXTPROC_CLUSTER, "127.0.0.1", 1),),
+    ],
+)
+def test_bad_backend_lists_are_refused(backends: tuple[BackendRoute, ...]) -> None:
+    with pytest.raises(ValueError):
+        render_bootstrap(backends, EnvoyOptions())
+
+
+def test_yaml_has_header_and_round_trips(tmp_path: Path) -> None:
+    text = render_yaml(BACKENDS, EnvoyOptions())
+    assert text.startswith(HEADER)
+    assert yaml.safe_load(text) == render_bootstrap(BACKENDS, EnvoyOptions())
+    path = write_config(tmp_path / "envoy" / "sluice.yaml", BACKENDS, EnvoyOptions())
+    assert path.read_text() == text
+
+
+# --- the real binary --------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_envoy_validates_rendered_config(tmp_path: Path) -> None:
+    path = write_config(tmp_path / "envoy.yaml", BACKENDS, EnvoyOptions())
+    cmd = [envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"]
+    started = time.perf_counter()
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    elapsed = time.perf_counter() - started
+    print(f"envoy --mode validate took {elapsed:.3f} s")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@contextlib.contextmanager
+def running_envoy(tmp_path: Path, backends, opts: EnvoyOptions) -> Iterator[Path]:
+    """Start Envoy on the rendered config; yields its log file, printed if the test fails."""
+    config = write_config(tmp_path / "envoy.yaml", backends, opts)
+    log_path = tmp_path / "envoy.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [envoy_binary(), "-c", str(config), "--disable-hot-restart", "-l", "warning"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 5
+        while True:
+            assert proc.poll() is None, f"envoy exited early:\n{log_path.read_text()}"
+            with contextlib.suppress(OSError):
+                admin = http.client.HTTPConnection("127.0.0.1", opts.admin_port, timeout=1)
+                admin.request("GET", "/ready")
+                if admin.getresponse().status == 200:
+                    break
+            assert time.monotonic() < deadline, f"envoy not ready:\n{log_path.read_text()}"
+            time.sleep(0.05)
+        yield log_path
+    except BaseException:
+        print(f"--- envoy log ---\n{log_path.read_text()}")
+        raise
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def post(port: int, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("POST", "/v1/chat/completions", body=body, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def local_opts(**overrides) -> EnvoyOptions:
+    return EnvoyOptions(
+        listen_port=free_port(), admin_port=free_port(), extproc_port=free_port(), **overrides
+    )
+
+
+@pytest.mark.e2e
+def test_envoy_fails_closed_without_ext_proc(tmp_path: Path) -> None:
+    opts = local_opts()  # nothing listens on extproc_port
+    backends = [BackendRoute("sim", "127.0.0.1", free_port())]
+    with running_envoy(tmp_path, backends, opts):
+        status, headers, body = post(opts.listen_port, b'{"model":"m"}', {})
+        assert status == opts.status_on_error
+        assert headers["x-sluice-reason"] == "gateway_unavailable"
+        assert json.loads(body)["error"]["code"] == "gateway_unavailable"
+
+
+# A stub ext_proc server and echoing backends: checks the config lets a server reroute a
+# request after reading its body, rewrite the body with a corrected content-length, and
+# strip credentials, and that Envoy's own 413 speaks Sluice's error shape.
+
+
+def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
+    # Envoy 1.40 reads raw_value; a mutation that sets only `value` yields an empty header.
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode())
+    )
+
+
+class RerouteProcessor(ext_grpc.ExternalProcessorServicer):
+    def Process(self, request_iterator, context):  # noqa: N802 (gRPC method name)
+        for request in request_iterator:
+            phase = request.WhichOneof("request")
+            if phase == "request_headers":
+                common = ext_pb.CommonResponse(
+                    header_mutation=ext_pb.HeaderMutation(remove_headers=["authorization"])
+                )
+                yield ext_pb.ProcessingResponse(
+                    request_headers=ext_pb.HeadersResponse(response=common)
+                )
+            elif phase == "request_body":
+                body = request.request_body.body.replace(b"small", b"a-much-longer-model")
+                common = ext_pb.CommonResponse(
+                    header_mutation=ext_pb.HeaderMutation(
+                        set_headers=[
+                            _set(BACKEND_HEADER, "big"),
+                            _set("content-length", str(len(body))),
+                        ]
+                    ),
+                    body_mutation=ext_pb.BodyMutation(body=body),
+                    clear_route_cache=True,
+                )
+                yield ext_pb.ProcessingResponse(request_body=ext_pb.BodyResponse(response=common))
+            elif phase == "response_headers":
+                yield ext_pb.ProcessingResponse(response_headers=ext_pb.HeadersResponse())
+            elif phase == "response_body":
+                yield ext_pb.ProcessingResponse(response_body=ext_pb.BodyResponse())
+
+
+def echo_backend(name: str) -> ThreadingHTTPServer:
+    class Echo(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802 (http.server naming)
+            body = self.rfile.read(int(self.headers.get("content-length", "0")))
+            out = json.dumps(
+                {"backend": name, "headers": dict(self.headers), "body": body.decode()}
+            ).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Echo)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.e2e
+def test_ext_proc_reroutes_and_rewrites_body(tmp_path: Path) -> None:
+    opts = local_opts(max_body_bytes=64 * 1024)
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    ext_grpc.add_ExternalProcessorServicer_to_server(RerouteProcessor(), grpc_server)
+    grpc_server.add_insecure_port(f"127.0.0.1:{opts.extproc_port}")
+    grpc_server.start()
+    small, big = echo_backend("small"), echo_backend("big")
+    backends = [
+        BackendRoute("small", "127.0.0.1", small.server_address[1]),
+        BackendRoute("big", "127.0.0.1", big.server_address[1]),
+    ]
+    try:
+        with running_envoy(tmp_path, backends, opts):
+            status, _, body = post(
+                opts.listen_port,
+                b'{"model":"small"}',
+                {
+                    "content-type": "application/json",
+                    "authorization": "Bearer sk-test",
+                    BACKEND_HEADER: "small",  # a client's own pick is stripped
+                },
+            )
+            assert status == 200, body
+            echoed = json.loads(body)
+            assert echoed["backend"] == "big"  # route re-evaluated after the body phase
+            assert echoed["body"] == '{"model":"a-much-longer-model"}'
+            upstream = {k.lower(): v for k, v in echoed["headers"].items()}
+            assert upstream["content-length"] == str(len(echoed["body"]))
+            assert "authorization" not in upstream
+            assert BACKEND_HEADER not in upstream
+
+            too_big = b"x" * (buffer_limit_bytes(opts.max_body_bytes) + 1)
+            status, headers, body = post(opts.listen_port, too_big, {})
+            assert status == 413
+            assert headers["x-sluice-reason"] == "body_too_large"
+            assert json.loads(body)["error"]["type"] == "invalid_request_error"
+    finally:
+        grpc_server.stop(grace=None)
+        small.shutdown()
+        big.shutdown()
