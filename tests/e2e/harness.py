@@ -90,7 +90,7 @@ class Proc:
             p.kill()
             p.wait()
 
-    def tail(self, lines: int = 60) -> str:
+    def tail(self, lines: int = 25) -> str:
         if not self.log.exists():
             return ""
         text = self.log.read_text(errors="replace").splitlines()
