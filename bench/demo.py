@@ -55,7 +55,7 @@ def main() -> int:
         wait("http://127.0.0.1:9100/healthz", ep)
         env = start(str(envoy), "-c", str(cfg), "--disable-hot-restart", "-l", "warning")
         wait("http://127.0.0.1:9901/ready", env)
-        print(f"""
+        print("""
 Sluice demo is up (Ctrl-C stops everything):
   clients  -> http://127.0.0.1:10000/v1/chat/completions   (keys: sk-demo-premium, sk-demo-free, sk-demo-batch)
   extproc  -> http://127.0.0.1:9100/metrics  /healthz  /debug/state
@@ -65,7 +65,7 @@ Sluice demo is up (Ctrl-C stops everything):
 try:
   curl -s http://127.0.0.1:10000/v1/chat/completions -H 'authorization: Bearer sk-demo-premium' \\
        -H 'content-type: application/json' \\
-       -d '{{"model":"sim-llama-8b","messages":[{{"role":"user","content":"hello"}}]}}'
+       -d '{"model":"sim-llama-8b","messages":[{"role":"user","content":"hello"}]}'
 """, flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)

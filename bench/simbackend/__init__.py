@@ -1,0 +1,25 @@
+"""A simulated vLLM backend: OpenAI API, vLLM metric names, a KV cache that runs out.
+
+The stand-in for a GPU in end-to-end tests, the demo and the benchmarks.
+
+In-process: ``create_app(SimConfig(...))`` (aiohttp), or ``BackgroundServer(cfg)`` as a
+context manager on its own thread. CLI: ``python -m bench.simbackend --port 8000``.
+
+Per-request programming (request headers):
+  x-sim-status: 503       answer with that status and an OpenAI error body, no generation
+  x-sim-delay-ms: N       no token before N ms (model time); the request still holds KV
+  x-sim-tokens: N         the "model" stops after N tokens ("stop"), capped by max_tokens
+  x-sim-tps: N            this request's own pace in tokens/s instead of the batch's
+  x-sim-usage: none       no usage anywhere, like an old backend
+  x-sim-fail-after: N     drop the connection after N tokens (mid-stream transport error)
+
+Admin: GET/DELETE /admin/requests (recorded /v1 and other non-probe requests, newest
+last, ``?path=`` filters), GET/POST /admin/config (kv_usage_override, fail_status, mode,
+time_scale), GET /admin/engine (block counts, queue lengths, counters).
+"""
+
+from .app import STATE, SimState, create_app
+from .config import SimConfig
+from .server import BackgroundServer, start_site
+
+__all__ = ["STATE", "BackgroundServer", "SimConfig", "SimState", "create_app", "start_site"]

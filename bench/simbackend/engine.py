@@ -1,0 +1,302 @@
+"""The KV-cache and continuous-batching model: a vLLM-V0-like scheduler without I/O.
+
+Time is passed in (model seconds) and every step returns how long it would take on the
+GPU, so tests drive it with a fake clock and the async runner sleeps the durations.
+
+What is modelled, because the gateway's behaviour depends on it:
+- KV blocks are a hard budget: a sequence holds ceil(kv_tokens / block_size) blocks and
+  takes a new one whenever it grows past a block boundary.
+- Admission is FCFS with a watermark; a prefill step stalls decoding (no chunked prefill).
+- Running out of blocks either preempts the newest sequence (recompute: it returns to the
+  front of the queue and redoes its prefill) or, in "oom" mode, kills every running
+  request and pauses admission, the way a crashing server would.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from .config import SimConfig
+
+OOM_MESSAGE = "CUDA out of memory: the simulated KV cache is exhausted"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request in the engine (its n choices decode together, as vLLM's forked seqs)."""
+
+    prompt_tokens: int
+    max_tokens: int  # tokens per choice to generate; 0 = prefill only (embeddings)
+    n: int = 1
+    delay: float = 0.0  # model seconds before the first token may appear
+    tps: float | None = None  # own pace (tokens/s) instead of the batch's step rate
+    # Whether producing max_tokens is the model stopping by itself ("stop") or the
+    # client's limit cutting it off ("length").
+    natural_stop: bool = False
+    # Set by the engine:
+    state: str = "new"  # waiting | running | finished | failed | aborted
+    ready_at: float = 0.0
+    generated: int = 0  # tokens per choice so far
+    blocks: int = 0
+    admit_order: int = 0
+    first_token_at: float | None = None
+    prefilled_once: bool = False
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    error: tuple[int, str] | None = None
+
+    def kv_tokens(self, extra: int = 0) -> int:
+        return self.prompt_tokens + self.n * (self.generated + extra)
+
+    @property
+    def wants_tokens(self) -> bool:
+        return self.generated < self.max_tokens
+
+
+@dataclass
+class StepOutcome:
+    duration: float = 0.0  # model seconds the step occupies the GPU; 0 = nothing ran
+    wake_at: float | None = None  # when idle: the next time something becomes due
+    kind: str = "idle"  # prefill | decode | idle
+    emitted: dict[Sequence, int] = field(default_factory=dict)  # seq -> generated after step
+    finished: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.mode = cfg.mode
+        self.total_blocks = cfg.kv_blocks
+        self.free_blocks = cfg.kv_blocks
+        self.watermark_blocks = int(cfg.watermark * cfg.kv_blocks)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self.paused_until = -math.inf
+        self._admitted = 0
+        self.preemptions_total = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.oom_failures_total = 0
+        self.finished_total: Counter[str] = Counter()
+        # Highest occupancy seen; a scrape every second misses short peaks.
+        self.peak_used_blocks = 0
+
+    # ---- what metrics and tests read -------------------------------------------------
+    @property
+    def used_blocks(self) -> int:
+        return self.total_blocks - self.free_blocks
+
+    @property
+    def kv_usage(self) -> float:
+        return self.used_blocks / self.total_blocks
+
+    def paused(self, now: float) -> bool:
+        return now < self.paused_until
+
+    # ---- requests in and out --------------------------------------------------------
+    def add(self, seq: Sequence, now: float) -> None:
+        seq.state = "waiting"
+        seq.ready_at = now + seq.delay
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """The client went away: forget the sequence and free its blocks at once."""
+        if seq.state == "waiting":
+            self.waiting.remove(seq)
+        elif seq.state == "running":
+            self.running.remove(seq)
+            self._free(seq)
+        else:
+            return
+        seq.state = "aborted"
+        self.finished_total["abort"] += 1
+
+    # ---- one scheduler iteration ----------------------------------------------------
+    def step(self, now: float) -> StepOutcome:
+        out = StepOutcome()
+        admitted = [] if self.paused(now) else self._admit(out)
+        if admitted:
+            self._prefill(now, admitted, out)
+        else:
+            self._decode(now, out)
+        return out
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.cfg.block_size)
+
+    def _admission_blocks(self, seq: Sequence) -> int:
+        # Room for the prompt (plus what a preempted sequence already produced, which
+        # recompute prefills again) and the token this prefill will emit.
+        return self._blocks_for(seq.kv_tokens(1 if seq.wants_tokens else 0))
+
+    def _admit(self, out: StepOutcome) -> list[Sequence]:
+        admitted: list[Sequence] = []
+        budget = self.cfg.batched_tokens_budget
+        batched = 0
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            need = self._admission_blocks(seq)
+            if need > self.total_blocks - self.watermark_blocks:
+                # Would never fit, even alone; waiting would block the queue forever.
+                self.waiting.popleft()
+                self._too_big(seq, need, out)
+                continue
+            prefill = seq.kv_tokens()
+            if admitted and batched + prefill > budget:
+                break
+            if self.free_blocks - need < self.watermark_blocks:
+                break
+            self.waiting.popleft()
+            self.free_blocks -= need
+            seq.blocks = need
+            seq.state = "running"
+            self._admitted += 1
+            seq.admit_order = self._admitted
+            self.running.append(seq)
+            admitted.append(seq)
+            batched += prefill
+            self.peak_used_blocks = max(self.peak_used_blocks, self.used_blocks)
+            if not seq.prefilled_once:
+                seq.prefilled_once = True
+                self.prompt_tokens_total += seq.prompt_tokens
+        return admitted
+
+    def _prefill(self, now: float, admitted: list[Sequence], out: StepOutcome) -> None:
+        tokens = sum(s.kv_tokens() for s in admitted)
+        cfg = self.cfg
+        out.kind = "prefill"
+        out.duration = (cfg.ttft_ms + cfg.prefill_ms_per_1k_tokens * tokens / 1000.0) / 1000.0
+        end = now + out.duration
+        for seq in admitted:
+            if now < seq.ready_at:
+                continue  # a programmed delay: it holds its blocks but shows nothing yet
+            if not seq.wants_tokens:
+                self._finish(seq, "stop", out)
+                continue
+            # Prefill produces the next token; its block was reserved at admission.
+            self._emit(seq, 1, end, out)
+
+    def _decode(self, now: float, out: StepOutcome) -> None:
+        for seq in [s for s in self.running if not s.wants_tokens and now >= s.ready_at]:
+            self._finish(seq, "stop", out)
+        batch = [(s, k) for s in self.running if (k := self._due(s, now)) > 0]
+        if not batch:
+            out.wake_at = self._next_wake(now)
+            return
+        cfg = self.cfg
+        out.kind = "decode"
+        out.duration = (1000.0 / cfg.tokens_per_s + cfg.decode_ms_per_seq * len(batch)) / 1000.0
+        end = now + out.duration
+        for seq, k in batch:
+            if seq.state != "running":
+                continue  # preempted or failed earlier in this step
+            if not self._grow(seq, k, now, out):
+                if self.mode == "oom" and not self.running:
+                    break
+                continue
+            self._emit(seq, k, end, out)
+
+    def _due(self, seq: Sequence, now: float) -> int:
+        if not seq.wants_tokens or now < seq.ready_at:
+            return 0
+        if seq.tps is None or seq.first_token_at is None:
+            return 1
+        # A tiny epsilon so a wake-up computed from the same formula never lands a hair
+        # before the token is due (which would spin).
+        due = 1 + math.floor((now - seq.first_token_at) * seq.tps + 1e-9)
+        return max(0, min(seq.max_tokens, due) - seq.generated)
+
+    def _next_wake(self, now: float) -> float | None:
+        times: list[float] = []
+        for seq in self.running:
+            if now < seq.ready_at:
+                times.append(seq.ready_at)
+            elif seq.tps is not None and seq.first_token_at is not None and seq.wants_tokens:
+                times.append(seq.first_token_at + seq.generated / seq.tps)
+        if self.waiting and self.paused(now):
+            times.append(self.paused_until)
+        return min(times) if times else None
+
+    def _grow(self, seq: Sequence, k: int, now: float, out: StepOutcome) -> bool:
+        """Give ``seq`` the blocks for k more tokens, freeing others' if needed."""
+        need = self._blocks_for(seq.kv_tokens(k)) - seq.blocks
+        while need > self.free_blocks:
+            if self.mode == "oom":
+                self._oom(now, out)
+                return False
+            victim = self.running[-1]
+            if victim is seq and len(self.running) == 1:
+                # Alone and still out of room: preempting itself would loop forever.
+                self._finish(seq, "length", out)
+                return False
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        self.free_blocks -= need
+        seq.blocks += need
+        self.peak_used_blocks = max(self.peak_used_blocks, self.used_blocks)
+        return True
+
+    def _emit(self, seq: Sequence, k: int, end: float, out: StepOutcome) -> None:
+        if seq.first_token_at is None:
+            seq.first_token_at = end
+        seq.generated += k
+        self.generation_tokens_total += k * seq.n
+        out.emitted[seq] = seq.generated
+        if not seq.wants_tokens:
+            self._finish(seq, "stop" if seq.natural_stop else "length", out)
+
+    # ---- endings ----------------------------------------------------------------------
+    def _free(self, seq: Sequence) -> None:
+        self.free_blocks += seq.blocks
+        seq.blocks = 0
+
+    def _finish(self, seq: Sequence, reason: str, out: StepOutcome) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        self._free(seq)
+        seq.state = "finished"
+        seq.finish_reason = reason
+        self.finished_total[reason] += 1
+        out.finished.append(seq)
+
+    def _fail(self, seq: Sequence, status: int, message: str, out: StepOutcome) -> None:
+        self._free(seq)
+        seq.state = "failed"
+        seq.error = (status, message)
+        self.finished_total["error"] += 1
+        out.emitted.pop(seq, None)
+        out.failed.append(seq)
+
+    def _too_big(self, seq: Sequence, need: int, out: StepOutcome) -> None:
+        if seq.generated:
+            self._finish(seq, "length", out)
+            return
+        usable = self.total_blocks - self.watermark_blocks
+        msg = (
+            f"request needs {need} KV blocks of {self.cfg.block_size} tokens but the cache "
+            f"has only {usable}"
+        )
+        self._fail(seq, 400, msg, out)
+
+    def _preempt(self, victim: Sequence, out: StepOutcome) -> None:
+        self.running.remove(victim)
+        self._free(victim)
+        victim.state = "waiting"
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        self.preemptions_total += 1
+        out.emitted.pop(victim, None)
+        out.preempted.append(victim)
+
+    def _oom(self, now: float, out: StepOutcome) -> None:
+        victims = list(self.running)
+        self.running.clear()
+        for seq in victims:
+            self._fail(seq, 500, OOM_MESSAGE, out)
+        self.oom_failures_total += len(victims)
+        self.paused_until = now + self.cfg.oom_pause_s

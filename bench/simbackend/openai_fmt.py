@@ -1,0 +1,192 @@
+"""OpenAI/vLLM response bodies, SSE chunks and the generated text.
+
+The generated text is a rotation of common English words, each with a leading space.
+Every word is exactly one token in both cl100k_base and o200k_base and the pre-tokenizer
+splits at each leading space, so a text of N words is N tokens in either encoding: a
+gateway that counts tokens in the stream gets the same number the usage reports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+import time
+import uuid
+from typing import Any
+
+_WORD_LIST = (
+    "the of and to in is that for it with as on was by at be this from are or an have "
+    "not but which one all were we when there can more so some time like what about "
+    "out into only up other new model data system will each make first over after "
+    "also most made"
+)
+WORDS: tuple[str, ...] = tuple(" " + w for w in _WORD_LIST.split())
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def token_text(choice: int, i: int) -> str:
+    # Choices start at different words so n > 1 gives distinguishable texts.
+    return WORDS[(i + 7 * choice) % len(WORDS)]
+
+
+def generated_text(choice: int, count: int, start: int = 0) -> str:
+    return "".join(token_text(choice, i) for i in range(start, count))
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def error_body(
+    message: str, status: int, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    if status >= 500:
+        etype = "server_error"
+    elif status == 429:
+        etype = "rate_limit_error"
+    elif status == 404:
+        etype = "not_found_error"
+    else:
+        etype = "invalid_request_error"
+    return {
+        "error": {"message": message, "type": etype, "code": code or str(status), "param": param}
+    }
+
+
+def chat_response(
+    rid: str,
+    model: str,
+    texts: list[str],
+    finish_reason: str,
+    use: dict[str, int] | None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion",
+        "created": now_s(),
+        "model": model,
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+            for i, text in enumerate(texts)
+        ],
+    }
+    if use is not None:
+        body["usage"] = use
+    return body
+
+
+def completion_response(
+    rid: str,
+    model: str,
+    texts: list[str],
+    finish_reason: str,
+    use: dict[str, int] | None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": "text_completion",
+        "created": now_s(),
+        "model": model,
+        "choices": [
+            {"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            for i, text in enumerate(texts)
+        ],
+    }
+    if use is not None:
+        body["usage"] = use
+    return body
+
+
+def embedding_vector(item: Any, dim: int) -> list[float]:
+    """A deterministic unit vector per input, so equal inputs embed equally."""
+    digest = hashlib.sha256(json.dumps(item).encode()).digest()
+    while len(digest) < 4 * dim:
+        digest += hashlib.sha256(digest).digest()
+    raw = [v / 2**31 - 1.0 for v in struct.unpack(f"<{dim}I", digest[: 4 * dim])]
+    norm = math.sqrt(sum(v * v for v in raw)) or 1.0
+    return [round(v / norm, 6) for v in raw]
+
+
+def embedding_response(
+    model: str, items: list[Any], dim: int, use: dict[str, int] | None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": new_id("embd"),
+        "object": "list",
+        "created": now_s(),
+        "model": model,
+        "data": [
+            {"index": i, "object": "embedding", "embedding": embedding_vector(item, dim)}
+            for i, item in enumerate(items)
+        ],
+    }
+    if use is not None:
+        # Embeddings have no completion: OpenAI reports only these two.
+        body["usage"] = {
+            "prompt_tokens": use["prompt_tokens"],
+            "total_tokens": use["prompt_tokens"],
+        }
+    return body
+
+
+class ChunkMaker:
+    """Builds the SSE events of one streamed response (chat or completions)."""
+
+    def __init__(self, kind: str, rid: str, model: str, include_usage: bool) -> None:
+        self.kind = kind
+        self.rid = rid
+        self.model = model
+        self.created = now_s()
+        self.include_usage = include_usage
+        self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def _event(self, choices: list[dict[str, Any]], use: Any = None) -> bytes:
+        obj: dict[str, Any] = {
+            "id": self.rid,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            # OpenAI: with include_usage every chunk carries "usage": null until the last.
+            obj["usage"] = use
+        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+    def role(self, choice: int) -> bytes:
+        delta = {"role": "assistant", "content": ""}
+        return self._event(
+            [{"index": choice, "delta": delta, "logprobs": None, "finish_reason": None}]
+        )
+
+    def token(self, choice: int, text: str, finish_reason: str | None = None) -> bytes:
+        if self.kind == "chat":
+            c: dict[str, Any] = {"index": choice, "delta": {"content": text}}
+        else:
+            c = {"index": choice, "text": text}
+        c["logprobs"] = None
+        c["finish_reason"] = finish_reason
+        return self._event([c])
+
+    def usage(self, use: dict[str, int]) -> bytes:
+        return self._event([], use)
