@@ -34,6 +34,8 @@ def format_duration(seconds: float) -> str:
     """OpenAI's reset format: '1s', '6m0s', '20ms'."""
     if seconds <= 0:
         return "0s"
+    if not math.isfinite(seconds):
+        return "0s" if math.isnan(seconds) else "1h0m0s"
     if seconds < 1:
         return f"{max(1, math.ceil(seconds * 1000))}ms"
     s = math.ceil(seconds * 10) / 10
@@ -43,4 +45,5 @@ def format_duration(seconds: float) -> str:
 
 
 def retry_after_headers(seconds: float) -> dict[str, str]:
+    seconds = seconds if math.isfinite(seconds) else 3600.0  # "never" still needs a number
     return {"retry-after": str(max(1, math.ceil(seconds))), "retry-after-ms": str(max(1, math.ceil(seconds * 1000)))}

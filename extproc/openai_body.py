@@ -7,6 +7,7 @@ client sees an OpenAI-shaped 400 it can act on.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,18 +52,33 @@ def path_kind(path: str) -> str | None:
     return ENDPOINTS.get(path.split("?", 1)[0])
 
 
+def _reject_constant(name: str) -> float:
+    # Python's json accepts NaN/Infinity; JSON does not, and re-serialising them
+    # would send the backend a body it cannot parse.
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if v in (math.inf, -math.inf):
+        raise ValueError(f"number {text[:32]} is out of range")
+    return v
+
+
 def decode_json(raw: bytes) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BadRequest(f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_encoding") from None
     try:
-        body = json.loads(text)
+        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except json.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
                          code="invalid_json") from None
     except RecursionError:
         raise BadRequest("request body JSON is nested too deeply", code="invalid_json") from None
+    except ValueError as exc:  # e.g. an integer literal longer than Python's 4300-digit limit
+        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_json")
     return body
@@ -80,12 +96,13 @@ def _int(body: dict[str, Any], key: str, lo: int, hi: int | None = None) -> int 
     return v
 
 
-def _bool(body: dict[str, Any], key: str) -> bool:
+def _bool(body: dict[str, Any], key: str, param: str | None = None) -> bool:
     v = body.get(key, False)
     if v is None:
         return False
     if not isinstance(v, bool):
-        raise BadRequest(f"'{key}' must be a boolean, got {type(v).__name__}", key, "invalid_type")
+        param = param or key
+        raise BadRequest(f"'{param}' must be a boolean, got {type(v).__name__}", param, "invalid_type")
     return v
 
 
@@ -180,7 +197,7 @@ def parse_request(kind: str, raw: bytes, image_tokens: int = 765) -> ParsedReque
     if opts is not None:
         if not isinstance(opts, dict):
             raise BadRequest("'stream_options' must be an object", "stream_options", "invalid_type")
-        req.usage_requested = _bool(opts, "include_usage")
+        req.usage_requested = _bool(opts, "include_usage", "stream_options.include_usage")
     n = _int(body, "n", 1, MAX_N) or 1
     mct = _int(body, "max_completion_tokens", 1)
     mt = _int(body, "max_tokens", 1)
@@ -220,4 +237,8 @@ def upstream_body(req: ParsedRequest, max_tokens: int) -> bytes | None:
         changed = True
     if not changed:
         return None
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate ("\ud800" in the client's JSON) has no UTF-8 form: keep it escaped.
+        return json.dumps(body, separators=(",", ":")).encode("ascii")

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from extproc.policy.schema import Path, Policy, PolicyError, Problem, build_policy
+from extproc.policy.schema import Path, Policy, PolicyError, Problem, _dotted, build_policy
 
 
 class _Doc:
@@ -30,24 +30,30 @@ class _Doc:
         return "<policy>"
 
 
-def _construct(node: yaml.Node, path: Path, where: str, lines: dict[Path, str]) -> Any:
+def _construct(node: yaml.Node, path: Path, where: str, lines: dict[Path, str],
+               problems: list[Problem]) -> Any:
     lines[path] = f"{where}:{node.start_mark.line + 1}"
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}
         for knode, vnode in node.value:
             key = yaml.safe_load(yaml.serialize(knode)) if not isinstance(knode, yaml.ScalarNode) else knode.value
             sub = (*path, str(key))
+            if str(key) in out:
+                # YAML loaders silently keep the last of duplicate keys; the first would vanish unseen.
+                problems.append(Problem(f"{where}:{knode.start_mark.line + 1}",
+                                        f"{_dotted(sub)}: defined twice (first at {lines[sub]})"))
             lines[sub] = f"{where}:{knode.start_mark.line + 1}"
-            out[str(key)] = _construct(vnode, sub, where, lines)
+            out[str(key)] = _construct(vnode, sub, where, lines, problems)
             lines[sub] = f"{where}:{knode.start_mark.line + 1}"
         return out
     if isinstance(node, yaml.SequenceNode):
-        return [_construct(v, (*path, i), where, lines) for i, v in enumerate(node.value)]
+        return [_construct(v, (*path, i), where, lines, problems) for i, v in enumerate(node.value)]
     # Scalars: let the safe loader resolve types (ints, bools, nulls) exactly as YAML says.
     return yaml.safe_load(yaml.serialize(node))
 
 
-def _merge_file(doc: _Doc, file: FsPath, text: str) -> None:
+def _merge_file(doc: _Doc, file: FsPath, text: str) -> bool:
+    """Merge one file into ``doc``; False when it is not even valid YAML."""
     name = str(file)
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -55,14 +61,14 @@ def _merge_file(doc: _Doc, file: FsPath, text: str) -> None:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark else 1
         doc.problems.append(Problem(f"{name}:{line}", f"not valid YAML: {getattr(exc, 'problem', exc)}"))
-        return
+        return False
     if node is None:
-        return
+        return True
     if not isinstance(node, yaml.MappingNode):
         doc.problems.append(Problem(f"{name}:{node.start_mark.line + 1}", "expected a mapping of sections"))
-        return
+        return False
     local: dict[Path, str] = {}
-    part = _construct(node, (), name, local)
+    part = _construct(node, (), name, local, doc.problems)
     for section, value in part.items():
         offset = 0
         if section not in doc.data:
@@ -86,6 +92,7 @@ def _merge_file(doc: _Doc, file: FsPath, text: str) -> None:
             if len(path) == 1 and path in doc.lines:
                 continue
             doc.lines[path] = where
+    return True
 
 
 def policy_files(directory: str | FsPath) -> list[FsPath]:
@@ -97,11 +104,17 @@ def policy_files(directory: str | FsPath) -> list[FsPath]:
 
 def load_texts(files: Iterable[tuple[FsPath, str]]) -> Policy:
     doc = _Doc()
-    for file, text in files:
-        _merge_file(doc, file, text)
+    parsed = [_merge_file(doc, file, text) for file, text in files]
+    if not all(parsed):
+        # Validating what did parse would only add errors about the sections that did not.
+        raise PolicyError(doc.problems)
+    try:
+        policy = build_policy(doc.data, doc.locate)
+    except PolicyError as exc:
+        raise PolicyError([*doc.problems, *exc.problems]) from None
     if doc.problems:
         raise PolicyError(doc.problems)
-    return build_policy(doc.data, doc.locate)
+    return policy
 
 
 def load_policy(directory: str | FsPath) -> Policy:

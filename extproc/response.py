@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
-MAX_JSON_BODY = 8 << 20  # non-streaming bodies larger than this are not parsed for usage
+MAX_JSON_BODY = 8 << 20
+MAX_HELD_EVENT = 1 << 20  # the most of one unfinished SSE event held back  # non-streaming bodies larger than this are not parsed for usage
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,11 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
+def _count(v: Any) -> bool:
+    # bool is an int in Python; `"completion_tokens": true` is not a count.
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def usage_from(obj: Any) -> Usage | None:
     if not isinstance(obj, dict):
         return None
@@ -35,16 +41,20 @@ def usage_from(obj: Any) -> Usage | None:
         return None
     p = u.get("prompt_tokens")
     c = u.get("completion_tokens", 0)
-    if not isinstance(p, int) or not isinstance(c, int) or isinstance(p, bool) or p < 0 or c < 0:
+    if not _count(p) or not _count(c):
         return None
-    if c == 0 and isinstance(u.get("total_tokens"), int) and u["total_tokens"] > p:
-        c = u["total_tokens"] - p
+    total = u.get("total_tokens")
+    if c == 0 and _count(total) and total > p:
+        c = total - p
     return Usage(p, c)
 
 
 def _choice_texts(obj: dict[str, Any]) -> list[str]:
-    out = []
-    for ch in obj.get("choices") or ():
+    out: list[str] = []
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        return out
+    for ch in choices:
         if not isinstance(ch, dict):
             continue
         for holder in (ch.get("delta"), ch.get("message")):
@@ -70,12 +80,12 @@ class SSETracker:
     def feed(self, chunk: bytes, end_of_stream: bool) -> bytes | None:
         data = self._pending + chunk if self._pending else chunk
         held_before = bool(self._pending)
-        last = None
-        for last in _EVENT_END.finditer(data):
-            pass
-        cut = last.end() if last else 0
+        cut = 0
+        for m in _EVENT_END.finditer(data):
+            cut = m.end()
         complete, tail = data[:cut], data[cut:]
-        if end_of_stream:
+        if end_of_stream or len(tail) > MAX_HELD_EVENT:
+            # An event this large is not an OpenAI chunk; pass it on rather than hold it forever.
             complete, tail = data, b""
         kept: list[bytes] = []
         dropped = False
@@ -107,7 +117,7 @@ class SSETracker:
             return False
         try:
             obj = json.loads(payload)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             return False
         if not isinstance(obj, dict):
             return False
@@ -140,9 +150,10 @@ class JSONTracker:
         if end_of_stream and not self.overflow and self.body:
             try:
                 obj = json.loads(bytes(self.body))
-            except (ValueError, UnicodeDecodeError):
+            except (ValueError, UnicodeDecodeError, RecursionError):
                 return
+            finally:
+                self.body.clear()
             if isinstance(obj, dict):
                 self.usage = usage_from(obj)
                 self.texts = _choice_texts(obj)
-            self.body.clear()

@@ -7,7 +7,6 @@ that is present wins, so a deprecated name can follow its replacement.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 import aiohttp
@@ -77,6 +76,6 @@ async def scrape_once(session: aiohttp.ClientSession, url: str, names: dict[str,
             if r.status != 200:
                 return Sample(ok=False, error=f"HTTP {r.status}")
             text = await r.text()
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         return Sample(ok=False, error=f"{type(exc).__name__}: {exc}")
     return parse_sample(text, names)

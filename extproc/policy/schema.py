@@ -269,10 +269,12 @@ def _tiers(r: _Reader, doc: Any) -> dict[str, Tier]:
     return out
 
 
-def _tenants(r: _Reader, doc: Any, tiers: Mapping[str, Tier]) -> dict[str, Tenant]:
+def _tenants(r: _Reader, doc: Any, tiers: Mapping[str, Tier]) -> tuple[dict[str, Tenant], dict[str, str]]:
+    """The tenants by name, and key hash -> tenant name."""
+    by_key: dict[str, str] = {}
     if not isinstance(doc, list):
         r.fail(("tenants",), "expected a list of tenants")
-        return {}
+        return {}, by_key
     out: dict[str, Tenant] = {}
     for i, item in enumerate(doc):
         path: Path = ("tenants", i)
@@ -289,17 +291,23 @@ def _tenants(r: _Reader, doc: Any, tiers: Mapping[str, Tier]) -> dict[str, Tenan
             for j, k in enumerate(keys):
                 if not isinstance(k, str) or not k.startswith("sha256:") or not _HEX64.match(k[7:]):
                     r.fail((*path, "keys", j), "expected sha256:<64 lowercase hex>; store hashes, never keys")
-                else:
-                    hashes.append(k)
-        if name in out:
-            r.fail((*path, "name"), f"duplicate tenant {name!r}")
-        out[name or f"#{i}"] = Tenant(
+                    continue
+                hashes.append(k)
+                # Checked here, where i and j still point at the list items in the file.
+                if k in by_key and by_key[k] != name:
+                    r.fail((*path, "keys", j), f"key already belongs to tenant {by_key[k]!r}")
+                by_key.setdefault(k, name or "")
+        tenant = Tenant(
             name=name or "", tier=tier or "", key_hashes=tuple(hashes),
             tpm=r.get(m, path, "tpm", int, None, minimum=1),
             rpm=r.get(m, path, "rpm", int, None, minimum=1),
             max_concurrency=r.get(m, path, "max_concurrency", int, None, minimum=1),
         )
-    return out
+        if name in out:
+            r.fail((*path, "name"), f"duplicate tenant {name!r}")
+        else:
+            out[name or f"#{i}"] = tenant
+    return out, by_key
 
 
 def build_policy(doc: Mapping[str, Any], locate: Locator | None = None) -> Policy:
@@ -311,7 +319,7 @@ def build_policy(doc: Mapping[str, Any], locate: Locator | None = None) -> Polic
     gateway = _gateway(r, doc.get("gateway"))
     backends = _backends(r, doc.get("backends"))
     tiers = _tiers(r, doc.get("tiers", {}))
-    tenants = _tenants(r, doc.get("tenants", []), tiers)
+    tenants, by_key = _tenants(r, doc.get("tenants", []), tiers)
 
     by_model: dict[str, tuple[Backend, Model]] = {}
     seen_backends: set[str] = set()
@@ -328,12 +336,6 @@ def build_policy(doc: Mapping[str, Any], locate: Locator | None = None) -> Polic
                 r.fail(("backends", i, "models", j, "name"),
                        f"model {mdl.name!r} is already served by backend {by_model[mdl.name][0].name!r}")
             by_model[mdl.name] = (b, mdl)
-    by_key: dict[str, str] = {}
-    for i, t in enumerate(tenants.values()):
-        for j, h in enumerate(t.key_hashes):
-            if h in by_key and by_key[h] != t.name:
-                r.fail(("tenants", i, "keys", j), f"key already belongs to tenant {by_key[h]!r}")
-            by_key[h] = t.name
     if r.problems:
         raise PolicyError(r.problems)
     return Policy(gateway=gateway, backends=backends, tiers=tiers, tenants=tenants,

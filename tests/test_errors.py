@@ -1,0 +1,100 @@
+"""OpenAI-shaped error bodies, reset durations and Retry-After headers."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from extproc.errors import REASONS, error_body, format_duration, retry_after_headers
+
+# What OpenAI sends in x-ratelimit-reset-*, and what clients that parse it accept.
+OPENAI_DURATION = re.compile(r"^(?:\d+ms|\d+(?:\.\d+)?s|\d+m\d+(?:\.\d+)?s)$")
+
+
+def parse_duration(text: str) -> float:
+    """A client-side parser for the OpenAI reset format."""
+    if text.endswith("ms"):
+        return int(text[:-2]) / 1000
+    m = re.fullmatch(r"(?:(\d+)m)?(\d+(?:\.\d+)?)s", text)
+    assert m, text
+    return int(m.group(1) or 0) * 60 + float(m.group(2))
+
+
+def test_error_body_is_openai_shaped() -> None:
+    body = json.loads(error_body("Rate limit reached: ü", "rate_limit_exceeded", "rpm", "messages"))
+    assert body == {"error": {"message": "Rate limit reached: ü", "type": "rate_limit_exceeded",
+                              "param": "messages", "code": "rpm"}}
+    plain = json.loads(error_body("x", "server_error", None))
+    assert plain["error"]["code"] is None and plain["error"]["param"] is None
+
+
+def test_error_body_is_utf8_and_escapes_quotes() -> None:
+    raw = error_body('say "hi" \\ 世界', "invalid_request_error", "bad")
+    assert "世界".encode() in raw
+    assert json.loads(raw)["error"]["message"] == 'say "hi" \\ 世界'
+
+
+def test_reasons_map_to_documented_statuses() -> None:
+    assert REASONS["unknown_key"][0] == 401
+    assert REASONS["body_too_large"][0] == 413
+    assert REASONS["bad_request"][0] == REASONS["context_length"][0] == 400
+    for r in ("tpm", "rpm", "slots", "tpm_request_too_large", "queue_full"):
+        assert REASONS[r] == (429, "rate_limit_exceeded")
+    for r in ("breaker_open", "overloaded"):
+        assert REASONS[r][0] == 503
+
+
+@pytest.mark.parametrize(
+    "seconds, text",
+    [
+        (0, "0s"),
+        (-3, "0s"),
+        (0.0001, "1ms"),
+        (0.02, "20ms"),
+        (0.0201, "21ms"),
+        (0.5, "500ms"),
+        (1, "1s"),
+        (1.25, "1.3s"),
+        (6.0, "6s"),
+        (59.5, "59.5s"),
+        (60, "1m0s"),
+        (90, "1m30s"),
+        (90.05, "1m30.1s"),
+        (360, "6m0s"),
+        (3600, "60m0s"),
+    ],
+)
+def test_format_duration(seconds: float, text: str) -> None:
+    assert format_duration(seconds) == text
+    assert OPENAI_DURATION.match(text)
+
+
+@given(st.floats(min_value=0, max_value=10 * 86400, allow_nan=False))
+def test_format_duration_is_parseable_and_never_early(seconds: float) -> None:
+    text = format_duration(seconds)
+    assert OPENAI_DURATION.match(text), text
+    parsed = parse_duration(text)
+    # Rounded up (a client waiting this long is never too early), by at most 0.1 s.
+    assert parsed >= seconds - 1e-9
+    assert parsed <= seconds + 0.1 + 1e-6
+
+
+@pytest.mark.parametrize(
+    "seconds, after, after_ms",
+    [(0, "1", "1"), (-5, "1", "1"), (0.0004, "1", "1"), (0.2, "1", "200"), (1.0, "1", "1000"),
+     (1.01, "2", "1010"), (59.9, "60", "59900")],
+)
+def test_retry_after_headers(seconds: float, after: str, after_ms: str) -> None:
+    assert retry_after_headers(seconds) == {"retry-after": after, "retry-after-ms": after_ms}
+
+
+@given(st.floats(min_value=0, max_value=1e6, allow_nan=False))
+def test_retry_after_rounds_up_and_is_at_least_one(seconds: float) -> None:
+    h = retry_after_headers(seconds)
+    assert int(h["retry-after"]) >= max(1, seconds)
+    assert int(h["retry-after"]) < max(1, seconds) + 1
+    assert int(h["retry-after-ms"]) >= max(1, seconds * 1000)
