@@ -21,6 +21,7 @@ def _hostport(value: str) -> tuple[str, int]:
 
 async def _serve(args: argparse.Namespace) -> int:
     from extproc.admin import start_admin
+    from extproc.monitor import run_monitor
     from extproc.reloader import watch_policy_dir
     from extproc.runtime import Runtime
     from extproc.server import serve
@@ -32,6 +33,7 @@ async def _serve(args: argparse.Namespace) -> int:
     server = await serve(runtime, ghost, gport)
     admin = await start_admin(runtime, ahost, aport)
     watcher = asyncio.create_task(watch_policy_dir(runtime, Path(args.policy), args.reload_interval))
+    monitor = asyncio.create_task(run_monitor(runtime))
     print(f"sluice extproc: gRPC {ghost}:{gport}, admin http://{ahost}:{aport}/metrics", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -39,6 +41,7 @@ async def _serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     watcher.cancel()
+    monitor.cancel()
     # Let in-flight streams finish their current message; Envoy retries nothing, so be brief.
     await server.stop(grace=2)
     await admin.cleanup()

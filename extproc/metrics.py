@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+QUEUE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
@@ -31,6 +32,31 @@ class Metrics:
         self.policy_reloads = Counter("sluice_policy_reloads", "Policy reload attempts by result.", ["result"],
                                       registry=r)
         self.policy_ok = Gauge("sluice_policy_valid", "1 when the last policy load succeeded.", registry=r)
+        # Backpressure
+        self.slots_in_use = Gauge("sluice_slots_in_use", "Concurrency slots held, by backend, pool and tier.",
+                                  ["backend", "pool", "tier"], registry=r)
+        self.slots_effective = Gauge("sluice_slots_effective", "Slot budget after watermark scaling.",
+                                     ["backend"], registry=r)
+        self.scale = Gauge("sluice_capacity_scale", "Effective capacity factor from the KV watermark (1 = full).",
+                           ["backend"], registry=r)
+        self.kv_usage = Gauge("sluice_backend_kv_usage", "Last scraped KV-cache usage (0..1).", ["backend"],
+                              registry=r)
+        self.backend_waiting = Gauge("sluice_backend_requests_waiting", "Last scraped engine queue length.",
+                                     ["backend"], registry=r)
+        self.scrape_errors = Counter("sluice_backend_scrape_errors", "Failed metric scrapes.", ["backend"],
+                                     registry=r)
+        self.breaker_state = Gauge("sluice_breaker_state", "1 for the breaker's current state.",
+                                   ["backend", "state"], registry=r)
+        self.breaker_transitions = Counter("sluice_breaker_transitions", "Breaker state changes.",
+                                           ["backend", "from_state", "to_state", "cause"], registry=r)
+        self.queue_depth = Gauge("sluice_queue_depth", "Requests waiting for a slot.", ["backend", "tier"],
+                                 registry=r)
+        self.queue_wait = Histogram("sluice_queue_wait_seconds", "Time requests waited for a slot, by result.",
+                                    ["tier", "result"], buckets=QUEUE_BUCKETS, registry=r)
+        self.degraded = Counter("sluice_degraded", "Requests admitted in a degraded form.", ["tier", "kind"],
+                                registry=r)
+        self.shadow = Counter("sluice_shadow_decisions", "Rejections a shadowed rule would have made.",
+                              ["rule", "tier"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -214,24 +214,28 @@ def parse_request(kind: str, raw: bytes, image_tokens: int = 765) -> ParsedReque
     return req
 
 
-def upstream_body(req: ParsedRequest, max_tokens: int) -> bytes | None:
+def upstream_body(req: ParsedRequest, max_tokens: int, model: str | None = None) -> bytes | None:
     """The body to send upstream, or None when the client's bytes can go unchanged.
 
     The reservation is only honest if the backend generates no more than was
     reserved, so a missing or larger ``max_tokens`` is written into the body; a
     stream must end with a usage chunk for an exact settle, so it is asked for.
+    ``model`` names a fallback model the request is degraded to.
     """
-    if req.kind == "embeddings":
-        return None
     body = req.body
     changed = False
-    if req.max_tokens != max_tokens:
+    if model is not None and model != req.model:
+        body["model"] = model
+        changed = True
+    if req.kind == "embeddings":
+        pass
+    elif req.max_tokens != max_tokens:
         key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         body[key] = max_tokens
         if key == "max_completion_tokens" and "max_tokens" in body:
             body["max_tokens"] = max_tokens
         changed = True
-    if req.stream and not req.usage_requested:
+    if req.kind != "embeddings" and req.stream and not req.usage_requested:
         opts = body.get("stream_options") or {}
         body["stream_options"] = {**opts, "include_usage": True}
         changed = True

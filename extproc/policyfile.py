@@ -12,7 +12,8 @@ from typing import Any
 
 import yaml
 
-from extproc.policy.schema import Path, Policy, PolicyError, Problem, _dotted, build_policy
+from extproc.policy.reader import Path, PolicyError, Problem, dotted
+from extproc.policy.schema import Policy, build_policy
 
 
 class _Doc:
@@ -41,7 +42,7 @@ def _construct(node: yaml.Node, path: Path, where: str, lines: dict[Path, str],
             if str(key) in out:
                 # YAML loaders silently keep the last of duplicate keys; the first would vanish unseen.
                 problems.append(Problem(f"{where}:{knode.start_mark.line + 1}",
-                                        f"{_dotted(sub)}: defined twice (first at {lines[sub]})"))
+                                        f"{dotted(sub)}: defined twice (first at {lines[sub]})"))
             lines[sub] = f"{where}:{knode.start_mark.line + 1}"
             out[str(key)] = _construct(vnode, sub, where, lines, problems)
             lines[sub] = f"{where}:{knode.start_mark.line + 1}"

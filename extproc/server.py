@@ -16,6 +16,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from extproc.peer import PeerStream
 from extproc.runtime import Runtime
 from extproc.stream import StreamProcessor
 
@@ -29,26 +30,26 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     async def Process(  # noqa: N802 - the gRPC method name
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        stream = StreamProcessor(self.rt)
-        how = "stream_closed"
+        peer = PeerStream(request_iterator)
+        stream = StreamProcessor(self.rt, peer)
+        how = "disconnect"
         try:
-            async for request in request_iterator:
-                response = await stream.handle(request)
-                if response is not None:
+            while (request := await peer.next()) is not None:
+                async for response in stream.handle(request):
                     yield response
-                if response is not None and response.HasField("immediate_response"):
+                if stream.finished:
                     how = "rejected"
                     return
         except asyncio.CancelledError:
-            how = "cancelled"
             raise
         except Exception:
             how = "error"
             log.exception("ext_proc stream failed")
             raise
         finally:
-            # A settle from end-of-stream already happened; this is then a no-op.
-            stream.settle("disconnect" if how in ("stream_closed", "cancelled") else how)
+            peer.cancel()
+            # A settle at end-of-stream already happened; this is then a no-op.
+            stream.settle(how)
 
 
 async def serve(runtime: Runtime, host: str, port: int) -> grpc.aio.Server:

@@ -1,9 +1,9 @@
 """One HTTP stream's life through Sluice: a small state machine, one method per phase.
 
-headers -> body (verdict, pre-charge) -> response headers -> streamed body -> settle.
+headers -> body (verdict, pre-charge, slot) -> response headers -> streamed body -> settle.
 Every way a stream can end (end of stream, upstream error, client disconnect, Envoy
-resetting the ext_proc stream, a message timeout) reaches ``settle()``, which gives
-back what the request held exactly once.
+resetting the ext_proc stream, a message timeout, a rejection after admission)
+reaches ``settle()``, which gives back what the request held exactly once.
 """
 
 from __future__ import annotations
@@ -11,12 +11,16 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import AsyncIterator
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import messages as msg
+from extproc.admission import Admission, Reject, Ticket
 from extproc.errors import REASONS, error_body, format_duration, retry_after_headers
 from extproc.openai_body import BadRequest, ParsedRequest, parse_request, path_kind, upstream_body
+from extproc.peer import PeerStream
+from extproc.policy.breaker import outcome_for_status
 from extproc.policy.gate import RateView
 from extproc.policy.schema import Limits, Model, Tenant
 from extproc.response import JSONTracker, SSETracker
@@ -45,58 +49,60 @@ def ratelimit_headers(tokens: RateView, requests: RateView) -> dict[str, str]:
     }
 
 
-class Reject(Exception):
-    def __init__(self, reason: str, message: str, *, code: str | None = None, param: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.reason, self.message, self.code, self.param = reason, message, code or reason, param
-        self.headers = headers or {}
-
-
 class StreamProcessor:
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: Runtime, peer: PeerStream) -> None:
         self.rt = rt
+        self.peer = peer
         self.policy = rt.policy  # pinned for the stream's lifetime
         self.tenant: Tenant | None = None
         self.limits: Limits | None = None
         self.kind: str | None = None
         self.req: ParsedRequest | None = None
-        self.model: Model | None = None
+        self.ticket: Ticket | None = None
         self.prompt_tokens = 0
         self.reserved = 0
-        self.admitted = False
+        self.admitted = False  # tokens are pre-charged and must be settled
         self.settled = False
+        self.finished = False  # an immediate response ended the exchange
         self.status = 0
+        self.first_byte_s: float | None = None
         self.tracker: SSETracker | JSONTracker | None = None
-        self.outcome = "incomplete"
 
     # -- dispatch -----------------------------------------------------------
-    async def handle(self, request: pb.ProcessingRequest) -> pb.ProcessingResponse | None:
+    async def handle(self, request: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingResponse]:
         phase = request.WhichOneof("request")
         t0 = time.perf_counter()
         try:
             if phase == "request_headers":
-                return self.on_request_headers(request.request_headers)
-            if phase == "request_body":
-                return await self.on_request_body(request.request_body)
-            if phase == "response_headers":
-                return self.on_response_headers(request.response_headers)
-            if phase == "response_body":
-                return self.on_response_body(request.response_body)
-            # Trailers are not requested; answer anything else without changes.
-            return msg.headers_response(phase) if phase and phase.endswith("trailers") else None
+                yield self.on_request_headers(request.request_headers)
+            elif phase == "request_body":
+                async for response in self.on_request_body(request.request_body):
+                    yield response
+            elif phase == "response_headers":
+                yield self.on_response_headers(request.response_headers)
+            elif phase == "response_body":
+                yield self.on_response_body(request.response_body)
+            elif phase and phase.endswith("trailers"):
+                yield pb.ProcessingResponse(**{phase: pb.TrailersResponse()})
         except Reject as rej:
-            return self.reject(rej)
+            if rej.reason == "client_gone":
+                self.settle("rejected")  # never reached the backend: nothing to bill
+            else:
+                yield self.reject(rej)
+            self.finished = True
         finally:
             self.rt.metrics.phase_seconds.labels(phase or "unknown").observe(time.perf_counter() - t0)
 
     def reject(self, rej: Reject) -> pb.ProcessingResponse:
+        # Anything held by a request refused after its pre-charge goes back first.
+        self.settle("rejected")
         status, etype = REASONS.get(rej.reason, (400, "invalid_request_error"))
         tenant = self.tenant.name if self.tenant else "-"
         self.rt.metrics.requests.labels(tenant, rej.reason).inc()
         self.rt.metrics.rejections.labels(rej.reason, str(status)).inc()
+        if self.tenant is not None:
+            self.rt.count_rejection(self.tenant.name, rej.reason)
         headers = {"x-sluice-reason": rej.reason, **rej.headers}
-        self.outcome = rej.reason
         return msg.immediate(status, error_body(rej.message, etype, rej.code, rej.param), headers,
                              f"sluice_{rej.reason}")
 
@@ -117,7 +123,6 @@ class StreamProcessor:
             if gw.unknown_paths == "reject":
                 raise Reject("unknown_path", f"Unknown path {path.split('?', 1)[0]!r}.", code="not_found")
             self.rt.metrics.requests.labels(tenant.name, "passthrough").inc()
-            self.outcome = "passthrough"
             return msg.headers_response("request_headers", self._identity_headers(),
                                         KEY_HEADERS if gw.strip_api_key else (), mode_override=msg.SKIP_REST)
         if headers.get(":method", "POST") != "POST":
@@ -133,7 +138,7 @@ class StreamProcessor:
         assert self.tenant is not None
         return {"x-sluice-tenant": self.tenant.name, "x-sluice-tier": self.tenant.tier}
 
-    async def on_request_body(self, b: pb.HttpBody) -> pb.ProcessingResponse:
+    async def on_request_body(self, b: pb.HttpBody) -> AsyncIterator[pb.ProcessingResponse]:
         assert self.tenant is not None and self.limits is not None and self.kind is not None
         gw = self.policy.gateway
         raw = b.body
@@ -149,31 +154,49 @@ class StreamProcessor:
             raise Reject("unknown_model", f"The model {req.model!r} does not exist.", code="model_not_found",
                          param="model")
         backend, model = found
-        self.req, self.model = req, model
+        self.req = req
         prompt = req.fixed_tokens + await self.rt.count_tokens(model.encoding, req.texts)
-        completion = self._completion_budget(req, model, prompt)
-        cost = prompt + req.n * completion
         self.prompt_tokens = prompt
+        completion = self._completion_budget(req, model, prompt)
+
+        adm = Admission(self.rt, self.policy, self.tenant, self.limits, self.peer)
         now = self.rt.clock()
-        verdict = self.rt.state.admit(self.tenant.name, self.limits, cost, now)
-        rl = ratelimit_headers(verdict.tokens, verdict.requests)
+        ticket = adm.route(backend, model, completion, now)
+        self.ticket = ticket
+        cost = prompt + req.n * ticket.completion
+        verdict = adm.charge(ticket, cost, now)
         if not verdict.admitted:
             assert verdict.reason is not None
-            extra = dict(rl)
+            extra = ratelimit_headers(verdict.tokens, verdict.requests)
             if math.isfinite(verdict.retry_after_s):
                 extra.update(retry_after_headers(verdict.retry_after_s))
             raise Reject(verdict.reason, verdict.message, code="rate_limit_exceeded", headers=extra)
         self.admitted, self.reserved = True, cost
-        self.rt.metrics.requests.labels(self.tenant.name, "admitted").inc()
-        self.rt.metrics.tokens_precharged.labels(self.tenant.name).inc(cost)
-        self.rt.metrics.in_flight.inc()
-        self.rt.metrics.bucket_tokens.labels(self.tenant.name).set(verdict.tokens.remaining)
-        new_body = upstream_body(req, completion) if req.n else None
-        set_headers = {**self._identity_headers(), "x-sluice-backend": backend.name}
+        ticket.verdict = verdict
+        for hint in await adm.acquire_slot(ticket, now):
+            yield hint
+            await adm.wait_in_queue(ticket, now)
+        ticket.admitted_at = self.rt.clock()
+        self._count_admission(ticket, cost)
+
+        new_body = upstream_body(req, ticket.completion, ticket.model.name)
+        set_headers = {**self._identity_headers(), "x-sluice-backend": ticket.backend.name}
         if new_body is not None:
             set_headers["content-length"] = str(len(new_body))
         remove = KEY_HEADERS if gw.strip_api_key else ()
-        return msg.body_response("request_body", new_body, set_headers, remove, clear_route_cache=True)
+        yield msg.body_response("request_body", new_body, set_headers, remove, clear_route_cache=True)
+
+    def _count_admission(self, ticket: Ticket, cost: int) -> None:
+        assert self.tenant is not None and ticket.verdict is not None
+        m = self.rt.metrics
+        m.requests.labels(self.tenant.name, "admitted").inc()
+        m.tokens_precharged.labels(self.tenant.name).inc(cost)
+        m.in_flight.inc()
+        m.bucket_tokens.labels(self.tenant.name).set(ticket.verdict.tokens.remaining)
+        for kind in ticket.degraded:
+            m.degraded.labels(self.tenant.tier, kind).inc()
+            self.rt.count_degradation(self.tenant.name, kind)
+        self.rt.track(self.tenant.name, +1)
 
     def _completion_budget(self, req: ParsedRequest, model: Model, prompt: int) -> int:
         """What to reserve (and enforce upstream) per generated completion."""
@@ -204,10 +227,13 @@ class StreamProcessor:
             self.status = int(headers.get(":status", "0"))
         except ValueError:
             self.status = 0
+        self.first_byte_s = self.rt.clock()
         set_headers: dict[str, str] = {}
         if self.tenant is not None and self.limits is not None:
             tv, rv = self.rt.state.view(self.tenant.name, self.limits, self.rt.clock())
             set_headers.update(ratelimit_headers(tv, rv))
+        if self.ticket is not None and self.ticket.degraded:
+            set_headers["x-sluice-degraded"] = ",".join(self.ticket.degraded)
         if self.admitted:
             ctype = headers.get("content-type", "")
             if "text/event-stream" in ctype:
@@ -235,16 +261,38 @@ class StreamProcessor:
             return
         self.settled = True
         assert self.tenant is not None
-        actual = self._actual_usage(how)
-        self.rt.state.settle(self.tenant.name, self.reserved, actual, self.rt.clock())
+        now = self.rt.clock()
+        actual = 0 if how == "rejected" else self._actual_usage(how)
+        self.rt.state.settle(self.tenant.name, self.reserved, actual, now)
+        t = self.ticket
+        if t is not None:
+            self._release(t, how, now)
         m = self.rt.metrics
-        m.in_flight.dec()
         m.settles.labels(how).inc()
         m.tokens_charged.labels(self.tenant.name).inc(actual)
         if actual <= self.reserved:
             m.tokens_refunded.labels(self.tenant.name).inc(self.reserved - actual)
         else:
             m.tokens_excess.labels(self.tenant.name).inc(actual - self.reserved)
+
+    def _release(self, t: Ticket, how: str, now: float) -> None:
+        assert self.tenant is not None
+        if t.admitted_at:
+            self.rt.metrics.in_flight.dec()
+            self.rt.track(self.tenant.name, -1)
+        if t.breaker_verdict is not None and t.breaker_verdict.allowed:
+            if how == "end_of_stream" and self.status:
+                outcome = outcome_for_status(self.status)
+            elif how == "error":
+                outcome = "failure"
+            else:
+                # A client that leaves says nothing about the backend's health.
+                outcome = "cancelled"
+            latency = self.first_byte_s - t.admitted_at if self.first_byte_s and t.admitted_at else None
+            t.runtime.breaker.record(outcome, latency, now)
+        if t.grant is not None:
+            grant, t.grant = t.grant, None
+            t.runtime.release(grant, now)
 
     def _actual_usage(self, how: str) -> int:
         tr = self.tracker
@@ -257,5 +305,6 @@ class StreamProcessor:
             # Never got response headers (upstream reset, disconnect while waiting):
             # the backend may have done the prefill, so the prompt counts.
             return self.prompt_tokens if how != "end_of_stream" else 0
-        assert self.model is not None
-        return self.prompt_tokens + self.rt.count_tokens_now(self.model.encoding, tr.texts)
+        model = self.ticket.model if self.ticket is not None else None
+        assert model is not None
+        return self.prompt_tokens + self.rt.count_tokens_now(model.encoding, tr.texts)

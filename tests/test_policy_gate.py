@@ -123,14 +123,27 @@ def test_reconfigure_keeps_the_level() -> None:
     assert tokens.remaining == 60 and requests.remaining == 6  # clamped to the new capacity
 
 
-def test_scale_shrinks_capacity_and_rate() -> None:
+def test_scale_keeps_headroom_and_slows_refill() -> None:
     s = LocalState()
-    v = s.admit("a", LIM, 400, now=0.0, scale=0.5)
-    assert not v.admitted and v.reason == "tpm_request_too_large"
+    # At scale 0.5 the top half of the 600-token bucket is out of reach.
     assert s.admit("a", LIM, 300, now=0.0, scale=0.5).admitted
-    # back to full scale: the level is kept, capacity restored
+    v = s.admit("a", LIM, 1, now=0.0, scale=0.5)
+    assert not v.admitted and v.reason == "tpm"
+    assert v.retry_after_s > 0
+    # Back at full scale the saved tokens are still there: nothing was destroyed.
     tokens, _ = s.view("a", LIM, now=0.0)
-    assert tokens.remaining == 0
+    assert tokens.remaining == 300
+    assert s.admit("a", LIM, 300, now=0.0, scale=1.0).admitted
+
+
+def test_scale_slows_the_refill_rate() -> None:
+    full, half = LocalState(), LocalState()
+    assert full.admit("a", LIM, 600, now=0.0, scale=1.0).admitted
+    # A request may still use the whole bucket once it is full, even under pressure.
+    assert half.admit("a", LIM, 600, now=0.0, scale=0.5).admitted
+    # 10 s later: the full-scale bucket refilled 100 tokens, the half-scale one 50.
+    assert full.view("a", LIM, 10.0)[0].remaining == 100
+    assert half.view("a", LIM, 10.0)[0].remaining == 50
 
 
 def test_snapshot() -> None:

@@ -33,18 +33,31 @@ class Verdict:
 
 
 class _TenantBuckets:
-    __slots__ = ("tpm", "rpm", "limits")
+    __slots__ = ("tpm", "rpm", "limits", "scale")
 
     def __init__(self, limits: Limits, now: float) -> None:
         self.limits = limits
+        self.scale = 1.0
         self.tpm = TokenBucket(limits.burst_tokens, limits.tpm / 60.0, now)
         self.rpm = TokenBucket(limits.rpm, limits.rpm / 60.0, now)
 
-    def apply(self, limits: Limits, scale: float, now: float) -> None:
-        if limits != self.limits or scale != 1.0 or self.tpm.capacity != limits.burst_tokens:
-            self.limits = limits
-            self.tpm.reconfigure(limits.burst_tokens * scale, limits.tpm * scale / 60.0, now)
+    def apply(self, limits: Limits, scale: float | None, now: float) -> None:
+        """New limits (policy change) or a new watermark scale; None keeps the scale.
+
+        The KV watermark scales TPM, the budget that fills the cache (RPM is not
+        memory): the refill rate drops with the scale, and ``headroom`` keeps the
+        top (1 - scale) of the bucket out of reach. The bucket's capacity itself is
+        not cut, so tokens a tenant saved are not destroyed by a passing spike.
+        """
+        scale = self.scale if scale is None else scale
+        if limits != self.limits or scale != self.scale:
+            self.limits, self.scale = limits, scale
+            self.tpm.reconfigure(limits.burst_tokens, limits.tpm * scale / 60.0, now)
             self.rpm.reconfigure(limits.rpm, limits.rpm / 60.0, now)
+
+    @property
+    def headroom(self) -> float:
+        return (1.0 - self.scale) * self.tpm.capacity
 
 
 def _view(bucket: TokenBucket, limit: int, now: float) -> RateView:
@@ -58,7 +71,7 @@ class LocalState:
         self.ledger = Ledger()
         self.in_flight = 0
 
-    def _buckets(self, tenant: str, limits: Limits, now: float, scale: float = 1.0) -> _TenantBuckets:
+    def _buckets(self, tenant: str, limits: Limits, now: float, scale: float | None = None) -> _TenantBuckets:
         b = self._tenants.get(tenant)
         if b is None:
             b = self._tenants[tenant] = _TenantBuckets(limits, now)
@@ -69,17 +82,27 @@ class LocalState:
         b = self._buckets(tenant, limits, now)
         return _view(b.tpm, limits.tpm, now), _view(b.rpm, limits.rpm, now)
 
-    def admit(self, tenant: str, limits: Limits, cost: int, now: float, scale: float = 1.0) -> Verdict:
-        """Charge 1 request and ``cost`` tokens together, or neither."""
+    def admit(self, tenant: str, limits: Limits, cost: int, now: float, scale: float | None = None,
+              force: bool = False) -> Verdict:
+        """Charge 1 request and ``cost`` tokens together, or neither.
+
+        ``force`` charges even past the budget (into debt): a rule in shadow mode
+        still keeps honest books, so turning it on later starts from the truth.
+        """
         b = self._buckets(tenant, limits, now, scale)
+        if force:
+            b.rpm.settle(0, 1, now)
+            b.tpm.settle(0, cost, now)
+            return self._admitted(b, limits, cost, now)
         if cost > b.tpm.capacity:
             tv, rv = _view(b.tpm, limits.tpm, now), _view(b.rpm, limits.rpm, now)
             return Verdict(False, tv, rv, "tpm_request_too_large",
                            f"Request needs {cost} tokens, more than the {int(b.tpm.capacity)} this key may use "
                            "at once. Lower max_tokens or shorten the prompt.", math.inf)
         # Peek before charging so a request refused for tokens does not eat an RPM slot.
+        need = min(b.tpm.capacity, cost + b.headroom)
         rpm_wait = max(0.0, 1 - b.rpm.remaining(now)) / max(b.rpm.rate_per_s, 1e-9)
-        tpm_wait = max(0.0, cost - b.tpm.remaining(now)) / max(b.tpm.rate_per_s, 1e-9)
+        tpm_wait = max(0.0, need - b.tpm.remaining(now)) / max(b.tpm.rate_per_s, 1e-9)
         if rpm_wait > 0 or tpm_wait > 0:
             tv, rv = _view(b.tpm, limits.tpm, now), _view(b.rpm, limits.rpm, now)
             if rpm_wait >= tpm_wait:
@@ -90,6 +113,9 @@ class LocalState:
                            tpm_wait)
         b.rpm.try_charge(1, now)
         b.tpm.try_charge(cost, now)
+        return self._admitted(b, limits, cost, now)
+
+    def _admitted(self, b: _TenantBuckets, limits: Limits, cost: int, now: float) -> Verdict:
         self.ledger.record_precharge(cost)
         self.in_flight += 1
         return Verdict(True, _view(b.tpm, limits.tpm, now), _view(b.rpm, limits.rpm, now))

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-Path = tuple[str | int, ...]
-Locator = Callable[[Path], str]
+from extproc.policy.reader import NAME, Locator, Path, PolicyError, Problem, Reader, read_flat
+
+__all__ = ["Backend", "BreakerOverride", "BreakerSettings", "Degrade", "Gateway", "Limits", "Model", "Policy",
+           "PolicyError", "Problem", "Tenant", "Tier", "WatermarkSettings", "build_policy", "hash_key"]
 
 KNOWN_ENCODINGS = ("cl100k_base", "o200k_base")
-SECTIONS = ("gateway", "backends", "tiers", "tenants")
-_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+ENGINES = ("vllm", "sglang", "trtllm")
+SECTIONS = ("gateway", "backends", "tiers", "tenants", "breakers")
+# Rules that can run in shadow mode: decided and recorded, not enforced.
+SHADOW_RULES = ("tpm", "rpm", "slots", "queue", "shed", "degrade", "breaker")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -36,6 +40,54 @@ class Gateway:
     failure_mode_allow: bool = False
     message_timeout_ms: int = 5000
     image_token_estimate: int = 765
+    shadow: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class WatermarkSettings:
+    """KV-cache watermark feedback (seed article: 85 % high, 70 % low)."""
+
+    high: float = 0.85
+    low: float = 0.70
+    floor: float = 0.6
+    smoothing: float = 0.5  # EWMA weight of a new sample
+    recover_per_s: float = 0.05
+    stale_after_s: float = 5.0
+    waiting_threshold: float = 8.0
+    scrape_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low < self.high <= 1:
+            raise ValueError(f"need 0 < low < high <= 1 (low={self.low}, high={self.high})")
+        if not 0 < self.floor <= 1:
+            raise ValueError(f"floor must be in (0, 1], got {self.floor}")
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
+
+
+@dataclass(frozen=True)
+class BreakerSettings:
+    window_s: float = 30.0
+    min_requests: int = 20
+    error_ratio: float = 0.5
+    consecutive_failures: int = 5
+    latency_slo_s: float | None = None
+    cooldown_s: float = 30.0
+    max_cooldown_s: float = 120.0
+    ramp_steps: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)
+    ramp_step_s: float = 10.0
+    trip_on_preemption: bool = True
+    preemption_threshold: float = 1.0
+
+
+@dataclass(frozen=True)
+class Degrade:
+    """A tier's degradation ladder, by the backend's capacity scale (1.0 = no pressure)."""
+
+    clamp_max_tokens: int = 0  # 0: never clamp
+    clamp_below_scale: float = 0.0
+    fallback_below_scale: float = 0.0  # route to the model's fallback_model
+    shed_below_scale: float = 0.0  # answer 503 instead of queueing
 
 
 @dataclass(frozen=True)
@@ -44,6 +96,7 @@ class Model:
     context_window: int
     encoding: str = "cl100k_base"
     default_max_tokens: int | None = None
+    fallback_model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +107,10 @@ class Backend:
     max_concurrency: int
     models: tuple[Model, ...]
     metrics_url: str | None = None
+    engine: str = "vllm"
+    metric_names: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    watermark: WatermarkSettings = field(default_factory=WatermarkSettings)
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
 
 
 @dataclass(frozen=True)
@@ -65,9 +122,12 @@ class Tier:
     burst_tokens: int  # bucket capacity; defaults to one minute's worth
     max_concurrency: int  # per tenant
     guaranteed_slots: int = 0  # per backend, reserved for this tier
+    burst_slots: int | None = None  # most shared-pool slots this tier may hold
     max_queue_wait_ms: int = 0
     max_queue_depth: int = 0
     queue_weight: int = 1
+    degrade: Degrade = field(default_factory=Degrade)
+    shadow: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,6 +138,18 @@ class Tenant:
     tpm: int | None = None
     rpm: int | None = None
     max_concurrency: int | None = None
+
+
+@dataclass(frozen=True)
+class BreakerOverride:
+    """An operator's manual trip or reset; ``until`` is wall-clock epoch seconds."""
+
+    backend: str
+    state: str  # "open" | "closed"
+    reason: str
+    until: float | None = None
+    by: str = ""
+    at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +170,7 @@ class Policy:
     tenants: Mapping[str, Tenant]
     by_key: Mapping[str, str] = field(repr=False)  # key hash -> tenant name
     by_model: Mapping[str, tuple[Backend, Model]] = field(repr=False)
+    breakers: tuple[BreakerOverride, ...] = ()
 
     def limits(self, tenant: Tenant) -> Limits:
         tier = self.tiers[tenant.tier]
@@ -114,79 +187,23 @@ class Policy:
         name = self.by_key.get(hash_key(api_key))
         return self.tenants[name] if name is not None else None
 
+    def tier_order(self) -> list[str]:
+        """Tier names, most important first."""
+        return sorted(self.tiers, key=lambda t: (-self.tiers[t].priority, t))
 
-@dataclass(frozen=True)
-class Problem:
-    where: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.where}: {self.message}"
+    def shadowed(self, tier: str, rule: str) -> bool:
+        return rule in self.gateway.shadow or rule in self.tiers[tier].shadow
 
 
-class PolicyError(ValueError):
-    def __init__(self, problems: list[Problem]):
-        super().__init__("\n".join(str(p) for p in problems))
-        self.problems = problems
+def _shadow(r: Reader, m: Mapping[str, Any], path: Path) -> tuple[str, ...]:
+    raw = r.get(m, path, "shadow", list, [])
+    for j, rule in enumerate(raw):
+        if rule not in SHADOW_RULES:
+            r.fail((*path, "shadow", j), f"unknown rule {rule!r} (known: {', '.join(SHADOW_RULES)})")
+    return tuple(x for x in raw if x in SHADOW_RULES)
 
 
-def _dotted(path: Path) -> str:
-    out = ""
-    for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
-    return out or "<root>"
-
-
-class _Reader:
-    """Walks the document collecting every problem, not just the first."""
-
-    def __init__(self, locate: Locator):
-        self.locate = locate
-        self.problems: list[Problem] = []
-
-    def fail(self, path: Path, message: str) -> None:
-        self.problems.append(Problem(self.locate(path), f"{_dotted(path)}: {message}"))
-
-    def mapping(self, value: Any, path: Path, allowed: tuple[str, ...]) -> dict[str, Any]:
-        if not isinstance(value, dict):
-            self.fail(path, f"expected a mapping, got {type(value).__name__}")
-            return {}
-        for key in value:
-            if key not in allowed:
-                self.fail((*path, str(key)), f"unknown field (allowed: {', '.join(allowed)})")
-        return value
-
-    def get(self, m: Mapping[str, Any], path: Path, key: str, kind: type | tuple[type, ...],
-            default: Any = ..., *, minimum: float | None = None, choices: tuple[Any, ...] = ()) -> Any:
-        p = (*path, key)
-        if key not in m or m[key] is None:
-            if default is ...:
-                self.fail(p, "required field is missing")
-                return None
-            return default
-        v = m[key]
-        # bool is an int in Python; a policy saying `tpm: true` is a mistake.
-        if isinstance(v, bool) and kind is not bool:
-            self.fail(p, f"expected {getattr(kind, '__name__', kind)}, got a boolean")
-            return None if default is ... else default
-        if not isinstance(v, kind):
-            want = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
-            self.fail(p, f"expected {want}, got {type(v).__name__}")
-            return None if default is ... else default
-        if minimum is not None and v < minimum:
-            self.fail(p, f"must be >= {minimum}, got {v}")
-        if choices and v not in choices:
-            self.fail(p, f"must be one of {', '.join(map(str, choices))}, got {v!r}")
-        return v
-
-    def name(self, m: Mapping[str, Any], path: Path, key: str = "name") -> str | None:
-        v = self.get(m, path, key, str)
-        if v is not None and not _NAME.match(v):
-            self.fail((*path, key), f"{v!r} is not a valid name (lowercase letters, digits, _ . -)")
-        return v
-
-
-def _gateway(r: _Reader, doc: Any) -> Gateway:
+def _gateway(r: Reader, doc: Any) -> Gateway:
     path: Path = ("gateway",)
     m = r.mapping(doc if doc is not None else {}, path, tuple(Gateway.__dataclass_fields__))
     d = Gateway()
@@ -198,17 +215,36 @@ def _gateway(r: _Reader, doc: Any) -> Gateway:
         failure_mode_allow=r.get(m, path, "failure_mode_allow", bool, d.failure_mode_allow),
         message_timeout_ms=r.get(m, path, "message_timeout_ms", int, d.message_timeout_ms, minimum=100),
         image_token_estimate=r.get(m, path, "image_token_estimate", int, d.image_token_estimate, minimum=0),
+        shadow=_shadow(r, m, path),
     )
 
 
-def _backends(r: _Reader, doc: Any) -> tuple[Backend, ...]:
+def _metric_names(r: Reader, m: Mapping[str, Any], path: Path) -> dict[str, tuple[str, ...]]:
+    raw = r.get(m, path, "metric_names", dict, {})
+    out: dict[str, tuple[str, ...]] = {}
+    for kind, names in raw.items():
+        p = (*path, "metric_names", str(kind))
+        if kind not in ("kv_usage", "waiting", "running", "preemptions"):
+            r.fail(p, "unknown metric kind (known: kv_usage, waiting, running, preemptions)")
+        elif not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            r.fail(p, "expected a list of metric names, tried in order")
+        else:
+            out[kind] = tuple(names)
+    return out
+
+
+_BACKEND_FIELDS = ("name", "address", "max_concurrency", "models", "metrics_url", "engine", "metric_names",
+                   "watermark", "breaker")
+
+
+def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
     if not isinstance(doc, list) or not doc:
         r.fail(("backends",), "expected a non-empty list of backends")
         return ()
     out = []
     for i, item in enumerate(doc):
         path: Path = ("backends", i)
-        m = r.mapping(item, path, ("name", "address", "max_concurrency", "models", "metrics_url"))
+        m = r.mapping(item, path, _BACKEND_FIELDS)
         name = r.name(m, path)
         address = r.get(m, path, "address", str)
         host, port = "", 0
@@ -232,23 +268,28 @@ def _backends(r: _Reader, doc: Any) -> tuple[Backend, ...]:
                 context_window=r.get(mmap, mp, "context_window", int, minimum=16) or 0,
                 encoding=r.get(mmap, mp, "encoding", str, "cl100k_base", choices=KNOWN_ENCODINGS),
                 default_max_tokens=r.get(mmap, mp, "default_max_tokens", int, None, minimum=1),
+                fallback_model=r.get(mmap, mp, "fallback_model", str, None),
             ))
         out.append(Backend(
             name=name or "", host=host, port=port,
             max_concurrency=r.get(m, path, "max_concurrency", int, 64, minimum=1),
             models=tuple(models),
             metrics_url=r.get(m, path, "metrics_url", str, None),
+            engine=r.get(m, path, "engine", str, "vllm", choices=ENGINES),
+            metric_names=_metric_names(r, m, path),
+            watermark=read_flat(r, m.get("watermark"), (*path, "watermark"), WatermarkSettings),
+            breaker=read_flat(r, m.get("breaker"), (*path, "breaker"), BreakerSettings),
         ))
     return tuple(out)
 
 
-def _tiers(r: _Reader, doc: Any) -> dict[str, Tier]:
+def _tiers(r: Reader, doc: Any) -> dict[str, Tier]:
     fields = tuple(f for f in Tier.__dataclass_fields__ if f != "name")
     m = r.mapping(doc, ("tiers",), tuple(doc)) if isinstance(doc, dict) else r.mapping(doc, ("tiers",), ())
     out: dict[str, Tier] = {}
     for name, item in m.items():
         path: Path = ("tiers", name)
-        if not _NAME.match(str(name)):
+        if not NAME.match(str(name)):
             r.fail(path, f"{name!r} is not a valid tier name")
         t = r.mapping(item, path, fields)
         tpm = r.get(t, path, "tpm", int, minimum=1) or 1
@@ -260,16 +301,19 @@ def _tiers(r: _Reader, doc: Any) -> dict[str, Tier]:
             burst_tokens=r.get(t, path, "burst_tokens", int, tpm, minimum=1),
             max_concurrency=r.get(t, path, "max_concurrency", int, 1 << 20, minimum=1),
             guaranteed_slots=r.get(t, path, "guaranteed_slots", int, 0, minimum=0),
+            burst_slots=r.get(t, path, "burst_slots", int, None, minimum=0),
             max_queue_wait_ms=r.get(t, path, "max_queue_wait_ms", int, 0, minimum=0),
             max_queue_depth=r.get(t, path, "max_queue_depth", int, 0, minimum=0),
             queue_weight=r.get(t, path, "queue_weight", int, 1, minimum=1),
+            degrade=read_flat(r, t.get("degrade"), (*path, "degrade"), Degrade),
+            shadow=_shadow(r, t, path),
         )
     if not out:
         r.fail(("tiers",), "at least one tier is required")
     return out
 
 
-def _tenants(r: _Reader, doc: Any, tiers: Mapping[str, Tier]) -> tuple[dict[str, Tenant], dict[str, str]]:
+def _tenants(r: Reader, doc: Any, tiers: Mapping[str, Tier]) -> tuple[dict[str, Tenant], dict[str, str]]:
     """The tenants by name, and key hash -> tenant name."""
     by_key: dict[str, str] = {}
     if not isinstance(doc, list):
@@ -310,24 +354,40 @@ def _tenants(r: _Reader, doc: Any, tiers: Mapping[str, Tier]) -> tuple[dict[str,
     return out, by_key
 
 
-def build_policy(doc: Mapping[str, Any], locate: Locator | None = None) -> Policy:
-    """Validate a plain policy document; raise ``PolicyError`` listing every problem."""
-    r = _Reader(locate or (lambda path: "<policy>"))
-    for key in doc:
-        if key not in SECTIONS:
-            r.fail((str(key),), f"unknown section (known: {', '.join(SECTIONS)})")
-    gateway = _gateway(r, doc.get("gateway"))
-    backends = _backends(r, doc.get("backends"))
-    tiers = _tiers(r, doc.get("tiers", {}))
-    tenants, by_key = _tenants(r, doc.get("tenants", []), tiers)
+def _breakers(r: Reader, doc: Any, backends: set[str]) -> tuple[BreakerOverride, ...]:
+    if doc is None:
+        return ()
+    if not isinstance(doc, list):
+        r.fail(("breakers",), "expected a list of manual breaker overrides")
+        return ()
+    out = []
+    for i, item in enumerate(doc):
+        path: Path = ("breakers", i)
+        m = r.mapping(item, path, tuple(BreakerOverride.__dataclass_fields__))
+        backend = r.get(m, path, "backend", str)
+        if backend is not None and backend not in backends:
+            r.fail((*path, "backend"), f"unknown backend {backend!r}")
+        state = r.get(m, path, "state", str, choices=("open", "closed"))
+        reason = r.get(m, path, "reason", str)
+        if reason is not None and not reason.strip():
+            r.fail((*path, "reason"), "a manual override needs a reason")
+        until = r.get(m, path, "until", (int, float), None)
+        out.append(BreakerOverride(backend=backend or "", state=state or "open", reason=reason or "",
+                                   until=float(until) if until is not None else None,
+                                   by=r.get(m, path, "by", str, ""),
+                                   at=r.get(m, path, "at", (int, float), None)))
+    return tuple(out)
 
+
+def _cross_checks(r: Reader, backends: tuple[Backend, ...], tiers: Mapping[str, Tier]
+                  ) -> dict[str, tuple[Backend, Model]]:
     by_model: dict[str, tuple[Backend, Model]] = {}
     seen_backends: set[str] = set()
+    guaranteed = sum(t.guaranteed_slots for t in tiers.values())
     for i, b in enumerate(backends):
         if b.name in seen_backends:
             r.fail(("backends", i, "name"), f"duplicate backend {b.name!r}")
         seen_backends.add(b.name)
-        guaranteed = sum(t.guaranteed_slots for t in tiers.values())
         if guaranteed > b.max_concurrency:
             r.fail(("backends", i, "max_concurrency"),
                    f"tiers guarantee {guaranteed} slots, more than this backend's {b.max_concurrency}")
@@ -336,7 +396,29 @@ def build_policy(doc: Mapping[str, Any], locate: Locator | None = None) -> Polic
                 r.fail(("backends", i, "models", j, "name"),
                        f"model {mdl.name!r} is already served by backend {by_model[mdl.name][0].name!r}")
             by_model[mdl.name] = (b, mdl)
+    for i, b in enumerate(backends):
+        for j, mdl in enumerate(b.models):
+            if mdl.fallback_model is not None and mdl.fallback_model not in by_model:
+                r.fail(("backends", i, "models", j, "fallback_model"),
+                       f"fallback model {mdl.fallback_model!r} is not served by any backend")
+            elif mdl.fallback_model == mdl.name:
+                r.fail(("backends", i, "models", j, "fallback_model"), "a model cannot fall back to itself")
+    return by_model
+
+
+def build_policy(doc: Mapping[str, Any], locate: Locator | None = None) -> Policy:
+    """Validate a plain policy document; raise ``PolicyError`` listing every problem."""
+    r = Reader(locate or (lambda path: "<policy>"))
+    for key in doc:
+        if key not in SECTIONS:
+            r.fail((str(key),), f"unknown section (known: {', '.join(SECTIONS)})")
+    gateway = _gateway(r, doc.get("gateway"))
+    backends = _backends(r, doc.get("backends"))
+    tiers = _tiers(r, doc.get("tiers", {}))
+    tenants, by_key = _tenants(r, doc.get("tenants", []), tiers)
+    breakers = _breakers(r, doc.get("breakers"), {b.name for b in backends})
+    by_model = _cross_checks(r, backends, tiers)
     if r.problems:
         raise PolicyError(r.problems)
     return Policy(gateway=gateway, backends=backends, tiers=tiers, tenants=tenants,
-                  by_key=by_key, by_model=by_model)
+                  by_key=by_key, by_model=by_model, breakers=breakers)

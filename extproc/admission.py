@@ -1,0 +1,204 @@
+"""The admission decision for one request, step by step, cheapest refusal first.
+
+breaker -> degradation ladder -> RPM/TPM pre-charge -> concurrency slot (or a wait in
+the fair queue). Each step either passes, degrades the request, or raises
+``Reject``. A rule in shadow mode runs, records what it would have done, and lets
+the request through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc import messages as msg
+from extproc.backends import BackendRuntime, Waiter
+from extproc.errors import retry_after_headers
+from extproc.peer import PeerStream
+from extproc.policy.breaker import BreakerVerdict
+from extproc.policy.gate import Verdict
+from extproc.policy.schema import Backend, Limits, Model, Policy, Tenant
+from extproc.policy.slots import SlotGrant
+from extproc.runtime import Runtime
+
+
+class Reject(Exception):
+    def __init__(self, reason: str, message: str, *, code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.reason, self.message, self.code, self.param = reason, message, code or reason, param
+        self.headers = headers or {}
+
+
+@dataclass
+class Ticket:
+    """What an admitted request holds until it settles."""
+
+    backend: Backend
+    model: Model
+    runtime: BackendRuntime
+    completion: int  # tokens reserved per generated completion
+    degraded: list[str] = field(default_factory=list)
+    verdict: Verdict | None = None
+    grant: SlotGrant | None = None
+    admitted_at: float = 0.0
+    queued_s: float = 0.0
+    breaker_verdict: BreakerVerdict | None = None
+
+
+class Admission:
+    def __init__(self, rt: Runtime, policy: Policy, tenant: Tenant, limits: Limits, peer: PeerStream) -> None:
+        self.rt, self.policy, self.tenant, self.limits, self.peer = rt, policy, tenant, limits, peer
+        self.tier = policy.tiers[tenant.tier]
+
+    def _shadow(self, rule: str) -> bool:
+        if self.policy.shadowed(self.tier.name, rule):
+            self.rt.metrics.shadow.labels(rule, self.tier.name).inc()
+            return True
+        return False
+
+    # -- breaker and degradation: pick where the request goes ------------------------
+    def route(self, backend: Backend, model: Model, completion: int, now: float) -> Ticket:
+        be = self.rt.backends[backend.name]
+        verdict = be.breaker.allow(now)
+        ticket = Ticket(backend, model, be, completion, breaker_verdict=verdict)
+        if not verdict.allowed:
+            fb = self._fallback(model, now)
+            if fb is not None:
+                return self._to_fallback(ticket, fb, now)
+            if not self._shadow("breaker"):
+                wait = verdict.retry_after_s if verdict.retry_after_s is not None else 30.0
+                raise Reject("breaker_open", f"Backend {backend.name!r} is unavailable ({verdict.reason}); "
+                             "retry later.", code="service_unavailable",
+                             headers=retry_after_headers(wait))
+            ticket.breaker_verdict = None  # shadowed: nothing to report back to the breaker
+        d = self.tier.degrade
+        scale = be.scale(now)
+        if d.shed_below_scale and scale < d.shed_below_scale and not self._shadow("shed"):
+            raise Reject("overloaded", f"The backend is under memory pressure; the {self.tier.name!r} tier is "
+                         "shed first. Retry later.", code="overloaded", headers=retry_after_headers(5))
+        if d.fallback_below_scale and scale < d.fallback_below_scale and not self._shadow("degrade"):
+            fb = self._fallback(model, now)
+            if fb is not None:
+                self._release_probe(ticket, now)
+                ticket = self._to_fallback(ticket, fb, now)
+        if d.clamp_max_tokens and scale < d.clamp_below_scale and ticket.completion > d.clamp_max_tokens \
+                and not self._shadow("degrade"):
+            ticket.completion = d.clamp_max_tokens
+            ticket.degraded.append("max_tokens")
+        return ticket
+
+    def _fallback(self, model: Model, now: float) -> tuple[Backend, Model] | None:
+        if model.fallback_model is None:
+            return None
+        found = self.policy.by_model.get(model.fallback_model)
+        if found is None:
+            return None
+        be = self.rt.backends[found[0].name]
+        return found if be.breaker.state(now).value != "open" else None
+
+    def _to_fallback(self, ticket: Ticket, fb: tuple[Backend, Model], now: float) -> Ticket:
+        backend, model = fb
+        be = self.rt.backends[backend.name]
+        verdict = be.breaker.allow(now)
+        if not verdict.allowed:
+            raise Reject("breaker_open", "The model and its fallback are unavailable; retry later.",
+                         code="service_unavailable", headers=retry_after_headers(verdict.retry_after_s or 30.0))
+        completion = min(ticket.completion, max(1, model.context_window // 2))
+        return Ticket(backend, model, be, completion, [*ticket.degraded, "fallback"], breaker_verdict=verdict)
+
+    def _release_probe(self, ticket: Ticket, now: float) -> None:
+        # A half-open probe slot that will not be used must be given back.
+        if ticket.breaker_verdict is not None and ticket.breaker_verdict.allowed:
+            ticket.runtime.breaker.record("cancelled", None, now)
+
+    # -- budgets -------------------------------------------------------------------
+    def charge(self, ticket: Ticket, cost: int, now: float) -> Verdict:
+        scale = ticket.runtime.scale(now)
+        v = self.rt.state.admit(self.tenant.name, self.limits, cost, now, scale=scale)
+        if not v.admitted:
+            assert v.reason is not None
+            rule = "rpm" if v.reason == "rpm" else "tpm"
+            if not self._shadow(rule):
+                return v
+            v = self.rt.state.admit(self.tenant.name, self.limits, cost, now, scale=scale, force=True)
+        return v
+
+    # -- concurrency ---------------------------------------------------------------
+    async def acquire_slot(self, ticket: Ticket, now: float) -> list[pb.ProcessingResponse]:
+        """Take a slot, waiting in the queue if needed. Returns messages to send first."""
+        be = ticket.runtime
+        cap = self.limits.max_concurrency
+        got = be.try_acquire(self.tier.name, self.tenant.name, cap, now)
+        if isinstance(got, SlotGrant):
+            ticket.grant = got
+            return []
+        if got.reason == "slots_tenant_cap":
+            if self._shadow("slots"):
+                return []
+            raise Reject("slots", f"Too many concurrent requests for this key (limit {cap}).",
+                         code="rate_limit_exceeded", headers=retry_after_headers(1))
+        if self.tier.max_queue_depth <= 0 or self.tier.max_queue_wait_ms <= 0:
+            if self._shadow("slots"):
+                return []
+            raise Reject("slots", "The backend is at its concurrency limit; retry shortly.",
+                         code="rate_limit_exceeded", headers=retry_after_headers(1))
+        return [self._wait_hint()]
+
+    def _wait_hint(self) -> pb.ProcessingResponse:
+        # Without this Envoy's own message_timeout would answer 504 before our deadline.
+        return pb.ProcessingResponse(override_message_timeout=msg.duration_from(self.tier.max_queue_wait_ms / 1000 + 2))
+
+    async def wait_in_queue(self, ticket: Ticket, now: float) -> None:
+        be = ticket.runtime
+        w = be.enqueue(self.tier.name, self.tenant.name, self.limits.max_concurrency, now)
+        if isinstance(w, str):
+            if self._shadow("queue"):
+                return
+            raise Reject("queue_full", "Too many requests are waiting for this backend; retry later.",
+                         code="rate_limit_exceeded",
+                         headers=retry_after_headers(be.queue.retry_after_hint(self.tier.name, now)))
+        self._update_depth(be)
+        t0 = self.rt.clock()
+        result = "cancelled"
+        try:
+            result = await self._await_grant(ticket, w)
+        except Reject as rej:
+            result = rej.reason
+            raise
+        finally:
+            ticket.queued_s = self.rt.clock() - t0
+            self.rt.metrics.queue_wait.labels(self.tier.name, result).observe(ticket.queued_s)
+            self._update_depth(be)
+
+    async def _await_grant(self, ticket: Ticket, w: Waiter) -> str:
+        be = ticket.runtime
+        max_wait = self.tier.max_queue_wait_ms / 1000
+        closed = self.peer.closed_signal()
+        try:
+            done, _ = await asyncio.wait({w.future, closed}, timeout=max_wait, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            be.leave(w)
+            raise
+        if w.future in done and not w.future.cancelled():
+            got = w.future.result()
+            if isinstance(got, SlotGrant):
+                ticket.grant = got
+                return "admitted"
+            raise Reject("slots", f"Too many concurrent requests for this key ({got.detail}).",
+                         code="rate_limit_exceeded", headers=retry_after_headers(1))
+        be.leave(w)
+        if closed in done:
+            raise Reject("client_gone", "client went away while queued")
+        if self._shadow("queue"):
+            return "shadowed"
+        raise Reject("queue_timeout", f"Waited {max_wait:.0f}s for a free slot; the backend is saturated.",
+                     code="service_unavailable",
+                     headers=retry_after_headers(be.queue.retry_after_hint(self.tier.name, self.rt.clock())))
+
+    def _update_depth(self, be: BackendRuntime) -> None:
+        for tier in self.policy.tiers:
+            self.rt.metrics.queue_depth.labels(be.spec.name, tier).set(be.queue.depth(tier))
+

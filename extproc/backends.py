@@ -1,0 +1,188 @@
+"""Per-backend admission state: slot pool, watermark, breaker, and the wait queue.
+
+The pure pieces live in ``extproc.policy``; this module owns the asyncio side of the
+queue (a future per waiting request) and keeps the pieces in step with the policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from extproc.policy.admission_queue import AdmissionQueue, Enqueued, TierQueueConfig
+from extproc.policy.breaker import Breaker, BreakerConfig
+from extproc.policy.schema import Backend, BreakerOverride, Policy
+from extproc.policy.slots import Denied, SlotGrant, SlotPool
+from extproc.policy.watermark import WatermarkController
+
+_PROBE_TENANT = "\x00probe"
+_ids = itertools.count(1)
+
+
+def breaker_config(b: Backend) -> BreakerConfig:
+    s = b.breaker
+    return BreakerConfig(window_s=s.window_s, min_requests=s.min_requests, error_ratio=s.error_ratio,
+                         consecutive_failures=s.consecutive_failures, latency_slo_s=s.latency_slo_s,
+                         cooldown_s=s.cooldown_s, max_cooldown_s=max(s.max_cooldown_s, s.cooldown_s),
+                         ramp_steps=tuple(s.ramp_steps), ramp_step_s=s.ramp_step_s,
+                         trip_on_preemption=s.trip_on_preemption, preemption_threshold=s.preemption_threshold)
+
+
+def watermark_controller(b: Backend) -> WatermarkController:
+    w = b.watermark
+    return WatermarkController(high=w.high, low=w.low, floor=w.floor, alpha=w.smoothing,
+                               recover_per_s=w.recover_per_s, stale_after_s=w.stale_after_s,
+                               waiting_threshold=w.waiting_threshold)
+
+
+@dataclass
+class Waiter:
+    id: int
+    tier: str
+    tenant: str
+    tenant_cap: int | None
+    future: asyncio.Future[SlotGrant | Denied]
+
+
+@dataclass
+class BackendRuntime:
+    spec: Backend
+    pool: SlotPool
+    wm: WatermarkController
+    breaker: Breaker
+    queue: AdmissionQueue[int]
+    waiters: dict[int, Waiter] = field(default_factory=dict)
+    configs: dict[str, TierQueueConfig] = field(default_factory=dict)
+    override: BreakerOverride | None = None
+    sample: object | None = None  # the last scrape.Sample, for status reports
+    has_metrics: bool = True
+
+    @classmethod
+    def create(cls, spec: Backend, policy: Policy, now: float) -> BackendRuntime:
+        order = policy.tier_order()
+        configs = _queue_configs(policy)
+        rt = cls(spec=spec,
+                 pool=SlotPool(spec.max_concurrency, {t: policy.tiers[t].guaranteed_slots for t in order}, order,
+                               _burst_caps(policy)),
+                 wm=watermark_controller(spec), breaker=Breaker(breaker_config(spec), now),
+                 queue=AdmissionQueue(configs), configs=configs, has_metrics=spec.metrics_url is not None)
+        rt.apply_override(policy, now)
+        return rt
+
+    def reconfigure(self, spec: Backend, policy: Policy, now: float) -> None:
+        order = policy.tier_order()
+        self.pool.reconfigure(spec.max_concurrency, {t: policy.tiers[t].guaranteed_slots for t in order}, order,
+                              _burst_caps(policy))
+        if spec.watermark != self.spec.watermark:
+            self.wm = watermark_controller(spec)
+        if spec.breaker != self.spec.breaker:
+            self.breaker = Breaker(breaker_config(spec), now)
+        if _queue_configs(policy) != self.configs:
+            self._requeue(policy, now)
+        self.spec = spec
+        self.has_metrics = spec.metrics_url is not None
+        self.apply_override(policy, now)
+
+    def _requeue(self, policy: Policy, now: float) -> None:
+        # Waiters keep waiting on their futures; only the queue's bookkeeping is rebuilt.
+        self.configs = _queue_configs(policy)
+        new: AdmissionQueue[int] = AdmissionQueue(self.configs)
+        for w in sorted(self.waiters.values(), key=lambda w: w.id):
+            if w.tier not in policy.tiers or not isinstance(new.enqueue(w.id, w.tier, now), Enqueued):
+                self._resolve(w, Denied("queue_full", "tier removed or queue shrank"))
+        self.queue = new
+
+    def apply_override(self, policy: Policy, now: float, wall: float | None = None) -> None:
+        """Apply the policy's manual trip/reset for this backend, once per change."""
+        ov = next((o for o in policy.breakers if o.backend == self.spec.name), None)
+        if ov == self.override:
+            return
+        self.override = ov
+        if ov is None:
+            self.breaker.set_manual(None, "", None, now)
+            return
+        until = None
+        if ov.until is not None:
+            until = now + (ov.until - (wall if wall is not None else time.time()))
+        self.breaker.set_manual(ov.state, ov.reason, until, now)
+
+    # -- capacity -----------------------------------------------------------------------
+    def scale(self, now: float) -> float:
+        # A backend without a metrics endpoint has nothing to feed back; don't punish it.
+        return self.wm.scale(now) if self.has_metrics else 1.0
+
+    def try_acquire(self, tier: str, tenant: str, cap: int | None, now: float) -> SlotGrant | Denied:
+        # Waiting requests get free capacity first; a newcomer never overtakes its own
+        # tier's queue (FIFO within a tier), but may take a slot no waiter can use,
+        # e.g. a premium guaranteed slot while free-tier requests wait for shared ones.
+        if self.queue.depth():
+            self.pump(now)
+            if self.queue.depth(tier):
+                return Denied("slots_exhausted", "requests of this tier are already waiting")
+        return self.pool.try_acquire(tier, tenant, cap, self.scale(now))
+
+    def can_admit(self, tier: str, now: float) -> bool:
+        got = self.pool.try_acquire(tier, _PROBE_TENANT, None, self.scale(now))
+        if isinstance(got, SlotGrant):
+            self.pool.release(got)
+            return True
+        return False
+
+    def enqueue(self, tier: str, tenant: str, cap: int | None, now: float) -> Waiter | str:
+        wid = next(_ids)
+        res = self.queue.enqueue(wid, tier, now)
+        if not isinstance(res, Enqueued):
+            return res.reason
+        fut: asyncio.Future[SlotGrant | Denied] = asyncio.get_running_loop().create_future()
+        w = self.waiters[wid] = Waiter(wid, tier, tenant, cap, fut)
+        return w
+
+    def leave(self, w: Waiter) -> None:
+        """A waiter gives up (deadline or disconnect); a grant already handed over goes back."""
+        self.queue.remove(w.id)
+        self.waiters.pop(w.id, None)
+        if w.future.done() and not w.future.cancelled():
+            got = w.future.result()
+            if isinstance(got, SlotGrant):
+                self.pool.release(got)
+        elif not w.future.done():
+            w.future.cancel()
+
+    def pump(self, now: float) -> int:
+        """Hand free slots to waiting requests, fairly across tiers. Returns how many."""
+        handed = 0
+        while self.queue.depth():
+            wid = self.queue.next_eligible(lambda tier: self.can_admit(tier, now), now)
+            if wid is None:
+                break
+            w = self.waiters.get(wid)
+            if w is None or w.future.done():
+                continue
+            self._resolve(w, self.pool.try_acquire(w.tier, w.tenant, w.tenant_cap, self.scale(now)))
+            handed += 1
+        return handed
+
+    def _resolve(self, w: Waiter, got: SlotGrant | Denied) -> None:
+        self.waiters.pop(w.id, None)
+        self.queue.remove(w.id)
+        if w.future.done():
+            if isinstance(got, SlotGrant):
+                self.pool.release(got)
+            return
+        w.future.set_result(got)
+
+    def release(self, grant: SlotGrant, now: float) -> None:
+        self.pool.release(grant)
+        self.pump(now)
+
+
+def _queue_configs(policy: Policy) -> dict[str, TierQueueConfig]:
+    return {name: TierQueueConfig(max_depth=t.max_queue_depth, max_wait_s=t.max_queue_wait_ms / 1000.0,
+                                  weight=float(t.queue_weight), priority=t.priority)
+            for name, t in policy.tiers.items()}
+
+
+def _burst_caps(policy: Policy) -> dict[str, int]:
+    return {name: t.burst_slots for name, t in policy.tiers.items() if t.burst_slots is not None}
