@@ -50,7 +50,10 @@ def main() -> int:
 
     try:
         sim = start(py, "-m", "bench.simbackend", "--port", "8000", "--time-scale", args.time_scale)
+        small = start(py, "-m", "bench.simbackend", "--port", "8001", "--model", "sim-llama-1b",
+                      "--time-scale", args.time_scale)
         wait("http://127.0.0.1:8000/health", sim)
+        wait("http://127.0.0.1:8001/health", small)
         ep = start(py, "-m", "extproc", "serve", "--policy", args.policy)
         wait("http://127.0.0.1:9100/healthz", ep)
         env = start(str(envoy), "-c", str(cfg), "--disable-hot-restart", "-l", "warning")
@@ -60,7 +63,8 @@ Sluice demo is up (Ctrl-C stops everything):
   clients  -> http://127.0.0.1:10000/v1/chat/completions   (keys: sk-demo-premium, sk-demo-free, sk-demo-batch)
   extproc  -> http://127.0.0.1:9100/metrics  /healthz  /debug/state
   envoy    -> http://127.0.0.1:9901/
-  backend  -> http://127.0.0.1:8000/metrics  (simulated vLLM)
+  backends -> http://127.0.0.1:8000/metrics  (simulated vLLM, sim-llama-8b)
+              http://127.0.0.1:8001/metrics  (simulated vLLM, sim-llama-1b: the fallback)
 
 try:
   curl -s http://127.0.0.1:10000/v1/chat/completions -H 'authorization: Bearer sk-demo-premium' \\

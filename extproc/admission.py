@@ -14,13 +14,12 @@ from dataclasses import dataclass, field
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import messages as msg
-from extproc.backends import BackendRuntime, Waiter
+from extproc.backends import BackendRuntime, Hold, Waiter
 from extproc.errors import retry_after_headers
 from extproc.peer import PeerStream
 from extproc.policy.breaker import BreakerVerdict
 from extproc.policy.gate import Verdict
 from extproc.policy.schema import Backend, Limits, Model, Policy, Tenant
-from extproc.policy.slots import SlotGrant
 from extproc.runtime import Runtime
 
 
@@ -42,7 +41,8 @@ class Ticket:
     completion: int  # tokens reserved per generated completion
     degraded: list[str] = field(default_factory=list)
     verdict: Verdict | None = None
-    grant: SlotGrant | None = None
+    hold: Hold | None = None
+    kv: int = 0
     admitted_at: float = 0.0
     queued_s: float = 0.0
     breaker_verdict: BreakerVerdict | None = None
@@ -127,13 +127,19 @@ class Admission:
         return v
 
     # -- concurrency ---------------------------------------------------------------
-    async def acquire_slot(self, ticket: Ticket, now: float) -> list[pb.ProcessingResponse]:
-        """Take a slot, waiting in the queue if needed. Returns messages to send first."""
+    async def acquire_slot(self, ticket: Ticket, cost: int, now: float) -> list[pb.ProcessingResponse]:
+        """Take a slot (and KV room), or say the request must wait: returns the messages to send first."""
         be = ticket.runtime
         cap = self.limits.max_concurrency
-        got = be.try_acquire(self.tier.name, self.tenant.name, cap, now)
-        if isinstance(got, SlotGrant):
-            ticket.grant = got
+        ticket.kv = be.footprint(cost)
+        kv_cap = be.spec.kv_capacity_tokens
+        if kv_cap is not None and ticket.kv > kv_cap:
+            raise Reject("too_large_for_backend", f"The request may need {ticket.kv} tokens of KV cache; backend "
+                         f"{be.spec.name!r} has {kv_cap}. Lower max_tokens or shorten the prompt.",
+                         code="context_length_exceeded", param="max_tokens")
+        got = be.try_acquire(self.tier.name, self.tenant.name, cap, ticket.kv, now)
+        if isinstance(got, Hold):
+            ticket.hold = got
             return []
         if got.reason == "slots_tenant_cap":
             if self._shadow("slots"):
@@ -153,7 +159,7 @@ class Admission:
 
     async def wait_in_queue(self, ticket: Ticket, now: float) -> None:
         be = ticket.runtime
-        w = be.enqueue(self.tier.name, self.tenant.name, self.limits.max_concurrency, now)
+        w = be.enqueue(self.tier.name, self.tenant.name, self.limits.max_concurrency, ticket.kv, now)
         if isinstance(w, str):
             if self._shadow("queue"):
                 return
@@ -184,8 +190,8 @@ class Admission:
             raise
         if w.future in done and not w.future.cancelled():
             got = w.future.result()
-            if isinstance(got, SlotGrant):
-                ticket.grant = got
+            if isinstance(got, Hold):
+                ticket.hold = got
                 return "admitted"
             raise Reject("slots", f"Too many concurrent requests for this key ({got.detail}).",
                          code="rate_limit_exceeded", headers=retry_after_headers(1))

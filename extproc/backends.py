@@ -43,7 +43,16 @@ class Waiter:
     tier: str
     tenant: str
     tenant_cap: int | None
-    future: asyncio.Future[SlotGrant | Denied]
+    kv: int
+    future: asyncio.Future[Hold | Denied]
+
+
+@dataclass(frozen=True)
+class Hold:
+    """What an admitted request holds on a backend: a slot and its KV footprint."""
+
+    grant: SlotGrant
+    kv: int
 
 
 @dataclass
@@ -58,6 +67,7 @@ class BackendRuntime:
     override: BreakerOverride | None = None
     sample: object | None = None  # the last scrape.Sample, for status reports
     has_metrics: bool = True
+    kv_in_use: int = 0
 
     @classmethod
     def create(cls, spec: Backend, policy: Policy, now: float) -> BackendRuntime:
@@ -113,7 +123,25 @@ class BackendRuntime:
         # A backend without a metrics endpoint has nothing to feed back; don't punish it.
         return self.wm.scale(now) if self.has_metrics else 1.0
 
-    def try_acquire(self, tier: str, tenant: str, cap: int | None, now: float) -> SlotGrant | Denied:
+    # -- KV budget ------------------------------------------------------------------
+    def footprint(self, tokens: int) -> int:
+        """KV tokens a request may occupy, rounded up to whole cache blocks."""
+        bs = self.spec.kv_block_size
+        return -(-tokens // bs) * bs
+
+    def kv_budget(self, now: float) -> float:
+        cap = self.spec.kv_capacity_tokens
+        return float("inf") if cap is None else cap * self.scale(now)
+
+    def kv_fits(self, kv: int, now: float) -> bool:
+        # A lone request always fits a scaled-down budget if it fits the whole cache:
+        # otherwise a large prompt could starve forever while the scale is low.
+        return self.kv_in_use + kv <= self.kv_budget(now) or (self.kv_in_use == 0 and
+                                                                self.spec.kv_capacity_tokens is not None and
+                                                                kv <= self.spec.kv_capacity_tokens)
+
+    # -- acquisition ----------------------------------------------------------------
+    def try_acquire(self, tier: str, tenant: str, cap: int | None, kv: int, now: float) -> Hold | Denied:
         # Waiting requests get free capacity first; a newcomer never overtakes its own
         # tier's queue (FIFO within a tier), but may take a slot no waiter can use,
         # e.g. a premium guaranteed slot while free-tier requests wait for shared ones.
@@ -121,22 +149,34 @@ class BackendRuntime:
             self.pump(now)
             if self.queue.depth(tier):
                 return Denied("slots_exhausted", "requests of this tier are already waiting")
-        return self.pool.try_acquire(tier, tenant, cap, self.scale(now))
+        return self._take(tier, tenant, cap, kv, now)
+
+    def _take(self, tier: str, tenant: str, cap: int | None, kv: int, now: float) -> Hold | Denied:
+        if not self.kv_fits(kv, now):
+            return Denied("kv_exhausted", f"KV budget: {self.kv_in_use} + {kv} > {self.kv_budget(now):.0f}")
+        got = self.pool.try_acquire(tier, tenant, cap, self.scale(now))
+        if isinstance(got, Denied):
+            return got
+        self.kv_in_use += kv
+        return Hold(got, kv)
 
     def can_admit(self, tier: str, now: float) -> bool:
+        head = next((w for w in self.waiters.values() if w.tier == tier and not w.future.done()), None)
+        if head is not None and not self.kv_fits(head.kv, now):
+            return False
         got = self.pool.try_acquire(tier, _PROBE_TENANT, None, self.scale(now))
         if isinstance(got, SlotGrant):
             self.pool.release(got)
             return True
         return False
 
-    def enqueue(self, tier: str, tenant: str, cap: int | None, now: float) -> Waiter | str:
+    def enqueue(self, tier: str, tenant: str, cap: int | None, kv: int, now: float) -> Waiter | str:
         wid = next(_ids)
         res = self.queue.enqueue(wid, tier, now)
         if not isinstance(res, Enqueued):
             return res.reason
-        fut: asyncio.Future[SlotGrant | Denied] = asyncio.get_running_loop().create_future()
-        w = self.waiters[wid] = Waiter(wid, tier, tenant, cap, fut)
+        fut: asyncio.Future[Hold | Denied] = asyncio.get_running_loop().create_future()
+        w = self.waiters[wid] = Waiter(wid, tier, tenant, cap, kv, fut)
         return w
 
     def leave(self, w: Waiter) -> None:
@@ -145,8 +185,8 @@ class BackendRuntime:
         self.waiters.pop(w.id, None)
         if w.future.done() and not w.future.cancelled():
             got = w.future.result()
-            if isinstance(got, SlotGrant):
-                self.pool.release(got)
+            if isinstance(got, Hold):
+                self._give_back(got)
         elif not w.future.done():
             w.future.cancel()
 
@@ -160,21 +200,25 @@ class BackendRuntime:
             w = self.waiters.get(wid)
             if w is None or w.future.done():
                 continue
-            self._resolve(w, self.pool.try_acquire(w.tier, w.tenant, w.tenant_cap, self.scale(now)))
+            self._resolve(w, self._take(w.tier, w.tenant, w.tenant_cap, w.kv, now))
             handed += 1
         return handed
 
-    def _resolve(self, w: Waiter, got: SlotGrant | Denied) -> None:
+    def _resolve(self, w: Waiter, got: Hold | Denied) -> None:
         self.waiters.pop(w.id, None)
         self.queue.remove(w.id)
         if w.future.done():
-            if isinstance(got, SlotGrant):
-                self.pool.release(got)
+            if isinstance(got, Hold):
+                self._give_back(got)
             return
         w.future.set_result(got)
 
-    def release(self, grant: SlotGrant, now: float) -> None:
-        self.pool.release(grant)
+    def _give_back(self, hold: Hold) -> None:
+        self.pool.release(hold.grant)
+        self.kv_in_use -= hold.kv
+
+    def release(self, hold: Hold, now: float) -> None:
+        self._give_back(hold)
         self.pump(now)
 
 

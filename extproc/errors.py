@@ -13,6 +13,7 @@ REASONS: dict[str, tuple[int, str]] = {
     "body_too_large": (413, "invalid_request_error"),
     "bad_request": (400, "invalid_request_error"),
     "context_length": (400, "invalid_request_error"),
+    "too_large_for_backend": (400, "invalid_request_error"),
     "tpm": (429, "rate_limit_exceeded"),
     "tpm_request_too_large": (429, "rate_limit_exceeded"),
     "rpm": (429, "rate_limit_exceeded"),

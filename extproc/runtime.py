@@ -138,4 +138,6 @@ def backend_status(be: BackendRuntime, now: float) -> dict[str, Any]:
         "slots": {"total": be.pool.total, "effective": limits["total"], "in_use": use.total,
                   "shared": use.shared, "by_tier": dict(use.by_tier)},
         "queue": {"depth": {t: be.queue.depth(t) for t in be.configs}},
+        "kv": {"capacity_tokens": be.spec.kv_capacity_tokens, "reserved_tokens": be.kv_in_use,
+               "budget_tokens": None if be.spec.kv_capacity_tokens is None else int(be.kv_budget(now))},
     }

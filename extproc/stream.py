@@ -173,7 +173,7 @@ class StreamProcessor:
             raise Reject(verdict.reason, verdict.message, code="rate_limit_exceeded", headers=extra)
         self.admitted, self.reserved = True, cost
         ticket.verdict = verdict
-        for hint in await adm.acquire_slot(ticket, now):
+        for hint in await adm.acquire_slot(ticket, cost, now):
             yield hint
             await adm.wait_in_queue(ticket, now)
         ticket.admitted_at = self.rt.clock()
@@ -290,9 +290,9 @@ class StreamProcessor:
                 outcome = "cancelled"
             latency = self.first_byte_s - t.admitted_at if self.first_byte_s and t.admitted_at else None
             t.runtime.breaker.record(outcome, latency, now)
-        if t.grant is not None:
-            grant, t.grant = t.grant, None
-            t.runtime.release(grant, now)
+        if t.hold is not None:
+            hold, t.hold = t.hold, None
+            t.runtime.release(hold, now)
 
     def _actual_usage(self, how: str) -> int:
         tr = self.tracker

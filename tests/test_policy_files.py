@@ -12,12 +12,16 @@ import pytest
 
 from extproc.policy.schema import (
     Backend,
+    BreakerOverride,
+    BreakerSettings,
+    Degrade,
     Gateway,
     Limits,
     Model,
     PolicyError,
     Tenant,
     Tier,
+    WatermarkSettings,
     build_policy,
     hash_key,
 )
@@ -439,7 +443,8 @@ def policy_reference() -> str:
 def test_readme_documents_every_policy_field() -> None:
     section = policy_reference()
     missing = []
-    for cls in (Gateway, Model, Backend, Tier, Tenant):
+    for cls in (Gateway, Model, Backend, Tier, Tenant, WatermarkSettings, BreakerSettings, Degrade,
+                BreakerOverride):
         for f in dataclasses.fields(cls):
             name = YAML_NAMES.get((cls, f.name), f.name)
             if not re.search(rf"\b{re.escape(name)}\b", section):

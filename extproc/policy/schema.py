@@ -107,6 +107,11 @@ class Backend:
     max_concurrency: int
     models: tuple[Model, ...]
     metrics_url: str | None = None
+    # KV-cache size in tokens. When set, a request is admitted only while the
+    # worst-case footprints (prompt + n x max_tokens) of everything in flight fit
+    # in it, scaled by the watermark: the cache cannot be overcommitted.
+    kv_capacity_tokens: int | None = None
+    kv_block_size: int = 16
     engine: str = "vllm"
     metric_names: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     watermark: WatermarkSettings = field(default_factory=WatermarkSettings)
@@ -234,7 +239,7 @@ def _metric_names(r: Reader, m: Mapping[str, Any], path: Path) -> dict[str, tupl
 
 
 _BACKEND_FIELDS = ("name", "address", "max_concurrency", "models", "metrics_url", "engine", "metric_names",
-                   "watermark", "breaker")
+                   "watermark", "breaker", "kv_capacity_tokens", "kv_block_size")
 
 
 def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
@@ -275,6 +280,8 @@ def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
             max_concurrency=r.get(m, path, "max_concurrency", int, 64, minimum=1),
             models=tuple(models),
             metrics_url=r.get(m, path, "metrics_url", str, None),
+            kv_capacity_tokens=r.get(m, path, "kv_capacity_tokens", int, None, minimum=1),
+            kv_block_size=r.get(m, path, "kv_block_size", int, 16, minimum=1),
             engine=r.get(m, path, "engine", str, "vllm", choices=ENGINES),
             metric_names=_metric_names(r, m, path),
             watermark=read_flat(r, m.get("watermark"), (*path, "watermark"), WatermarkSettings),
