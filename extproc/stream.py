@@ -66,6 +66,7 @@ class StreamProcessor:
         self.finished = False  # an immediate response ended the exchange
         self.status = 0
         self.first_byte_s: float | None = None
+        self.forwarded = False  # the request went on to the backend
         self.tracker: SSETracker | JSONTracker | None = None
 
     # -- dispatch -----------------------------------------------------------
@@ -184,6 +185,7 @@ class StreamProcessor:
         if new_body is not None:
             set_headers["content-length"] = str(len(new_body))
         remove = KEY_HEADERS if gw.strip_api_key else ()
+        self.forwarded = True
         yield msg.body_response("request_body", new_body, set_headers, remove, clear_route_cache=True)
 
     def _count_admission(self, ticket: Ticket, cost: int) -> None:
@@ -262,7 +264,8 @@ class StreamProcessor:
         self.settled = True
         assert self.tenant is not None
         now = self.rt.clock()
-        actual = 0 if how == "rejected" else self._actual_usage(how)
+        # A request that never left Sluice (refused, or abandoned while queued) used nothing.
+        actual = self._actual_usage(how) if self.forwarded and how != "rejected" else 0
         self.rt.state.settle(self.tenant.name, self.reserved, actual, now)
         t = self.ticket
         if t is not None:
