@@ -6,7 +6,9 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -28,11 +30,25 @@ async def _serve(args: argparse.Namespace) -> int:
 
     policy = load_policy(args.policy)
     runtime = Runtime(policy)
+    client = None
+    if args.console_url:
+        from extproc.console_client import ConsoleClient
+
+        token = args.console_token or os.environ.get("SLUICE_CONSOLE_TOKEN", "")
+        client = ConsoleClient(runtime, args.console_url, token, args.replica_id)
+        try:
+            # Start from the console's policy when it answers; the files are the fallback.
+            await asyncio.wait_for(client.fetch_policy_once(), timeout=5)
+        except Exception as exc:  # noqa: BLE001 - any failure: start from files, keep polling
+            print(f"console not reachable at start ({exc}); using {args.policy} until it is", flush=True)
     ghost, gport = _hostport(args.grpc)
     ahost, aport = _hostport(args.admin)
     server = await serve(runtime, ghost, gport)
     admin = await start_admin(runtime, ahost, aport)
-    watcher = asyncio.create_task(watch_policy_dir(runtime, Path(args.policy), args.reload_interval))
+    if client is None:
+        watcher = asyncio.create_task(watch_policy_dir(runtime, Path(args.policy), args.reload_interval))
+    else:
+        watcher = asyncio.create_task(client.run())
     monitor = asyncio.create_task(run_monitor(runtime))
     print(f"sluice extproc: gRPC {ghost}:{gport}, admin http://{ahost}:{aport}/metrics", flush=True)
     stop = asyncio.Event()
@@ -86,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--admin", default="127.0.0.1:9100")
     s.add_argument("--reload-interval", type=float, default=1.0)
     s.add_argument("--log-level", default="INFO")
+    s.add_argument("--console-url", help="take the policy from the console and report status to it")
+    s.add_argument("--console-token", help="API token for the console (or $SLUICE_CONSOLE_TOKEN)")
+    s.add_argument("--replica-id", default=socket.gethostname(), help="this replica's name in the console")
     v = sub.add_parser("validate", help="check policy files; prints file:line: message per problem")
     v.add_argument("policy")
     e = sub.add_parser("envoy-config", help="render the Envoy bootstrap from the policy's backends")
