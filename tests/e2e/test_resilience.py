@@ -1,0 +1,94 @@
+"""The gateway under operational churn: policy hot reload and extproc restarts."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.e2e.harness import TEST_KEYS, Stack
+from tests.e2e.harness import test_policy as base_policy
+
+pytestmark = pytest.mark.e2e
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(tmp_path_factory.mktemp("resilience"))
+    try:
+        s.start()
+    except Exception:
+        s.stop()
+        print(s.logs())
+        raise
+    yield s
+    s.stop()
+
+
+def ask(stack: Stack, key: str = "free", **extra: object) -> httpx.Response:
+    body = {"model": "sim-llama-8b", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}], **extra}
+    return httpx.post(stack.url + CHAT, json=body, timeout=20,
+                      headers={"authorization": f"Bearer {TEST_KEYS[key]}", "x-sim-tokens": "3"})
+
+
+def test_hot_reload_swaps_limits_and_keeps_last_good_on_error(stack: Stack) -> None:
+    assert ask(stack).headers["x-ratelimit-limit-tokens"] == "200000"
+    doc = base_policy(stack.sim_port)
+    doc["tiers"]["free"]["tpm"] = 123_456
+    stack.write_policy(doc)
+    deadline = time.monotonic() + 3
+    while ask(stack).headers["x-ratelimit-limit-tokens"] != "123456":
+        assert time.monotonic() < deadline, "the new limit did not take effect"
+        time.sleep(0.1)
+    # A broken edit: the last good policy stays, and says so in a metric.
+    (stack.policy_dir / "policy.yaml").write_text("tiers: [this is: not valid")
+    time.sleep(0.8)
+    r = ask(stack)
+    assert r.status_code == 200 and r.headers["x-ratelimit-limit-tokens"] == "123456"
+    metrics = stack.metrics_text()
+    assert "sluice_policy_valid 0.0" in metrics
+    assert 'sluice_policy_reloads_total{result="invalid"}' in metrics
+    assert "not valid YAML" in stack.procs["extproc"].tail(200)
+    stack.write_policy()
+    deadline = time.monotonic() + 3
+    while "sluice_policy_valid 1.0" not in stack.metrics_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+def test_extproc_restart_fails_closed_then_recovers(stack: Stack) -> None:
+    assert ask(stack).status_code == 200
+    stack.procs["extproc"].stop()
+    r = ask(stack)
+    # Fail closed: no ext_proc, no admission. The body says why, in the OpenAI shape.
+    assert r.status_code == 503, r.text
+    assert r.headers.get("x-sluice-reason") == "gateway_unavailable"
+    assert r.json()["error"]["message"]
+    stack.start_extproc()
+    deadline = time.monotonic() + 5
+    while ask(stack).status_code != 200:
+        assert time.monotonic() < deadline, "traffic did not recover after the restart"
+        time.sleep(0.1)
+    assert stack.wait_settled()["in_flight"] == 0
+
+
+def test_extproc_killed_mid_stream_ends_the_stream(stack: Stack) -> None:
+    body = {"model": "sim-llama-8b", "max_tokens": 300, "stream": True,
+            "messages": [{"role": "user", "content": "tell me"}]}
+    headers = {"authorization": f"Bearer {TEST_KEYS['premium']}", "x-sim-tokens": "300", "x-sim-tps": "30"}
+    with httpx.stream("POST", stack.url + CHAT, json=body, headers=headers, timeout=20) as r:
+        assert r.status_code == 200
+        chunks = r.iter_bytes()
+        next(chunks)
+        stack.procs["extproc"].stop()
+        with pytest.raises(httpx.HTTPError):  # the stream is cut, not left hanging
+            for _ in chunks:
+                pass
+    stack.start_extproc()
+    deadline = time.monotonic() + 5
+    while ask(stack).status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
