@@ -102,6 +102,7 @@ TEST_KEYS = {
     "free": "sk-test-free",
     "tiny": "sk-test-tiny",
     "other": "sk-test-other",
+    "shadow": "sk-test-shadow",
 }
 
 
@@ -120,12 +121,15 @@ def test_policy(backend_port: int, **gateway: Any) -> dict[str, Any]:
             "premium": {"priority": 100, "tpm": 1_000_000, "rpm": 100_000, "max_concurrency": 256},
             "free": {"priority": 10, "tpm": 200_000, "rpm": 100_000, "max_concurrency": 256},
             "tiny": {"priority": 0, "tpm": 600, "rpm": 100_000, "max_concurrency": 256},
+            # A new, tight limit rolled out in shadow mode: decided and recorded, not enforced.
+            "shadowed": {"priority": 0, "tpm": 100, "rpm": 100_000, "shadow": ["tpm"]},
         },
         "tenants": [
             {"name": "t-premium", "tier": "premium", "keys": [hash_key(TEST_KEYS["premium"])]},
             {"name": "t-free", "tier": "free", "keys": [hash_key(TEST_KEYS["free"])]},
             {"name": "t-tiny", "tier": "tiny", "keys": [hash_key(TEST_KEYS["tiny"])]},
             {"name": "t-other", "tier": "tiny", "keys": [hash_key(TEST_KEYS["other"])]},
+            {"name": "t-shadow", "tier": "shadowed", "keys": [hash_key(TEST_KEYS["shadow"])]},
         ],
     }
 

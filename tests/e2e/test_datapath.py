@@ -266,8 +266,22 @@ def test_backend_abort_mid_stream_settles(stack: Stack) -> None:
 
 
 def test_metrics_exposed(stack: Stack) -> None:
+    post(stack, chat_body(), {})  # at least one rejection and one phase observation
+    post(stack, chat_body(), {**auth(), "x-sim-tokens": "1"})
     text = stack.metrics_text()
     for name in ("sluice_requests_total", "sluice_tokens_precharged_total", "sluice_tokens_refunded_total",
                  "sluice_in_flight_requests", "sluice_extproc_phase_seconds_bucket"):
         assert name in text
     assert 'sluice_rejections_total{reason="unknown_key",status="401"}' in text
+
+
+def test_shadow_mode_records_but_does_not_enforce(stack: Stack) -> None:
+    for _ in range(3):  # each reserves far more than the shadowed 100-token budget
+        r = post(stack, chat_body(max_tokens=200), {**auth("shadow"), "x-sim-tokens": "5"})
+        assert r.status_code == 200, r.text
+    text = stack.metrics_text()
+    line = next(x for x in text.splitlines()
+                if x.startswith('sluice_shadow_decisions_total{rule="tpm",tier="shadowed"}'))
+    assert float(line.split()[-1]) >= 2
+    # The books stay honest: the shadowed bucket was charged, not left full.
+    assert stack.state()["buckets"]["t-shadow"]["tokens"] < 100

@@ -1,0 +1,140 @@
+"""BackendRuntime: slots + KV footprint + the fair queue, driven through random interleavings."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.backends import BackendRuntime, Hold, Waiter
+from extproc.policy.schema import build_policy, hash_key
+from extproc.policy.slots import Denied
+
+
+def make_policy(kv: int | None = 1000, total: int = 4) -> Any:
+    return build_policy({
+        "backends": [{"name": "b", "address": "127.0.0.1:1", "max_concurrency": total,
+                      **({"kv_capacity_tokens": kv} if kv else {}), "kv_block_size": 10,
+                      "models": [{"name": "m", "context_window": 4096}]}],
+        "tiers": {"hi": {"priority": 10, "tpm": 1000, "rpm": 10, "guaranteed_slots": 1, "max_queue_depth": 3,
+                         "max_queue_wait_ms": 1000, "queue_weight": 3},
+                  "lo": {"priority": 1, "tpm": 1000, "rpm": 10, "max_queue_depth": 3, "max_queue_wait_ms": 1000}},
+        "tenants": [{"name": "a", "tier": "hi", "keys": [hash_key("a")]},
+                    {"name": "z", "tier": "lo", "keys": [hash_key("z")]}],
+    })
+
+
+def runtime(**kw: Any) -> BackendRuntime:
+    p = make_policy(**kw)
+    be = BackendRuntime.create(p.backends[0], p, 0.0)
+    be.has_metrics = False  # scale 1.0: no scraper in a unit test
+    return be
+
+
+def test_footprint_rounds_to_blocks() -> None:
+    be = runtime()
+    assert be.footprint(1) == 10 and be.footprint(10) == 10 and be.footprint(11) == 20
+
+
+def test_kv_budget_refuses_overcommit_but_a_lone_request_fits() -> None:
+    be = runtime(kv=100)
+    first = be.try_acquire("hi", "a", None, 60, 0.0)
+    assert isinstance(first, Hold)
+    second = be.try_acquire("hi", "a", None, 60, 0.0)
+    assert isinstance(second, Denied) and second.reason == "kv_exhausted"
+    be.release(first, 0.0)
+    assert be.kv_in_use == 0
+    assert isinstance(be.try_acquire("lo", "z", None, 100, 0.0), Hold)
+
+
+def test_scaled_budget_still_admits_one_request_when_idle() -> None:
+    be = runtime(kv=100)
+    be.has_metrics = True  # no sample yet: the watermark controller says "floor"
+    assert be.kv_budget(0.0) < 100
+    assert isinstance(be.try_acquire("hi", "a", None, 100, 0.0), Hold)
+
+
+def test_queued_request_gets_the_released_capacity() -> None:
+    async def run() -> None:
+        be = runtime(kv=100)
+        h = be.try_acquire("hi", "a", None, 100, 0.0)
+        assert isinstance(h, Hold)
+        w = be.enqueue("lo", "z", None, 50, 0.0)
+        assert isinstance(w, Waiter)
+        # A newcomer of the same tier may not overtake the waiter.
+        assert isinstance(be.try_acquire("lo", "z", None, 10, 0.0), Denied)
+        be.release(h, 0.0)
+        got = await asyncio.wait_for(w.future, 1)
+        assert isinstance(got, Hold) and be.kv_in_use == 50
+        be.release(got, 0.0)
+        assert be.kv_in_use == 0 and be.pool.in_use().total == 0
+
+    asyncio.run(run())
+
+
+def test_leaving_after_the_grant_returns_it() -> None:
+    async def run() -> None:
+        be = runtime(kv=100)
+        h = be.try_acquire("hi", "a", None, 100, 0.0)
+        assert isinstance(h, Hold)
+        w = be.enqueue("hi", "a", None, 100, 0.0)
+        assert isinstance(w, Waiter)
+        be.release(h, 0.0)  # hands the capacity to the waiter...
+        assert w.future.done()
+        be.leave(w)  # ...which has just given up: the grant must come back
+        assert be.kv_in_use == 0 and be.pool.in_use().total == 0
+
+    asyncio.run(run())
+
+
+ops = st.lists(st.tuples(st.sampled_from(["acquire", "enqueue", "release", "leave", "pump", "policy"]),
+                         st.sampled_from(["hi", "lo"]), st.integers(1, 120), st.integers(0, 1000)),
+               max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_no_interleaving_leaks_a_slot_or_kv(seq: list[tuple[str, str, int, int]]) -> None:
+    async def run() -> None:
+        be = runtime(kv=300, total=3)
+        holds: list[Hold] = []
+        waiters: list[Waiter] = []
+        for op, tier, kv, pick in seq:
+            tenant = "a" if tier == "hi" else "z"
+            if op == "acquire":
+                got = be.try_acquire(tier, tenant, 2, kv, 0.0)
+                if isinstance(got, Hold):
+                    holds.append(got)
+            elif op == "enqueue":
+                w = be.enqueue(tier, tenant, 2, kv, 0.0)
+                if isinstance(w, Waiter):
+                    waiters.append(w)
+            elif op == "release" and holds:
+                be.release(holds.pop(pick % len(holds)), 0.0)
+            elif op == "leave" and waiters:
+                be.leave(waiters.pop(pick % len(waiters)))
+            elif op == "pump":
+                be.pump(0.0)
+            elif op == "policy":
+                p = make_policy(kv=300, total=1 + pick % 4)
+                be.reconfigure(p.backends[0], p, 0.0)
+            # Collect grants handed to waiters: their owners now hold them.
+            for w in [w for w in waiters if w.future.done()]:
+                waiters.remove(w)
+                res = w.future.result()
+                if isinstance(res, Hold):
+                    holds.append(res)
+            assert be.kv_in_use == sum(h.kv for h in holds)
+            assert be.pool.in_use().total == len(holds)
+            assert be.kv_in_use <= 300 or len(holds) == 1
+        for w in waiters:
+            be.leave(w)
+        for h in holds:
+            be.release(h, 0.0)
+        assert be.kv_in_use == 0
+        assert be.pool.in_use().total == 0
+        assert be.queue.depth() == 0 and not be.waiters
+
+    asyncio.run(run())
