@@ -290,6 +290,18 @@ def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
     return tuple(out)
 
 
+# A queued request holds Envoy's reply; Envoy allows at most max_message_timeout
+# (120 s in the generated config) and our deadline must answer first.
+MAX_QUEUE_WAIT_MS = 110_000
+
+
+def _queue_wait(r: Reader, t: Mapping[str, Any], path: Path) -> int:
+    v = r.get(t, path, "max_queue_wait_ms", int, 0, minimum=0)
+    if v > MAX_QUEUE_WAIT_MS:
+        r.fail((*path, "max_queue_wait_ms"), f"at most {MAX_QUEUE_WAIT_MS} (Envoy's max_message_timeout)")
+    return v
+
+
 def _tiers(r: Reader, doc: Any) -> dict[str, Tier]:
     fields = tuple(f for f in Tier.__dataclass_fields__ if f != "name")
     m = r.mapping(doc, ("tiers",), tuple(doc)) if isinstance(doc, dict) else r.mapping(doc, ("tiers",), ())
@@ -309,7 +321,7 @@ def _tiers(r: Reader, doc: Any) -> dict[str, Tier]:
             max_concurrency=r.get(t, path, "max_concurrency", int, 1 << 20, minimum=1),
             guaranteed_slots=r.get(t, path, "guaranteed_slots", int, 0, minimum=0),
             burst_slots=r.get(t, path, "burst_slots", int, None, minimum=0),
-            max_queue_wait_ms=r.get(t, path, "max_queue_wait_ms", int, 0, minimum=0),
+            max_queue_wait_ms=_queue_wait(r, t, path),
             max_queue_depth=r.get(t, path, "max_queue_depth", int, 0, minimum=0),
             queue_weight=r.get(t, path, "queue_weight", int, 1, minimum=1),
             degrade=read_flat(r, t.get("degrade"), (*path, "degrade"), Degrade),

@@ -4,7 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.harness import Stack
+from tests.e2e.harness import Stack, running
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -16,15 +16,8 @@ def pytest_runtest_makereport(item, call):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("stack"))
-    try:
-        s.start()
-    except Exception:
-        s.stop()
-        print(s.logs())
-        raise
-    yield s
-    s.stop()
+    with running(Stack(tmp_path_factory.mktemp("stack"))) as s:
+        yield s
 
 
 @pytest.fixture(autouse=True)

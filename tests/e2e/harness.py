@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -235,3 +236,18 @@ class Stack:
             time.sleep(0.02)
             st = self.state()
         return st
+
+
+@contextlib.contextmanager
+def running(stack: Stack) -> Iterator[Stack]:
+    """Start the stack for a test module; print every log if it fails to come up."""
+    try:
+        stack.start()
+    except Exception:
+        stack.stop()
+        print(stack.logs())
+        raise
+    try:
+        yield stack
+    finally:
+        stack.stop()

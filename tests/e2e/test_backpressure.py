@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from extproc.policy.schema import hash_key
-from tests.e2e.harness import Proc, Stack, free_port, get_json, wait_http
+from tests.e2e.harness import Proc, Stack, free_port, get_json, running, wait_http
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
@@ -60,17 +60,10 @@ def policy(port: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    work = tmp_path_factory.mktemp("bp")
-    s = Stack(work, sim_args=SIM_ARGS)
+    s = Stack(tmp_path_factory.mktemp("bp"), sim_args=SIM_ARGS)
     s.policy_doc = policy(s.sim_port)
-    try:
-        s.start()
-    except Exception:
-        s.stop()
-        print(s.logs())
-        raise
-    yield s
-    s.stop()
+    with running(s):
+        yield s
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.e2e.harness import TEST_KEYS, Stack
+from tests.e2e.harness import TEST_KEYS, Stack, running
 from tests.e2e.harness import test_policy as base_policy
 
 pytestmark = pytest.mark.e2e
@@ -17,15 +17,8 @@ CHAT = "/v1/chat/completions"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("resilience"))
-    try:
-        s.start()
-    except Exception:
-        s.stop()
-        print(s.logs())
-        raise
-    yield s
-    s.stop()
+    with running(Stack(tmp_path_factory.mktemp("resilience"))) as s:
+        yield s
 
 
 def ask(stack: Stack, key: str = "free", **extra: object) -> httpx.Response:
