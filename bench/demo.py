@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -54,13 +55,20 @@ def main() -> int:
                       "--time-scale", args.time_scale)
         wait("http://127.0.0.1:8000/health", sim)
         wait("http://127.0.0.1:8001/health", small)
-        ep = start(py, "-m", "extproc", "serve", "--policy", args.policy)
+        token = secrets.token_urlsafe(24)
+        (ROOT / "var").mkdir(exist_ok=True)
+        con = start(py, "-m", "console", "serve", "--db", str(ROOT / "var" / "console.db"), "--policy", args.policy,
+                    "--host", "127.0.0.1", "--port", "8080", "--demo", "--api-token", token)
+        wait("http://127.0.0.1:8080/healthz", con)
+        ep = start(py, "-m", "extproc", "serve", "--policy", args.policy, "--console-url", "http://127.0.0.1:8080",
+                   "--console-token", token, "--replica-id", "demo-1")
         wait("http://127.0.0.1:9100/healthz", ep)
         env = start(str(envoy), "-c", str(cfg), "--disable-hot-restart", "-l", "warning")
         wait("http://127.0.0.1:9901/ready", env)
         print("""
 Sluice demo is up (Ctrl-C stops everything):
   clients  -> http://127.0.0.1:10000/v1/chat/completions   (keys: sk-demo-premium, sk-demo-free, sk-demo-batch)
+  console  -> http://127.0.0.1:8080/   (operator credentials printed above)
   extproc  -> http://127.0.0.1:9100/metrics  /healthz  /debug/state
   envoy    -> http://127.0.0.1:9901/
   backends -> http://127.0.0.1:8000/metrics  (simulated vLLM, sim-llama-8b)

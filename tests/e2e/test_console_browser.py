@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.e2e.console_stack import OPERATOR, ConsoleStack
-from tests.e2e.harness import ROOT, TEST_KEYS
+from tests.e2e.harness import ROOT, TEST_KEYS, running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser]
 
@@ -35,15 +35,9 @@ README_SCREENSHOT = ROOT / "docs" / "console.png"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ConsoleStack]:
     # Named like the harness fixture so tests/e2e/conftest.py checks the ledger and prints logs.
-    s = ConsoleStack(tmp_path_factory.mktemp("console-stack"))
-    try:
-        s.start()
-    except Exception:
-        s.stop()
-        print(s.logs())
-        raise
-    yield s
-    s.stop()
+    with running(ConsoleStack(tmp_path_factory.mktemp("console-stack"))) as s:
+        assert isinstance(s, ConsoleStack)
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -98,15 +92,8 @@ def test_operator_steers_the_gateway_from_the_browser(stack: ConsoleStack, brows
         expect(page.locator("h1")).to_have_text("Backends")
         expect(page.locator("#replica-r1 .is-live")).to_have_text("live", timeout=10_000)
 
-        # -- the KV watermark changes on the page, no reload --------------------
-        page.evaluate("window.sluiceNoReload = 42")
-        sim_config(stack, kv_usage_override=0.93)
-        expect(page.locator("#backend-sim .kv-value")).to_have_text("93 %", timeout=10_000)
-        assert page.evaluate("window.sluiceNoReload") == 42, "the page was reloaded"
-        page.screenshot(path=str(tmp_path / "overview.png"), full_page=True)
-        sim_config(stack, kv_usage_override=None)
-
         # -- move a tenant to another tier: its requests get the new tier's limits
+        # (first, while the KV watermark is low: pressure shrinks every budget for a while)
         # t-other is on "tiny" (600 TPM): a request reserving 1000 tokens cannot fit its bucket.
         assert chat(stack, TEST_KEYS["other"], max_tokens=1000).status_code == 429
         page.click("nav >> text=Tenants")
@@ -132,28 +119,41 @@ def test_operator_steers_the_gateway_from_the_browser(stack: ConsoleStack, brows
         expect(page.locator("#breaker-form-sim .done")).to_have_text("breaker tripped")
         expect(page.locator("#breaker-sim .manual")).to_contain_text("forced open")
         expect(page.locator("#breaker-history")).to_contain_text("GPU node draining", timeout=5_000)
-        page.screenshot(path=str(tmp_path / "breakers.png"), full_page=True)
 
         # -- the next request through Envoy is refused --------------------------
         refused = eventually(lambda: (x := chat(stack, TEST_KEYS["premium"])).status_code == 503 and x,
                              3.0, "503 breaker_open through Envoy after the manual trip")
         assert refused.headers["x-sluice-reason"] == "breaker_open"
-        expect(page.locator("#breaker-sim")).to_contain_text("open", timeout=5_000)
+        # the replica reports its breaker forced open on the next status report
+        expect(page.locator("#breaker-sim td.reported")).to_contain_text("open", timeout=5_000)
+        page.screenshot(path=str(tmp_path / "breakers.png"), full_page=True)
 
+        # -- the KV watermark changes on the overview, no reload ----------------
         page.click("nav >> text=Overview")
         expect(page.locator("#backend-sim")).to_contain_text("manual open")
-        page.screenshot(path=str(tmp_path / "overview-tripped.png"), full_page=True)
+        page.evaluate("window.sluiceNoReload = 42")
+        sim_config(stack, kv_usage_override=0.93)
+        expect(page.locator("#backend-sim .kv-value")).to_have_text("93 %", timeout=10_000)
+        assert page.evaluate("window.sluiceNoReload") == 42, "the page was reloaded"
+        page.wait_for_timeout(1500)  # one more poll: the sparkline's newest point
+        page.screenshot(path=str(tmp_path / "overview.png"), full_page=True)
         if os.environ.get("SLUICE_UPDATE_SCREENSHOT") or not README_SCREENSHOT.exists():
             README_SCREENSHOT.parent.mkdir(exist_ok=True)
-            shutil.copy(tmp_path / "overview-tripped.png", README_SCREENSHOT)
+            shutil.copy(tmp_path / "overview.png", README_SCREENSHOT)
+        sim_config(stack, kv_usage_override=None)
 
-        # -- reset: traffic flows again ------------------------------------------
+        # -- reset (forced closed): traffic flows again; then clear: automatic ----
         page.click("nav >> text=Breakers")
         card = page.locator("#breaker-form-sim")
         card.locator("input[name=reason]").fill("maintenance done")
         card.locator("button[value=reset]").click()
         expect(page.locator("#breaker-form-sim .done")).to_have_text("breaker reset")
         eventually(lambda: chat(stack, TEST_KEYS["premium"]).status_code == 200, 3.0, "200 after the reset")
+        card = page.locator("#breaker-form-sim")
+        card.locator("input[name=reason]").fill("back to automatic")
+        card.locator("button[value=clear]").click()
+        expect(page.locator("#breaker-form-sim .done")).to_have_text("breaker cleared")
+        expect(page.locator("#breaker-sim .manual")).to_contain_text("the automatic breaker decides")
         assert not [e for e in console_errors if "Content Security Policy" in e], console_errors
     except Exception:
         page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)

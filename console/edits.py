@@ -1,0 +1,151 @@
+"""Operator changes: validate against the current effective policy, then store and audit.
+
+Validation and the write happen under one lock, so two operators editing at once
+cannot each pass validation and together break the policy.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from console import audit, overrides, validation
+from console.policystate import PolicyState
+from console.validation import PathProblem
+
+
+@dataclass
+class EditResult:
+    ok: bool
+    problems: list[PathProblem] = field(default_factory=list)
+    changed: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # field -> (before, after)
+
+
+def _fmt(value: Any) -> str:
+    return "—" if value is None else str(value)
+
+
+def set_fields(state: PolicyState, *, actor: str, scope: str, target: str, values: dict[str, Any],
+               reason: str) -> EditResult:
+    """Set fields of one tenant or tier; ``None`` unsets (back to the tier's or schema's default)."""
+    with state.edit_lock:
+        snap = state.snapshot()
+        candidate = copy.deepcopy(snap.doc)
+        item = overrides.entity(candidate, scope, target)
+        if item is None:
+            return EditResult(False, [PathProblem((), f"{scope} {target!r} does not exist")])
+        changed = {k: (overrides.get_field(item, k), v) for k, v in values.items()
+                   if overrides.get_field(item, k) != v}
+        if not changed:
+            return EditResult(True)
+        for k, v in values.items():
+            overrides.set_field(item, k, v)
+        found = validation.problems(candidate)
+        if found:
+            return EditResult(False, found)
+        now = state.clock()
+        with state.store.write() as db:
+            for name, (_, after) in changed.items():
+                base = overrides.base_value(snap.base.doc, scope, target, name)
+                _deactivate(db, scope, target, name)
+                if after != base:  # setting the files' value back is a revert, not an override
+                    _insert(db, scope, target, name, after, base, actor, now, reason)
+            summary = "; ".join(f"{k}: {_fmt(a)} → {_fmt(b)}" for k, (a, b) in changed.items())
+            audit.record(db, at=now, actor=actor, kind=f"{scope}.update", target=target, summary=summary,
+                         reason=reason, detail={k: {"from": a, "to": b} for k, (a, b) in changed.items()})
+        state.store.policy_changed()
+        return EditResult(True, changed=changed)
+
+
+BREAKER_ACTIONS = {"trip": "open", "reset": "closed", "clear": None}
+
+
+def set_breaker(state: PolicyState, *, actor: str, backend: str, action: str, reason: str,
+                minutes: float | None) -> EditResult:
+    """Trip (force open), reset (force closed) or clear (back to automatic) a backend's breaker.
+
+    A forced state holds until ``minutes`` pass or it is cleared; the data plane's
+    automatic breaker is suspended meanwhile and resumes when the entry goes away.
+    """
+    with state.edit_lock:
+        snap = state.snapshot()
+        if overrides.entity(snap.doc, "breaker", backend) is None:
+            return EditResult(False, [PathProblem(("backend",), f"unknown backend {backend!r}")])
+        now = state.clock()
+        if action == "clear":
+            return _clear_breaker(state, actor=actor, backend=backend, reason=reason, now=now)
+        until = now + minutes * 60 if minutes else None
+        entry = {"backend": backend, "state": BREAKER_ACTIONS[action], "reason": reason,
+                 "until": until, "by": actor, "at": now}
+        with state.store.write() as db:
+            _deactivate(db, "breaker", backend, overrides.BREAKER_FIELD)
+            _insert(db, "breaker", backend, overrides.BREAKER_FIELD, entry, None, actor, now, reason)
+            held = f" for {minutes:g} min" if minutes else ""
+            audit.record(db, at=now, actor=actor, kind=f"breaker.{action}", target=backend,
+                         summary=f"breaker {'tripped (forced open)' if action == 'trip' else 'reset (forced closed)'}"
+                                 f"{held or ' until cleared'}",
+                         reason=reason, detail=entry)
+        state.store.policy_changed()
+        return EditResult(True)
+
+
+def _clear_breaker(state: PolicyState, *, actor: str, backend: str, reason: str, now: float) -> EditResult:
+    rows = state.store.query("SELECT id FROM overrides WHERE active = 1 AND scope = 'breaker' AND target = ?",
+                             [backend])
+    if not rows:
+        return EditResult(False, [PathProblem(("action",), "no manual override to clear: the breaker is automatic")])
+    with state.store.write() as db:
+        _deactivate(db, "breaker", backend, overrides.BREAKER_FIELD)
+        audit.record(db, at=now, actor=actor, kind="breaker.clear", target=backend,
+                     summary="manual override cleared: the automatic breaker decides again", reason=reason)
+    state.store.policy_changed()
+    return EditResult(True)
+
+
+def revert(state: PolicyState, *, actor: str, override_id: int, reason: str) -> bool:
+    with state.edit_lock:
+        row = state.store.one("SELECT * FROM overrides WHERE id = ? AND active = 1", [override_id])
+        if row is None:
+            return False
+        now = state.clock()
+        with state.store.write() as db:
+            db.execute("UPDATE overrides SET active = 0 WHERE id = ?", [override_id])
+            audit.record(db, at=now, actor=actor, kind="override.revert", target=row["target"],
+                         summary=f"reverted {row['scope']} {row['target']}.{row['field']} to the files' value",
+                         reason=reason, detail={"override": override_id, "value": json.loads(row["value"] or "null")})
+        state.store.policy_changed()
+        return True
+
+
+def keep(state: PolicyState, *, actor: str, override_id: int, reason: str) -> bool:
+    """Resolve a "changed" conflict in favour of the override: it now sits on the new base value."""
+    with state.edit_lock:
+        row = state.store.one("SELECT * FROM overrides WHERE id = ? AND active = 1", [override_id])
+        snap = state.snapshot()
+        if row is None:
+            return False
+        base = overrides.base_value(snap.base.doc, row["scope"], row["target"], row["field"])
+        now = state.clock()
+        with state.store.write() as db:
+            db.execute("UPDATE overrides SET base_value = ? WHERE id = ?", [json.dumps(base), override_id])
+            audit.record(db, at=now, actor=actor, kind="override.keep", target=row["target"],
+                         summary=f"kept override of {row['scope']} {row['target']}.{row['field']} "
+                                 f"over the files' new value {_fmt(base)}",
+                         reason=reason, detail={"override": override_id, "base_value": base})
+        state.store.policy_changed()
+        return True
+
+
+def _deactivate(db: Any, scope: str, target: str, name: str) -> None:
+    db.execute("UPDATE overrides SET active = 0 WHERE active = 1 AND scope = ? AND target = ? AND field = ?",
+               [scope, target, name])
+
+
+def _insert(db: Any, scope: str, target: str, name: str, value: Any, base: Any, actor: str, at: float,
+            reason: str) -> None:
+    db.execute("INSERT INTO overrides (scope, target, field, value, base_value, actor, at, reason) "
+               "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+               [scope, target, name, json.dumps(value), json.dumps(base) if base is not None else None,
+                actor, at, reason])

@@ -1,0 +1,196 @@
+"""What the replicas report: stored per replica, sampled per backend, summarised for pages.
+
+Reports are read liberally: a missing or mistyped field is shown as "—", never a 500.
+Rejection and degradation counters are cumulative per replica (they only grow while
+the replica lives); the console stores their increments, so "the last 5 minutes" is
+a sum over rows, and a restarted replica (counter went down) starts from zero.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlite_utils import Database
+
+from console.store import Store
+
+SAMPLE_KEEP_S = 3600.0
+EVENT_KEEP_S = 7 * 86400.0
+
+
+def num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def as_map(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _counters(value: Any) -> dict[str, int]:
+    return {str(k): int(v) for k, v in as_map(value).items() if num(v) is not None}
+
+
+def ingest(store: Store, replica: str, status: Mapping[str, Any], now: float) -> None:
+    with store.write() as db:
+        # Read inside the transaction: the increments are against exactly the previous report.
+        prev_rows = list(db.query("SELECT status FROM replicas WHERE id = ?", [replica]))
+        prev = as_map(json.loads(prev_rows[0]["status"])) if prev_rows else {}
+        db.execute("INSERT INTO replicas (id, last_seen, status) VALUES (?, ?, ?) "
+                   "ON CONFLICT (id) DO UPDATE SET last_seen = excluded.last_seen, status = excluded.status",
+                   [replica, now, json.dumps(status)])
+        for name, b in as_map(status.get("backends")).items():
+            b = as_map(b)
+            db.execute("INSERT INTO kv_samples (at, replica, backend, kv_usage, running, waiting, scale) "
+                       "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                       [now, replica, str(name), num(b.get("kv_usage")), num(b.get("running")),
+                        num(b.get("waiting")), num(b.get("scale"))])
+            _breaker_transition(db, now, replica, str(name), b, as_map(as_map(prev.get("backends")).get(name)))
+        prev_tenants = as_map(prev.get("tenants"))
+        for tenant, t in as_map(status.get("tenants")).items():
+            old = as_map(prev_tenants.get(tenant))
+            for kind, key in (("rejection", "rejections"), ("degraded", "degraded")):
+                before = _counters(old.get(key))
+                for reason, count in _counters(as_map(t).get(key)).items():
+                    prior = before.get(reason, 0)
+                    delta = count - prior if count >= prior else count
+                    if delta > 0:
+                        db.execute("INSERT INTO tenant_events (at, replica, tenant, kind, reason, count) "
+                                   "VALUES (?, ?, ?, ?, ?, ?)", [now, replica, str(tenant), kind, reason, delta])
+
+
+def _breaker_transition(db: Database, now: float, replica: str, backend: str, b: Mapping[str, Any],
+                        old: Mapping[str, Any]) -> None:
+    state = as_map(b.get("breaker")).get("state")
+    before = as_map(old.get("breaker")).get("state") if old else None
+    if isinstance(state, str) and state != before:
+        trips = num(as_map(b.get("breaker")).get("trips"))
+        db.execute("INSERT INTO breaker_events (at, replica, backend, from_state, to_state, trips) "
+                   "VALUES (?, ?, ?, ?, ?, ?)",
+                   [now, replica, backend, before if isinstance(before, str) else None, state,
+                    int(trips) if trips is not None else None])
+
+
+def prune(store: Store, now: float) -> None:
+    with store.write() as db:
+        db.execute("DELETE FROM kv_samples WHERE at < ?", [now - SAMPLE_KEEP_S])
+        db.execute("DELETE FROM tenant_events WHERE at < ?", [now - SAMPLE_KEEP_S])
+        db.execute("DELETE FROM breaker_events WHERE at < ?", [now - EVENT_KEEP_S])
+
+
+@dataclass
+class Replica:
+    id: str
+    last_seen: float
+    age: float
+    stale: bool
+    status: Mapping[str, Any]
+
+    @property
+    def etag(self) -> str | None:
+        value = self.status.get("policy_etag")
+        return value if isinstance(value, str) else None
+
+
+def replicas(store: Store, now: float, stale_after: float) -> list[Replica]:
+    out = []
+    for r in store.query("SELECT id, last_seen, status FROM replicas ORDER BY id"):
+        try:
+            status = as_map(json.loads(r["status"]))
+        except ValueError:
+            status = {}
+        age = max(0.0, now - r["last_seen"])
+        out.append(Replica(r["id"], r["last_seen"], age, age > stale_after, status))
+    return out
+
+
+@dataclass
+class BackendView:
+    name: str
+    kv_usage: float | None = None
+    running: float | None = None
+    waiting: float | None = None
+    scale: float | None = None
+    scrape_ok: bool | None = None
+    breakers: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # replica -> breaker
+    slots: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # replica -> slots
+    queue: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # replica -> queue
+
+    @property
+    def breaker_states(self) -> list[str]:
+        return sorted({str(b.get("state")) for b in self.breakers.values() if b.get("state")})
+
+
+def backend_views(names: list[str], reps: list[Replica]) -> list[BackendView]:
+    """Per backend, the freshest live report's gauges; breakers and slots per replica."""
+    fresh = sorted((r for r in reps if not r.stale), key=lambda r: r.last_seen)
+    views = {n: BackendView(n) for n in names}
+    for r in fresh:
+        for name, b in as_map(r.status.get("backends")).items():
+            v = views.setdefault(str(name), BackendView(str(name)))
+            b = as_map(b)
+            v.kv_usage, v.running, v.waiting = num(b.get("kv_usage")), num(b.get("running")), num(b.get("waiting"))
+            v.scale = num(b.get("scale"))
+            v.scrape_ok = b.get("scrape_ok") if isinstance(b.get("scrape_ok"), bool) else None
+            v.breakers[r.id] = as_map(b.get("breaker"))
+            v.slots[r.id] = as_map(b.get("slots"))
+            v.queue[r.id] = as_map(b.get("queue"))
+    return list(views.values())
+
+
+def kv_series(store: Store, backend: str, since: float, bucket_s: float = 10.0) -> list[tuple[float, float]]:
+    """(time, highest KV usage any replica saw) per bucket: the sparkline's points."""
+    rows = store.query(
+        "SELECT CAST(at / ? AS INTEGER) AS b, MAX(kv_usage) AS kv FROM kv_samples "
+        "WHERE backend = ? AND at >= ? AND kv_usage IS NOT NULL GROUP BY b ORDER BY b",
+        [bucket_s, backend, since])
+    return [(r["b"] * bucket_s, r["kv"]) for r in rows]
+
+
+@dataclass
+class TenantLive:
+    in_flight: int = 0
+    tokens_remaining: float | None = None
+    tpm: float | None = None
+    replicas: int = 0
+    rejections: dict[str, int] = field(default_factory=dict)
+    degraded: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tpm_in_use(self) -> float | None:
+        if self.tpm is None or self.tokens_remaining is None:
+            return None
+        return max(0.0, self.tpm - self.tokens_remaining)
+
+
+def tenant_live(store: Store, reps: list[Replica], since: float) -> dict[str, TenantLive]:
+    out: dict[str, TenantLive] = {}
+    for r in reps:
+        if r.stale:
+            continue
+        for name, t in as_map(r.status.get("tenants")).items():
+            t = as_map(t)
+            live = out.setdefault(str(name), TenantLive())
+            live.replicas += 1
+            live.in_flight += int(num(t.get("in_flight")) or 0)
+            remaining, tpm = num(t.get("tokens_remaining")), num(t.get("tpm"))
+            # Buckets are per replica unless shared through Redis: show the tightest.
+            if remaining is not None:
+                live.tokens_remaining = remaining if live.tokens_remaining is None else min(live.tokens_remaining,
+                                                                                            remaining)
+            if tpm is not None:
+                live.tpm = tpm
+    for row in store.query("SELECT tenant, kind, reason, SUM(count) AS n FROM tenant_events WHERE at >= ? "
+                           "GROUP BY tenant, kind, reason ORDER BY tenant, kind, reason", [since]):
+        live = out.setdefault(row["tenant"], TenantLive())
+        (live.rejections if row["kind"] == "rejection" else live.degraded)[row["reason"]] = row["n"]
+    return out
+
+
+def breaker_events(store: Store, since: float, limit: int = 200) -> list[dict[str, Any]]:
+    return store.query("SELECT * FROM breaker_events WHERE at >= ? ORDER BY at DESC LIMIT ?", [since, limit])

@@ -1,0 +1,123 @@
+"""Schema changes, in order. Each runs once and is recorded in the ``migrations`` table.
+
+Append new migrations; never edit or reorder one that has shipped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from sqlite_utils import Database
+
+Migration = tuple[int, str, Callable[[Database], None]]
+
+
+def _statements(db: Database, script: str) -> None:
+    # Not executescript(): it commits first, which would split a migration in two.
+    for statement in script.split(";"):
+        if statement.strip():
+            db.execute(statement)
+
+
+def _initial(db: Database) -> None:
+    _statements(db, """
+    CREATE TABLE settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    CREATE TABLE users (
+        id INTEGER PRIMARY KEY,
+        name TEXT NOT NULL UNIQUE,
+        password_hash TEXT NOT NULL,
+        role TEXT NOT NULL CHECK (role IN ('operator', 'viewer')),
+        created_at REAL NOT NULL
+    );
+    -- Every distinct successful import of the policy files: the newest is the base layer.
+    CREATE TABLE imports (
+        id INTEGER PRIMARY KEY,
+        at REAL NOT NULL,
+        sha TEXT NOT NULL,
+        files TEXT NOT NULL,   -- JSON {file name: text}
+        doc TEXT NOT NULL      -- JSON of the merged document
+    );
+    -- Operator edits layered over the base. Replaced or reverted rows stay, inactive.
+    CREATE TABLE overrides (
+        id INTEGER PRIMARY KEY,
+        scope TEXT NOT NULL CHECK (scope IN ('tenant', 'tier', 'breaker')),
+        target TEXT NOT NULL,
+        field TEXT NOT NULL,
+        value TEXT,            -- JSON, null removes the field
+        base_value TEXT,       -- JSON of the base's value when the edit was made
+        actor TEXT NOT NULL,
+        at REAL NOT NULL,
+        reason TEXT NOT NULL,
+        active INTEGER NOT NULL DEFAULT 1
+    );
+    CREATE INDEX overrides_active ON overrides (active, scope, target, field);
+    CREATE TABLE audit (
+        id INTEGER PRIMARY KEY,
+        at REAL NOT NULL,
+        actor TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        target TEXT NOT NULL,
+        summary TEXT NOT NULL,
+        reason TEXT NOT NULL DEFAULT '',
+        detail TEXT NOT NULL DEFAULT '{}'
+    );
+    CREATE INDEX audit_at ON audit (at);
+    CREATE TABLE replicas (
+        id TEXT PRIMARY KEY,
+        last_seen REAL NOT NULL,
+        status TEXT NOT NULL
+    );
+    CREATE TABLE kv_samples (
+        at REAL NOT NULL,
+        replica TEXT NOT NULL,
+        backend TEXT NOT NULL,
+        kv_usage REAL,
+        running REAL,
+        waiting REAL,
+        scale REAL
+    );
+    CREATE INDEX kv_samples_backend_at ON kv_samples (backend, at);
+    -- Increments of the replicas' cumulative rejection/degradation counters.
+    CREATE TABLE tenant_events (
+        at REAL NOT NULL,
+        replica TEXT NOT NULL,
+        tenant TEXT NOT NULL,
+        kind TEXT NOT NULL CHECK (kind IN ('rejection', 'degraded')),
+        reason TEXT NOT NULL,
+        count INTEGER NOT NULL
+    );
+    CREATE INDEX tenant_events_at ON tenant_events (at);
+    -- Breaker state changes seen between two reports of one replica.
+    CREATE TABLE breaker_events (
+        at REAL NOT NULL,
+        replica TEXT NOT NULL,
+        backend TEXT NOT NULL,
+        from_state TEXT,
+        to_state TEXT NOT NULL,
+        trips INTEGER
+    );
+    CREATE INDEX breaker_events_at ON breaker_events (at);
+    """)
+
+
+MIGRATIONS: list[Migration] = [
+    (1, "initial schema", _initial),
+]
+
+
+def apply(db: Database, migrations: list[Migration] | None = None) -> list[int]:
+    """Run the migrations not yet recorded; return the ids that ran."""
+    db.execute("CREATE TABLE IF NOT EXISTS migrations (id INTEGER PRIMARY KEY, name TEXT NOT NULL, "
+               "applied_at REAL NOT NULL)")
+    done = {row["id"] for row in db.query("SELECT id FROM migrations")}
+    ran = []
+    for mid, name, fn in migrations if migrations is not None else MIGRATIONS:
+        if mid in done:
+            continue
+        with db.atomic():
+            fn(db)
+            db.execute("INSERT INTO migrations (id, name, applied_at) VALUES (?, ?, ?)",
+                       [mid, name, time.time()])
+        ran.append(mid)
+    return ran

@@ -1,0 +1,106 @@
+"""The console's SQLite file: one writer connection behind a lock, a reader per thread.
+
+WAL lets readers (page renders, API long-polls) run while the writer commits, and a
+single writer means no ``database is locked`` retries inside the app. Every statement
+takes its values as parameters.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlite_utils import Database
+
+from console import migrations
+
+
+def _connect(path: Path) -> Database:
+    # check_same_thread off: close() runs on whichever thread shuts the app down.
+    conn = sqlite3.connect(str(path), check_same_thread=False, timeout=5.0)
+    db = Database(conn, execute_plugins=False)
+    db.execute("PRAGMA busy_timeout = 5000")
+    return db
+
+
+class Store:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._write_lock = threading.RLock()
+        self._writer = _connect(self.path)
+        self._writer.enable_wal()
+        self._writer.execute("PRAGMA synchronous = NORMAL")  # safe with WAL; fsync per checkpoint
+        migrations.apply(self._writer)
+        self._local = threading.local()
+        self._readers: list[Database] = []
+        self._readers_lock = threading.Lock()
+        self._closed = False
+        # Notified after every write that changes the effective policy (long-polls wait on it).
+        self.changes = threading.Condition()
+        self.generation = 0
+
+    # -- reading -------------------------------------------------------------
+    @property
+    def reader(self) -> Database:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            if self._closed:
+                raise RuntimeError("store is closed")
+            db = _connect(self.path)
+            self._local.db = db
+            with self._readers_lock:
+                self._readers.append(db)
+        return db
+
+    def query(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> list[dict[str, Any]]:
+        return list(self.reader.query(sql, params))
+
+    def one(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> dict[str, Any] | None:
+        rows = self.query(sql, params)
+        return rows[0] if rows else None
+
+    # -- writing -------------------------------------------------------------
+    @contextmanager
+    def write(self) -> Iterator[Database]:
+        """One transaction on the single writer connection."""
+        with self._write_lock, self._writer.atomic():
+            yield self._writer
+
+    def policy_changed(self) -> None:
+        with self.changes:
+            self.generation += 1
+            self.changes.notify_all()
+
+    def wait_for_change(self, generation: int, timeout: float) -> int:
+        with self.changes:
+            self.changes.wait_for(lambda: self.generation != generation, timeout=timeout)
+            return self.generation
+
+    # -- settings ------------------------------------------------------------
+    def setting(self, key: str) -> str | None:
+        row = self.one("SELECT value FROM settings WHERE key = ?", [key])
+        return row["value"] if row else None
+
+    def setting_or_create(self, key: str, make: Any) -> str:
+        """Read a setting, storing ``make()`` first if absent (first start)."""
+        with self.write() as db:
+            rows = list(db.query("SELECT value FROM settings WHERE key = ?", [key]))
+            if rows:
+                return str(rows[0]["value"])
+            value = str(make())
+            db.execute("INSERT INTO settings (key, value) VALUES (?, ?)", [key, value])
+            return value
+
+    def close(self) -> None:
+        self._closed = True
+        with self._readers_lock:
+            for db in self._readers:
+                db.close()
+            self._readers.clear()
+        with self._write_lock:
+            self._writer.close()

@@ -1,0 +1,63 @@
+"""Operator accounts: scrypt password hashes (werkzeug), two roles."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from werkzeug.security import check_password_hash, generate_password_hash
+
+from console.store import Store
+
+ROLES = ("operator", "viewer")
+# Checked against when the name is unknown, so a miss costs as much as a wrong password.
+_DUMMY_HASH = generate_password_hash("not a password")
+
+
+@dataclass(frozen=True)
+class User:
+    id: int
+    name: str
+    role: str
+
+    @property
+    def can_edit(self) -> bool:
+        return self.role == "operator"
+
+
+def create(store: Store, name: str, password: str, role: str, *, replace: bool = False,
+           method: str = "scrypt") -> User:
+    """``method`` is werkzeug's; tests pass a cheap one, everything else keeps scrypt."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}")
+    if not name or len(name) > 64 or not name.isprintable():
+        raise ValueError("name must be 1-64 printable characters")
+    if len(password) < 8:
+        raise ValueError("password must be at least 8 characters")
+    hashed = generate_password_hash(password, method=method)
+    with store.write() as db:
+        exists = list(db.query("SELECT id FROM users WHERE name = ?", [name]))
+        if exists and not replace:
+            raise ValueError(f"user {name!r} already exists")
+        if exists:
+            db.execute("UPDATE users SET password_hash = ?, role = ? WHERE name = ?", [hashed, role, name])
+        else:
+            db.execute("INSERT INTO users (name, password_hash, role, created_at) VALUES (?, ?, ?, ?)",
+                       [name, hashed, role, time.time()])
+        row = next(db.query("SELECT id, name, role FROM users WHERE name = ?", [name]))
+    return User(row["id"], row["name"], row["role"])
+
+
+def authenticate(store: Store, name: str, password: str) -> User | None:
+    row = store.one("SELECT id, name, role, password_hash FROM users WHERE name = ?", [name])
+    if row is None:
+        check_password_hash(_DUMMY_HASH, password)
+        return None
+    if not check_password_hash(row["password_hash"], password):
+        return None
+    return User(row["id"], row["name"], row["role"])
+
+
+def get(store: Store, user_id: int) -> User | None:
+    row = store.one("SELECT id, name, role FROM users WHERE id = ?", [user_id])
+    return User(row["id"], row["name"], row["role"]) if row else None

@@ -1,0 +1,7 @@
+"""One module per page type; the routing table is this list."""
+
+from __future__ import annotations
+
+from console.views import api, audit, auth, breakers, export, overview, tenants, tiers
+
+BLUEPRINTS = [auth.bp, overview.bp, tenants.bp, tiers.bp, breakers.bp, audit.bp, export.bp, api.bp]

@@ -1,0 +1,95 @@
+"""Breakers: trip, reset or clear by hand (reason required, optional expiry), state and history."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, abort, redirect, request, url_for
+from werkzeug.wrappers import Response
+
+from console import audit, edits, live
+from console.security import is_htmx, operator_required
+from console.views.common import actor, reason_field, region, sluice, snapshot
+
+bp = Blueprint("breakers", __name__)
+HISTORY_S = 24 * 3600
+MAX_MINUTES = 7 * 24 * 60
+
+
+def _history() -> list[dict[str, Any]]:
+    s = sluice()
+    since = s.now() - HISTORY_S
+    items = [{"at": e["at"], "backend": e["backend"], "who": f"replica {e['replica']}",
+              "what": f"{e['from_state'] or '—'} → {e['to_state']}",
+              "why": f"trips: {e['trips']}" if e["trips"] is not None else ""}
+             for e in live.breaker_events(s.store, since)]
+    for a in audit.query(s.store, audit.Filter(kind="breaker", limit=200)):
+        if a["at"] >= since:
+            items.append({"at": a["at"], "backend": a["target"], "who": a["actor"], "what": a["summary"],
+                          "why": a["reason"]})
+    return sorted(items, key=lambda i: i["at"], reverse=True)[:200]
+
+
+def _context(**extra: Any) -> dict[str, Any]:
+    s = sluice()
+    snap = snapshot()
+    names = [b.name for b in snap.policy.backends] if snap else []
+    reps = live.replicas(s.store, s.now(), s.config.stale_after_s)
+    manual = {b["backend"]: b for b in snap.doc.get("breakers", [])} if snap else {}
+    return {"names": names, "backends": live.backend_views(names, reps), "manual": manual, "now": s.now(),
+            "history": _history(), "forms": {}, **extra}
+
+
+@bp.get("/breakers")
+def page() -> tuple[str, int]:
+    return region("breakers.html", "breakers.html", **_context())
+
+
+@bp.get("/breakers/state")
+def state() -> tuple[str, int]:
+    return region("breakers.html", "_breakers_state.html", **_context())
+
+
+@bp.get("/breakers/history")
+def history() -> tuple[str, int]:
+    return region("breakers.html", "_breaker_history.html", **_context())
+
+
+@bp.post("/breakers/<backend>")
+@operator_required
+def change(backend: str) -> Response | tuple[str, int]:
+    snap = snapshot()
+    if snap is None or backend not in [b.name for b in snap.policy.backends]:
+        abort(404, description=f"no backend {backend!r}")
+    action = request.form.get("action", "")
+    errors: dict[str, list[str]] = {}
+    if action not in edits.BREAKER_ACTIONS:
+        errors[""] = ["choose trip, reset or clear"]
+    reason, problem = reason_field()
+    if problem:
+        errors["reason"] = [problem]
+    raw = (request.form.get("minutes") or "").strip()
+    minutes: float | None = None
+    if raw:
+        try:
+            minutes = float(raw)
+        except ValueError:
+            errors["minutes"] = [f"expected a number of minutes, got {raw!r}"]
+        else:
+            if not 0 < minutes <= MAX_MINUTES:
+                errors["minutes"] = [f"expiry must be between 0 and {MAX_MINUTES} minutes (blank: until cleared)"]
+    form = {"reason": reason, "minutes": raw}
+    if not errors:
+        result = edits.set_breaker(sluice().state, actor=actor(), backend=backend, action=action, reason=reason,
+                                   minutes=minutes)
+        if result.ok:
+            if not is_htmx():
+                return redirect(url_for("breakers.page"), code=303)
+            done = {"trip": "tripped", "reset": "reset", "clear": "cleared"}[action]
+            body, status = region("breakers.html", "_breaker_form.html",
+                                  **_context(backend=backend, form={}, errors={}, done=done))
+            return Response(body, status, headers={"HX-Trigger": "breaker-changed"})
+        errors = {"": [p.message for p in result.problems]}
+    forms = {backend: {"form": form, "errors": errors}}
+    return region("breakers.html", "_breaker_form.html", 422,
+                  **_context(backend=backend, form=form, errors=errors, forms=forms))

@@ -1,0 +1,95 @@
+"""python -m console create-user / serve."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from console import users
+from console.__main__ import main
+from console.store import Store
+from tests.console.conftest import write_policy
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_create_user(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = tmp_path / "var" / "console.db"
+    assert main(["create-user", "ana", "--role", "operator", "--password", "long-enough-1", "--db", str(db)]) == 0
+    assert "created operator 'ana'" in capsys.readouterr().out
+    assert main(["create-user", "ana", "--role", "viewer", "--password", "long-enough-1", "--db", str(db)]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert main(["create-user", "ana", "--role", "viewer", "--password", "long-enough-2", "--db", str(db),
+                 "--replace"]) == 0
+    assert main(["create-user", "bo", "--role", "viewer", "--password", "short", "--db", str(db)]) == 1
+    store = Store(db)
+    user = users.authenticate(store, "ana", "long-enough-2")
+    assert user is not None and user.role == "viewer"
+    stored = store.one("SELECT password_hash FROM users WHERE name = 'ana'")
+    assert stored is not None and stored["password_hash"].startswith("scrypt:")
+    assert users.authenticate(store, "ana", "long-enough-1") is None
+
+
+def test_create_user_password_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLUICE_CONSOLE_PASSWORD", "from-the-env-1")
+    db = tmp_path / "c.db"
+    assert main(["create-user", "cy", "--role", "operator", "--db", str(db)]) == 0
+    store = Store(db)
+    assert users.authenticate(store, "cy", "from-the-env-1") is not None
+
+
+def test_serve_demo_with_waitress(tmp_path: Path) -> None:
+    policy = write_policy(tmp_path / "policies")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "console", "serve", "--db", str(tmp_path / "c.db"), "--policy", str(policy),
+         "--port", "0", "--demo", "--api-token", "tok-123"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline() for _ in range(3)]
+        url = re.search(r"(http://127\.0\.0\.1:\d+)/", lines[0])
+        assert url, lines
+        assert re.match(r"\s+demo operator: demo / \S+", lines[1]), lines
+        assert "replica API token: tok-123" in lines[2]
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with urllib.request.urlopen(url.group(1) + "/healthz", timeout=1) as r:
+                    assert json.loads(r.read()) == {"status": "ok"}
+                    assert r.headers["Server"] == "sluice-console"
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        req = urllib.request.Request(url.group(1) + "/api/v1/policy", headers={"Authorization": "Bearer tok-123"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            assert "tenants" in json.loads(r.read())
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert proc.returncode == 0
+
+
+def test_every_option_is_documented_in_the_readme() -> None:
+    import argparse
+
+    from console.__main__ import build_parser
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Console"):]
+    section = section[: section.index("\n## ", 1)]
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in subparsers.choices.items():
+        assert f"python -m console {name}" in section, name
+        for action in sub._actions:
+            for option in action.option_strings:
+                if option.startswith("--") and option != "--help":
+                    assert option in section, f"{name} {option} is not in README's Console section"

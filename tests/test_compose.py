@@ -1,0 +1,244 @@
+"""docker-compose.yml, checked without a Docker engine.
+
+Every command names something that exists in the repository and accepts the flags it
+is given; ports, service names and cluster addresses agree between compose, the
+compose policy and the Envoy config generated from it; every mounted path exists;
+and the rendered compose files are what ``python docker/render.py`` makes today.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from extproc.policyfile import load_policy
+from tests.e2e.harness import envoy_binary
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "docker"))
+import render  # noqa: E402  (docker/render.py is a script, not a package)
+
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
+IMAGE_ROOT = "/app"
+
+
+def command(service: str) -> list[str]:
+    cmd = SERVICES[service]["command"]
+    assert isinstance(cmd, list), f"{service}: use the exec form (a list) for command"
+    return [str(c) for c in cmd]
+
+
+def flag(cmd: list[str], name: str) -> str:
+    assert name in cmd, f"{name} missing from {cmd}"
+    return cmd[cmd.index(name) + 1]
+
+
+def hostport(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    return host, int(port)
+
+
+def bind_mounts(service: str) -> dict[str, str]:
+    """container path -> host path (relative to the repository) for ./ bind mounts."""
+    out = {}
+    for spec in SERVICES[service].get("volumes", []):
+        source, target = spec.split(":")[:2]
+        if source.startswith("./"):
+            out[target] = source[2:]
+    return out
+
+
+def named_mounts(service: str) -> dict[str, str]:
+    out = {}
+    for spec in SERVICES[service].get("volumes", []):
+        source, target = spec.split(":")[:2]
+        if not source.startswith(("./", "/")):
+            out[target] = source
+    return out
+
+
+@cache
+def image_copies() -> dict[str, str]:
+    """container path -> repository path for the Dockerfile's COPY lines."""
+    out = {}
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        parts = line.split()
+        if parts[:1] != ["COPY"] or any(p.startswith("--") for p in parts):
+            continue
+        *sources, dest = parts[1:]
+        for src in sources:
+            target = f"{IMAGE_ROOT}/{src}" if dest in ("./", ".") else f"{IMAGE_ROOT}/{dest.removeprefix('./')}"
+            out[target.rstrip("/")] = src.rstrip("/")
+    return out
+
+
+def repo_path(service: str, container_path: str) -> Path:
+    """Where a path the container sees comes from: a bind mount (longest prefix) or the image."""
+    for table in (bind_mounts(service), image_copies()):
+        for target in sorted(table, key=len, reverse=True):
+            if container_path == target or container_path.startswith(target + "/"):
+                return ROOT / table[target] / container_path[len(target) + 1:]
+    raise AssertionError(f"{service}: {container_path} is neither mounted nor copied into the image")
+
+
+def listen_port(service: str) -> int:
+    cmd = command(service)
+    if "--port" in cmd:
+        return int(flag(cmd, "--port"))
+    if service == "extproc":
+        return hostport(flag(cmd, "--grpc"))[1]
+    raise AssertionError(f"no listening port known for {service}")
+
+
+def envoy_config() -> dict[str, Any]:
+    path = repo_path("envoy", flag(command("envoy"), "-c"))
+    return yaml.safe_load(path.read_text())
+
+
+def clusters() -> dict[str, tuple[str, int]]:
+    out = {}
+    for c in envoy_config()["static_resources"]["clusters"]:
+        sa = c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+        out[c["name"]] = (sa["address"], sa["port_value"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def compose_policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """policies/ as the extproc and console containers see it (backends.yaml shadowed)."""
+    d = tmp_path_factory.mktemp("compose-policy")
+    for target, source in bind_mounts("extproc").items():
+        if target == f"{IMAGE_ROOT}/policies":
+            shutil.copytree(ROOT / source, d, dirs_exist_ok=True)
+    for target, source in bind_mounts("extproc").items():
+        if target.startswith(f"{IMAGE_ROOT}/policies/"):
+            shutil.copy(ROOT / source, d / Path(target).name)
+    return d
+
+
+def test_the_four_services_with_health_checks() -> None:
+    assert {"envoy", "extproc", "console", "simbackend"} <= set(SERVICES)
+    for name, svc in SERVICES.items():
+        check = svc.get("healthcheck", {})
+        assert check.get("test") and check.get("interval"), f"{name} has no health check"
+        build = svc["build"]
+        assert build["context"] == "." and (ROOT / build["dockerfile"]).is_file(), name
+        assert svc["image"] == SERVICES["envoy"]["image"], "one image for every service"
+
+
+def test_dockerfile_copies_exist() -> None:
+    assert image_copies(), "Dockerfile copies nothing"
+    for source in image_copies().values():
+        assert (ROOT / source).exists(), f"Dockerfile copies {source}, which does not exist"
+    assert re.search(r"^FROM python:3\.11", (ROOT / "Dockerfile").read_text(), re.M)
+
+
+def _help(cmd: list[str]) -> str:
+    module = cmd[2]
+    sub = [cmd[3]] if len(cmd) > 3 and not cmd[3].startswith("-") else []
+    done = subprocess.run([sys.executable, "-m", module, *sub, "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.parametrize("service", sorted(SERVICES))
+def test_command_exists_and_takes_its_flags(service: str) -> None:
+    cmd = command(service)
+    if cmd[0] == "envoy":
+        assert Path(envoy_binary()).exists()
+        config = repo_path(service, flag(cmd, "-c"))
+        assert config.is_file()
+        done = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(config)], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return
+    assert cmd[:2] == ["python", "-m"], f"{service}: {cmd}"
+    assert importlib.util.find_spec(cmd[2]) is not None, f"{service}: no module {cmd[2]}"
+    text = _help(cmd)
+    for arg in cmd:
+        if arg.startswith("--"):
+            assert arg in text, f"{service}: `python -m {cmd[2]}` does not know {arg}"
+
+
+@pytest.mark.parametrize("service", sorted(SERVICES))
+def test_mounted_and_referenced_paths_exist(service: str) -> None:
+    for source in bind_mounts(service).values():
+        assert (ROOT / source).exists(), f"{service} mounts ./{source}, which does not exist"
+    for volume in named_mounts(service).values():
+        assert volume in (COMPOSE.get("volumes") or {}), f"{service}: volume {volume} is not declared"
+    cmd = command(service)
+    for name in ("--policy", "-c"):
+        if name in cmd:
+            assert repo_path(service, flag(cmd, name)).exists(), f"{service}: {flag(cmd, name)}"
+    if "--db" in cmd:
+        parent = str(Path(flag(cmd, "--db")).parent)
+        assert parent in named_mounts(service), f"{service}: the database directory {parent} is not a volume"
+
+
+def test_envoy_reaches_extproc_and_the_backends_by_service_name(compose_policy_dir: Path) -> None:
+    found = clusters()
+    grpc_host, grpc_port = hostport(flag(command("extproc"), "--grpc"))
+    assert grpc_host == "0.0.0.0"
+    assert found.pop("sluice_extproc") == ("extproc", grpc_port)
+    policy = load_policy(compose_policy_dir)
+    assert found == {b.name: (b.host, b.port) for b in policy.backends}
+    for backend in policy.backends:
+        assert backend.host in SERVICES, f"backend {backend.name} points at {backend.host}, not a service"
+        assert listen_port(backend.host) == backend.port
+        assert flag(command(backend.host), "--host") == "0.0.0.0"
+        if backend.metrics_url:
+            url = urlsplit(backend.metrics_url)
+            assert (url.hostname, url.port) == (backend.host, backend.port)
+
+
+def test_published_ports_match_what_listens() -> None:
+    listener = envoy_config()["static_resources"]["listeners"][0]["address"]["socket_address"]
+    assert listener["address"] == "0.0.0.0"
+    published = {service: [int(p.split(":")[-1]) for p in svc.get("ports", [])] for service, svc in SERVICES.items()}
+    assert listener["port_value"] in published["envoy"]
+    assert listen_port("console") in published["console"]
+    assert hostport(flag(command("extproc"), "--admin"))[1] in published["extproc"]
+
+
+def test_extproc_reports_to_the_console() -> None:
+    url = urlsplit(flag(command("extproc"), "--console-url"))
+    assert url.hostname in SERVICES and url.hostname == "console"
+    assert url.port == listen_port("console")
+    token = "SLUICE_CONSOLE_TOKEN"
+    assert SERVICES["extproc"]["environment"][token] == SERVICES["console"]["environment"][token]
+    deps = SERVICES["extproc"]["depends_on"]
+    assert all(deps[s]["condition"] == "service_healthy" for s in ("console", "simbackend"))
+
+
+@pytest.mark.parametrize("service", sorted(SERVICES))
+def test_health_checks_probe_the_right_port(service: str) -> None:
+    text = " ".join(SERVICES[service]["healthcheck"]["test"])
+    url = urlsplit(re.search(r"http://[^'\" ]+", text).group(0))  # type: ignore[union-attr]
+    if service == "envoy":
+        admin = envoy_config()["admin"]["address"]["socket_address"]
+        assert (url.hostname, url.port, url.path) == (admin["address"], admin["port_value"], "/ready")
+    elif service == "extproc":
+        assert url.port == hostport(flag(command(service), "--admin"))[1] and url.path == "/healthz"
+    else:
+        assert url.port == listen_port(service)
+
+
+def test_compose_policy_is_valid_and_rendered_files_are_current(tmp_path: Path,
+                                                                compose_policy_dir: Path) -> None:
+    load_policy(compose_policy_dir)
+    render.render(out=tmp_path)
+    for name in (render.COMPOSE_BACKENDS, render.COMPOSE_ENVOY):
+        assert (tmp_path / name).read_text() == (ROOT / "docker" / name).read_text(), \
+            f"docker/{name} is out of date: run `python docker/render.py`"
