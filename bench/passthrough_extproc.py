@@ -1,0 +1,80 @@
+"""An ext_proc server that changes nothing: the floor Sluice's own work is measured from.
+
+It answers every ProcessingRequest with an empty response of the matching kind
+(CONTINUE, no mutations), using the same grpc.aio server and upb protobuf classes
+from ``xds-protos`` as Sluice. The processing mode is Envoy's side of the contract
+(request headers SEND, request body BUFFERED, response headers SEND, response body
+STREAMED, from ``extproc.envoyconfig``), so Envoy sends this server exactly the
+messages it sends Sluice, and (Envoy + Sluice) − (Envoy + this) is Sluice's policy work.
+
+    python -m bench.passthrough_extproc --grpc 127.0.0.1:50052
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+# One prebuilt answer per message kind; gRPC serializes it on each send.
+ANSWERS: dict[str, pb.ProcessingResponse] = {
+    "request_headers": pb.ProcessingResponse(request_headers=pb.HeadersResponse()),
+    "request_body": pb.ProcessingResponse(request_body=pb.BodyResponse()),
+    "request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),
+    "response_headers": pb.ProcessingResponse(response_headers=pb.HeadersResponse()),
+    "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),
+    "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),
+}
+
+
+class PassThrough(pb_grpc.ExternalProcessorServicer):
+    async def Process(  # noqa: N802 - the gRPC method name
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        async for request in request_iterator:
+            answer = ANSWERS.get(request.WhichOneof("request") or "")
+            if answer is not None:
+                yield answer
+
+
+async def serve(host: str, port: int) -> None:
+    # The same server options as extproc.server.serve, so only the handler differs.
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 64 << 20),
+        ("grpc.max_concurrent_streams", 100000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ])
+    pb_grpc.add_ExternalProcessorServicer_to_server(PassThrough(), server)
+    if server.add_insecure_port(f"{host}:{port}") == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    await server.start()
+    print(f"pass-through ext_proc listening on {host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.passthrough_extproc", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--grpc", default="127.0.0.1:50052", help="host:port to listen on")
+    args = ap.parse_args(argv)
+    host, _, port = args.grpc.rpartition(":")
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(host or "127.0.0.1", int(port)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
