@@ -55,7 +55,7 @@ class Admission:
 
     def _shadow(self, rule: str) -> bool:
         if self.policy.shadowed(self.tier.name, rule):
-            self.rt.metrics.shadow.labels(rule, self.tier.name).inc()
+            self.rt.metrics.child(self.rt.metrics.shadow, rule, self.tier.name).inc()
             return True
         return False
 

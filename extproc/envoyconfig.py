@@ -85,6 +85,8 @@ from envoy_data_plane.envoy.extensions.access_loggers.stream.v3 import StdoutAcc
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
     ExternalProcessor,
     ExternalProcessorRouteCacheAction,
+    MetadataOptions,
+    MetadataOptionsMetadataNamespaces,
     ProcessingMode,
     ProcessingModeBodySendMode,
     ProcessingModeHeaderSendMode,
@@ -104,6 +106,8 @@ from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
 from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
 from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
 from envoy_data_plane.google.protobuf import Any, Struct
+
+from extproc.messages import METADATA_NAMESPACE, RESPONSE_HEADERS_FROM_METADATA
 
 __all__ = [
     "BACKEND_HEADER",
@@ -264,6 +268,15 @@ def _backend_cluster(backend: BackendRoute, opts: EnvoyOptions) -> Cluster:
     )
 
 
+# Response headers the ext_proc server decides on the request side. They travel as
+# dynamic metadata in its answer to the request body and are added by the route, so
+# Envoy need not stop for a response-headers round trip (one of four blocking
+# messages per request: ~0.2 ms and a handler call saved on every request).
+# With response headers skipped, the status arrives as an attribute of the first
+# response-body message.
+RESPONSE_ATTRIBUTES = ("response.code",)
+
+
 def _ext_proc_filter(opts: EnvoyOptions) -> HttpFilter:
     send, skip = ProcessingModeHeaderSendMode.SEND, ProcessingModeHeaderSendMode.SKIP
     config = ExternalProcessor(
@@ -275,7 +288,7 @@ def _ext_proc_filter(opts: EnvoyOptions) -> HttpFilter:
         ),
         processing_mode=ProcessingMode(
             request_header_mode=send,
-            response_header_mode=send,
+            response_header_mode=skip,
             request_body_mode=ProcessingModeBodySendMode.BUFFERED,
             response_body_mode=ProcessingModeBodySendMode.STREAMED,
             request_trailer_mode=skip,
@@ -295,8 +308,22 @@ def _ext_proc_filter(opts: EnvoyOptions) -> HttpFilter:
         # with a header mutation (how x-sluice-backend takes effect).
         route_cache_action=ExternalProcessorRouteCacheAction.DEFAULT,
         stat_prefix="sluice",
+        response_attributes=list(RESPONSE_ATTRIBUTES),
+        metadata_options=MetadataOptions(
+            receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[METADATA_NAMESPACE])),
     )
     return HttpFilter(name=EXTPROC_FILTER, typed_config=Any.pack(config))
+
+
+def _headers_from_metadata() -> list[HeaderValueOption]:
+    return [
+        HeaderValueOption(
+            header=HeaderValue(key=name, value=f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{name})%"),
+            append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
+            keep_empty_value=False,  # absent for passthrough paths and Envoy's own replies
+        )
+        for name in RESPONSE_HEADERS_FROM_METADATA
+    ]
 
 
 def _route(cluster: str, headers: list[HeaderMatcher]) -> Route:
@@ -327,6 +354,7 @@ def _route_config(backends: Sequence[BackendRoute]) -> RouteConfiguration:
         # so no address counts as internal), and the one ext_proc sets never goes upstream.
         internal_only_headers=[BACKEND_HEADER],
         request_headers_to_remove=[BACKEND_HEADER],
+        response_headers_to_add=_headers_from_metadata(),
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 QUEUE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -11,6 +13,7 @@ PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.requests = Counter("sluice_requests", "Requests by tenant and outcome (admitted or the rejection reason).",
                                 ["tenant", "outcome"], registry=r)
         self.rejections = Counter("sluice_rejections", "Rejections by reason and HTTP status.",
@@ -57,6 +60,17 @@ class Metrics:
                                 registry=r)
         self.shadow = Counter("sluice_shadow_decisions", "Rejections a shadowed rule would have made.",
                               ["rule", "tier"], registry=r)
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, cached: labels() costs ~3 us, a dict lookup ~0.1 us.
+
+        Label values here are bounded by the policy (tenants, tiers, reasons, phases).
+        """
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

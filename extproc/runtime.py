@@ -27,6 +27,8 @@ log = logging.getLogger("sluice.runtime")
 
 # Below this many characters tokenizing costs less than a hop to a thread.
 OFFLOAD_CHARS = 16 * 1024
+SHORT_TEXT = 24
+SHORT_CACHE_ENTRIES = 4096
 
 
 class Runtime:
@@ -37,6 +39,7 @@ class Runtime:
         self.state = LocalState()
         self.executor = ThreadPoolExecutor(tokenize_threads, thread_name_prefix="sluice-tokenize")
         self.encodings: dict[str, tiktoken.Encoding] = {}
+        self._short_counts: dict[str, dict[str, int]] = {}
         self.policy = policy
         self.etag = ""
         self.backends: dict[str, BackendRuntime] = {}
@@ -96,7 +99,20 @@ class Runtime:
     def count_tokens_now(self, encoding: str, texts: list[str]) -> int:
         """For settle paths that cannot await (a stream being torn down)."""
         enc = self.encodings[encoding]
-        return sum(len(enc.encode_ordinary(t)) for t in texts)
+        short = self._short_counts.setdefault(encoding, {})
+        total = 0
+        for t in texts:
+            if len(t) <= SHORT_TEXT:
+                # Roles, names and tiny messages repeat on every request.
+                n = short.get(t)
+                if n is None:
+                    n = len(enc.encode_ordinary(t))
+                    if len(short) < SHORT_CACHE_ENTRIES:
+                        short[t] = n
+                total += n
+            else:
+                total += len(enc.encode_ordinary(t))
+        return total
 
     # -- status -----------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

@@ -29,6 +29,8 @@ from extproc.runtime import Runtime
 log = logging.getLogger("sluice.stream")
 
 KEY_HEADERS = ("authorization", "x-api-key")
+REQUEST_HEADERS = frozenset({":path", ":method", "content-length", *KEY_HEADERS})
+RESPONSE_HEADERS = frozenset({":status", "content-type"})
 
 
 def api_key(headers: dict[str, str]) -> str | None:
@@ -71,36 +73,47 @@ class StreamProcessor:
 
     # -- dispatch -----------------------------------------------------------
     async def handle(self, request: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingResponse]:
-        phase = request.WhichOneof("request")
+        phase = request.WhichOneof("request") or "unknown"
+        timer = self.rt.metrics.child(self.rt.metrics.phase_seconds, phase)
         t0 = time.perf_counter()
         try:
-            if phase == "request_headers":
-                yield self.on_request_headers(request.request_headers)
-            elif phase == "request_body":
-                async for response in self.on_request_body(request.request_body):
-                    yield response
-            elif phase == "response_headers":
-                yield self.on_response_headers(request.response_headers)
-            elif phase == "response_body":
-                yield self.on_response_body(request.response_body)
-            elif phase and phase.endswith("trailers"):
-                yield pb.ProcessingResponse(**{phase: pb.TrailersResponse()})
+            async for response in self._dispatch(phase, request):
+                # Timed up to the answer: not the time gRPC takes to send it.
+                timer.observe(time.perf_counter() - t0)
+                yield response
+                t0 = time.perf_counter()
         except Reject as rej:
             if rej.reason == "client_gone":
                 self.settle("rejected")  # never reached the backend: nothing to bill
             else:
-                yield self.reject(rej)
+                response = self.reject(rej)
+                timer.observe(time.perf_counter() - t0)
+                yield response
             self.finished = True
-        finally:
-            self.rt.metrics.phase_seconds.labels(phase or "unknown").observe(time.perf_counter() - t0)
+
+    async def _dispatch(self, phase: str, request: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingResponse]:
+        if phase == "request_headers":
+            yield self.on_request_headers(request.request_headers)
+        elif phase == "request_body":
+            async for response in self.on_request_body(request.request_body):
+                yield response
+        elif phase == "response_headers":
+            yield self.on_response_headers(request.response_headers)
+        elif phase == "response_body":
+            if self.tracker is None and self.admitted and not self.settled:
+                self._start_response(request)
+            yield self.on_response_body(request.response_body)
+        elif phase.endswith("trailers"):
+            yield pb.ProcessingResponse(**{phase: pb.TrailersResponse()})
 
     def reject(self, rej: Reject) -> pb.ProcessingResponse:
         # Anything held by a request refused after its pre-charge goes back first.
         self.settle("rejected")
         status, etype = REASONS.get(rej.reason, (400, "invalid_request_error"))
         tenant = self.tenant.name if self.tenant else "-"
-        self.rt.metrics.requests.labels(tenant, rej.reason).inc()
-        self.rt.metrics.rejections.labels(rej.reason, str(status)).inc()
+        m = self.rt.metrics
+        m.child(m.requests, tenant, rej.reason).inc()
+        m.child(m.rejections, rej.reason, str(status)).inc()
         if self.tenant is not None:
             self.rt.count_rejection(self.tenant.name, rej.reason)
         headers = {"x-sluice-reason": rej.reason, **rej.headers}
@@ -109,7 +122,7 @@ class StreamProcessor:
 
     # -- request side -------------------------------------------------------
     def on_request_headers(self, h: pb.HttpHeaders) -> pb.ProcessingResponse:
-        headers = msg.header_map(h)
+        headers = msg.header_map(h, REQUEST_HEADERS)
         gw = self.policy.gateway
         key = api_key(headers)
         tenant = self.policy.tenant_for_key(key) if key else None
@@ -123,7 +136,7 @@ class StreamProcessor:
         if self.kind is None:
             if gw.unknown_paths == "reject":
                 raise Reject("unknown_path", f"Unknown path {path.split('?', 1)[0]!r}.", code="not_found")
-            self.rt.metrics.requests.labels(tenant.name, "passthrough").inc()
+            self.rt.metrics.child(self.rt.metrics.requests, tenant.name, "passthrough").inc()
             return msg.headers_response("request_headers", self._identity_headers(),
                                         KEY_HEADERS if gw.strip_api_key else (), mode_override=msg.SKIP_REST)
         if headers.get(":method", "POST") != "POST":
@@ -185,18 +198,24 @@ class StreamProcessor:
         if new_body is not None:
             set_headers["content-length"] = str(len(new_body))
         remove = KEY_HEADERS if gw.strip_api_key else ()
+        # Response headers decided now travel as dynamic metadata (see envoyconfig).
+        out_headers = ratelimit_headers(verdict.tokens, verdict.requests)
+        if ticket.degraded:
+            out_headers["x-sluice-degraded"] = ",".join(ticket.degraded)
         self.forwarded = True
-        yield msg.body_response("request_body", new_body, set_headers, remove, clear_route_cache=True)
+        yield msg.body_response("request_body", new_body, set_headers, remove, clear_route_cache=True,
+                                metadata={msg.METADATA_NAMESPACE: out_headers})
 
     def _count_admission(self, ticket: Ticket, cost: int) -> None:
         assert self.tenant is not None and ticket.verdict is not None
         m = self.rt.metrics
-        m.requests.labels(self.tenant.name, "admitted").inc()
-        m.tokens_precharged.labels(self.tenant.name).inc(cost)
+        name = self.tenant.name
+        m.child(m.requests, name, "admitted").inc()
+        m.child(m.tokens_precharged, name).inc(cost)
         m.in_flight.inc()
-        m.bucket_tokens.labels(self.tenant.name).set(ticket.verdict.tokens.remaining)
+        m.child(m.bucket_tokens, name).set(ticket.verdict.tokens.remaining)
         for kind in ticket.degraded:
-            m.degraded.labels(self.tenant.tier, kind).inc()
+            m.child(m.degraded, self.tenant.tier, kind).inc()
             self.rt.count_degradation(self.tenant.name, kind)
         self.rt.track(self.tenant.name, +1)
 
@@ -223,8 +242,20 @@ class StreamProcessor:
         return min(default, window - prompt)
 
     # -- response side ------------------------------------------------------
+    def _start_response(self, request: pb.ProcessingRequest) -> None:
+        """First response-body message with response headers skipped: status from attributes."""
+        code = msg.attribute(request, "response.code")
+        self.status = int(code) if isinstance(code, (int, float)) else 200
+        self.first_byte_s = self.rt.clock()
+        assert self.req is not None
+        if self.req.stream and self.status < 400:
+            self.tracker = SSETracker(drop_usage_chunk=not self.req.usage_requested)
+        else:
+            self.tracker = JSONTracker()
+
     def on_response_headers(self, h: pb.HttpHeaders) -> pb.ProcessingResponse:
-        headers = msg.header_map(h)
+        """Used only when Envoy is configured to send response headers."""
+        headers = msg.header_map(h, RESPONSE_HEADERS)
         try:
             self.status = int(headers.get(":status", "0"))
         except ValueError:
@@ -253,6 +284,8 @@ class StreamProcessor:
             replacement = self.tracker.feed(b.body, b.end_of_stream)
         if b.end_of_stream:
             self.settle("end_of_stream")
+        if replacement is None:
+            return msg.continue_response_body()
         return msg.body_response("response_body", replacement)
 
     # -- the one exit -------------------------------------------------------
@@ -271,12 +304,13 @@ class StreamProcessor:
         if t is not None:
             self._release(t, how, now)
         m = self.rt.metrics
-        m.settles.labels(how).inc()
-        m.tokens_charged.labels(self.tenant.name).inc(actual)
+        name = self.tenant.name
+        m.child(m.settles, how).inc()
+        m.child(m.tokens_charged, name).inc(actual)
         if actual <= self.reserved:
-            m.tokens_refunded.labels(self.tenant.name).inc(self.reserved - actual)
+            m.child(m.tokens_refunded, name).inc(self.reserved - actual)
         else:
-            m.tokens_excess.labels(self.tenant.name).inc(actual - self.reserved)
+            m.child(m.tokens_excess, name).inc(actual - self.reserved)
 
     def _release(self, t: Ticket, how: str, now: float) -> None:
         assert self.tenant is not None

@@ -86,7 +86,7 @@ def test_ext_proc_modes_timeouts_and_fail_closed_defaults() -> None:
     cfg = ext_proc(render_bootstrap(BACKENDS, EnvoyOptions()))
     assert cfg["processing_mode"] == {
         "request_header_mode": "SEND",
-        "response_header_mode": "SEND",
+        "response_header_mode": "SKIP",
         "request_body_mode": "BUFFERED",
         "response_body_mode": "STREAMED",
         "request_trailer_mode": "SKIP",
@@ -403,3 +403,14 @@ def test_ext_proc_reroutes_and_rewrites_body(tmp_path: Path) -> None:
         grpc_server.stop(grace=None)
         small.shutdown()
         big.shutdown()
+
+
+def test_response_headers_come_from_request_side_metadata() -> None:
+    boot = render_bootstrap([BackendRoute("b1", "127.0.0.1", 9000)], EnvoyOptions())
+    text = yaml.safe_dump(boot)
+    # Response headers are not a blocking round trip: the status comes as an attribute
+    # and x-ratelimit-* / x-sluice-degraded from the metadata the body answer sets.
+    assert "response.code" in text
+    assert "receiving_namespaces" in text and "sluice" in text
+    for name in ("x-ratelimit-remaining-tokens", "x-sluice-degraded"):
+        assert f"%DYNAMIC_METADATA(sluice:{name})%" in text

@@ -176,8 +176,16 @@ class Policy:
     by_key: Mapping[str, str] = field(repr=False)  # key hash -> tenant name
     by_model: Mapping[str, tuple[Backend, Model]] = field(repr=False)
     breakers: tuple[BreakerOverride, ...] = ()
+    # Derived per tenant on first use; the snapshot is immutable, so this never goes stale.
+    _limits: dict[str, tuple[Tenant, Limits]] = field(default_factory=dict, repr=False, compare=False)
 
     def limits(self, tenant: Tenant) -> Limits:
+        cached = self._limits.get(tenant.name)
+        if cached is None or cached[0] is not tenant:
+            cached = self._limits[tenant.name] = (tenant, self._derive_limits(tenant))
+        return cached[1]
+
+    def _derive_limits(self, tenant: Tenant) -> Limits:
         tier = self.tiers[tenant.tier]
         tpm = tenant.tpm if tenant.tpm is not None else tier.tpm
         burst = tier.burst_tokens if tenant.tpm is None else max(tpm, tier.burst_tokens * tpm // max(tier.tpm, 1))
