@@ -107,7 +107,7 @@ def test_operator_steers_the_gateway_from_the_browser(stack: ConsoleStack, brows
         expect(page.locator("#tenant-t-other .saved")).to_be_visible()
         page.screenshot(path=str(tmp_path / "tenants.png"), full_page=True)
         r = eventually(lambda: (x := chat(stack, TEST_KEYS["other"], max_tokens=1000)).status_code == 200 and x,
-                       3.0, "t-other admitted with the free tier's budget")
+                       2.0, "t-other admitted with the free tier's budget")
         assert r.status_code == 200
 
         # -- trip the breaker by hand -------------------------------------------
@@ -122,7 +122,7 @@ def test_operator_steers_the_gateway_from_the_browser(stack: ConsoleStack, brows
 
         # -- the next request through Envoy is refused --------------------------
         refused = eventually(lambda: (x := chat(stack, TEST_KEYS["premium"])).status_code == 503 and x,
-                             3.0, "503 breaker_open through Envoy after the manual trip")
+                             2.0, "503 breaker_open through Envoy after the manual trip")
         assert refused.headers["x-sluice-reason"] == "breaker_open"
         # the replica reports its breaker forced open on the next status report
         expect(page.locator("#breaker-sim td.reported")).to_contain_text("open", timeout=5_000)
