@@ -36,12 +36,13 @@ Pure: no I/O, no clock (``now`` is monotonic seconds, passed in), no threads.
 
 from __future__ import annotations
 
-import math
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any, Literal, NamedTuple
+
+from extproc.policy.breaker_config import BreakerConfig
+from extproc.policy.window import Window as _Window
 
 __all__ = [
     "REASON_HALF_OPEN_THROTTLE",
@@ -83,53 +84,6 @@ def outcome_for_status(status: int) -> Outcome:
 
 
 @dataclass(frozen=True)
-class BreakerConfig:
-    window_s: float = 30.0
-    window_buckets: int = 30
-    min_requests: int = 20
-    error_ratio: float = 0.5
-    consecutive_failures: int = 5  # 0 disables
-    latency_slo_s: float | None = None  # None disables the latency trip
-    latency_breach_ratio: float = 0.5
-    cooldown_s: float = 30.0
-    max_cooldown_s: float = 120.0
-    cooldown_multiplier: float = 2.0
-    cooldown_reset_s: float = 300.0  # healthy CLOSED time that resets cooldown growth
-    ramp_steps: Sequence[float] = (0.1, 0.25, 0.5, 1.0)
-    ramp_step_s: float = 10.0
-    probe_successes: int = 1
-    probe_timeout_s: float = 30.0
-    throttle_retry_after_s: float = 1.0
-    trip_on_preemption: bool = True
-    preemption_threshold: float = 1.0  # counter increase within window_s that trips
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ramp_steps", tuple(float(s) for s in self.ramp_steps))
-        steps = self.ramp_steps
-        problems = [
-            (self.window_s > 0, "window_s must be > 0"),
-            (self.window_buckets >= 1, "window_buckets must be >= 1"),
-            (self.min_requests >= 1, "min_requests must be >= 1"),
-            (0 < self.error_ratio <= 1, "error_ratio must be in (0, 1]"),
-            (self.consecutive_failures >= 0, "consecutive_failures must be >= 0"),
-            (self.latency_slo_s is None or self.latency_slo_s > 0, "latency_slo_s must be > 0"),
-            (0 < self.latency_breach_ratio <= 1, "latency_breach_ratio must be in (0, 1]"),
-            (0 < self.cooldown_s <= self.max_cooldown_s, "need 0 < cooldown_s <= max_cooldown_s"),
-            (self.cooldown_multiplier >= 1, "cooldown_multiplier must be >= 1"),
-            (self.cooldown_reset_s >= 0, "cooldown_reset_s must be >= 0"),
-            (bool(steps) and all(0 < s <= 1 for s in steps), "ramp_steps must be in (0, 1]"),
-            (list(steps) == sorted(steps), "ramp_steps must not decrease"),
-            (self.ramp_step_s >= 0, "ramp_step_s must be >= 0"),
-            (self.probe_successes >= 1, "probe_successes must be >= 1"),
-            (self.probe_timeout_s > 0, "probe_timeout_s must be > 0"),
-            (self.preemption_threshold > 0, "preemption_threshold must be > 0"),
-        ]
-        errors = [msg for ok, msg in problems if not ok]
-        if errors:
-            raise ValueError("; ".join(errors))
-
-
-@dataclass(frozen=True)
 class BreakerVerdict:
     allowed: bool
     state: BreakerState
@@ -150,38 +104,6 @@ class _Manual:
     reason: str
     until: float | None
     since: float
-
-
-class _Window:
-    """Sums of a few values over the last ``span`` seconds, in ``n`` fixed buckets."""
-
-    def __init__(self, span: float, n: int, width: int) -> None:
-        self._bucket_s = span / n
-        self._n = n
-        self._buckets: deque[list[float]] = deque()  # [index, *values]
-        self.sums = [0.0] * width
-
-    def add(self, now: float, *values: float) -> None:
-        self.prune(now)
-        idx = math.floor(now / self._bucket_s)
-        if not self._buckets or self._buckets[-1][0] != idx:
-            self._buckets.append([idx] + [0.0] * len(self.sums))
-        last = self._buckets[-1]
-        for i, v in enumerate(values):
-            last[i + 1] += v
-            self.sums[i] += v
-
-    def prune(self, now: float) -> list[float]:
-        oldest = math.floor(now / self._bucket_s) - self._n + 1
-        while self._buckets and self._buckets[0][0] < oldest:
-            gone = self._buckets.popleft()
-            for i in range(len(self.sums)):
-                self.sums[i] -= gone[i + 1]
-        return self.sums
-
-    def clear(self) -> None:
-        self._buckets.clear()
-        self.sums = [0.0] * len(self.sums)
 
 
 class Breaker:

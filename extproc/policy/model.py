@@ -1,0 +1,196 @@
+"""The policy as data: the frozen dataclasses that ``build_policy`` returns.
+
+Pure and dependency-free so the parsers, the data plane and the console can all
+share one definition; ``extproc.policy.schema`` re-exports every name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["Backend", "BreakerOverride", "BreakerSettings", "Degrade", "Gateway", "Limits", "Model", "Policy",
+           "Tenant", "Tier", "WatermarkSettings", "hash_key"]
+
+
+def hash_key(api_key: str) -> str:
+    """The form in which the policy stores an API key."""
+    return "sha256:" + hashlib.sha256(api_key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Gateway:
+    max_body_bytes: int = 1 << 20
+    unknown_paths: str = "reject"  # or "passthrough"
+    strip_api_key: bool = True
+    default_max_tokens: int = 1024
+    failure_mode_allow: bool = False
+    message_timeout_ms: int = 5000
+    image_token_estimate: int = 765
+    shadow: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class WatermarkSettings:
+    """KV-cache watermark feedback (seed article: 85 % high, 70 % low)."""
+
+    high: float = 0.85
+    low: float = 0.70
+    floor: float = 0.6
+    smoothing: float = 0.5  # EWMA weight of a new sample
+    recover_per_s: float = 0.05
+    stale_after_s: float = 5.0
+    waiting_threshold: float = 8.0
+    scrape_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low < self.high <= 1:
+            raise ValueError(f"need 0 < low < high <= 1 (low={self.low}, high={self.high})")
+        if not 0 < self.floor <= 1:
+            raise ValueError(f"floor must be in (0, 1], got {self.floor}")
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
+
+
+@dataclass(frozen=True)
+class BreakerSettings:
+    window_s: float = 30.0
+    min_requests: int = 20
+    error_ratio: float = 0.5
+    consecutive_failures: int = 5
+    latency_slo_s: float | None = None
+    cooldown_s: float = 30.0
+    max_cooldown_s: float = 120.0
+    ramp_steps: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)
+    ramp_step_s: float = 10.0
+    trip_on_preemption: bool = True
+    preemption_threshold: float = 1.0
+
+
+@dataclass(frozen=True)
+class Degrade:
+    """A tier's degradation ladder, by the backend's capacity scale (1.0 = no pressure)."""
+
+    clamp_max_tokens: int = 0  # 0: never clamp
+    clamp_below_scale: float = 0.0
+    fallback_below_scale: float = 0.0  # route to the model's fallback_model
+    shed_below_scale: float = 0.0  # answer 503 instead of queueing
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    context_window: int
+    encoding: str = "cl100k_base"
+    default_max_tokens: int | None = None
+    fallback_model: str | None = None
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    host: str
+    port: int
+    max_concurrency: int
+    models: tuple[Model, ...]
+    metrics_url: str | None = None
+    # KV-cache size in tokens. When set, a request is admitted only while the
+    # worst-case footprints (prompt + n x max_tokens) of everything in flight fit
+    # in it, scaled by the watermark: the cache cannot be overcommitted.
+    kv_capacity_tokens: int | None = None
+    kv_block_size: int = 16
+    engine: str = "vllm"
+    metric_names: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    watermark: WatermarkSettings = field(default_factory=WatermarkSettings)
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
+
+
+@dataclass(frozen=True)
+class Tier:
+    name: str
+    priority: int
+    tpm: int
+    rpm: int
+    burst_tokens: int  # bucket capacity; defaults to one minute's worth
+    max_concurrency: int  # per tenant
+    guaranteed_slots: int = 0  # per backend, reserved for this tier
+    burst_slots: int | None = None  # most shared-pool slots this tier may hold
+    max_queue_wait_ms: int = 0
+    max_queue_depth: int = 0
+    queue_weight: int = 1
+    degrade: Degrade = field(default_factory=Degrade)
+    shadow: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    tier: str
+    key_hashes: tuple[str, ...]
+    tpm: int | None = None
+    rpm: int | None = None
+    max_concurrency: int | None = None
+
+
+@dataclass(frozen=True)
+class BreakerOverride:
+    """An operator's manual trip or reset; ``until`` is wall-clock epoch seconds."""
+
+    backend: str
+    state: str  # "open" | "closed"
+    reason: str
+    until: float | None = None
+    by: str = ""
+    at: float | None = None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A tenant's effective limits: its tier's, with the tenant's overrides."""
+
+    tpm: int
+    rpm: int
+    burst_tokens: int
+    max_concurrency: int
+
+
+@dataclass(frozen=True)
+class Policy:
+    gateway: Gateway
+    backends: tuple[Backend, ...]
+    tiers: Mapping[str, Tier]
+    tenants: Mapping[str, Tenant]
+    by_key: Mapping[str, str] = field(repr=False)  # key hash -> tenant name
+    by_model: Mapping[str, tuple[Backend, Model]] = field(repr=False)
+    breakers: tuple[BreakerOverride, ...] = ()
+    # Derived per tenant on first use; the snapshot is immutable, so this never goes stale.
+    _limits: dict[str, tuple[Tenant, Limits]] = field(default_factory=dict, repr=False, compare=False)
+
+    def limits(self, tenant: Tenant) -> Limits:
+        cached = self._limits.get(tenant.name)
+        if cached is None or cached[0] is not tenant:
+            cached = self._limits[tenant.name] = (tenant, self._derive_limits(tenant))
+        return cached[1]
+
+    def _derive_limits(self, tenant: Tenant) -> Limits:
+        tier = self.tiers[tenant.tier]
+        tpm = tenant.tpm if tenant.tpm is not None else tier.tpm
+        burst = tier.burst_tokens if tenant.tpm is None else max(tpm, tier.burst_tokens * tpm // max(tier.tpm, 1))
+        return Limits(
+            tpm=tpm,
+            rpm=tenant.rpm if tenant.rpm is not None else tier.rpm,
+            burst_tokens=burst,
+            max_concurrency=tenant.max_concurrency if tenant.max_concurrency is not None else tier.max_concurrency,
+        )
+
+    def tenant_for_key(self, api_key: str) -> Tenant | None:
+        name = self.by_key.get(hash_key(api_key))
+        return self.tenants[name] if name is not None else None
+
+    def tier_order(self) -> list[str]:
+        """Tier names, most important first."""
+        return sorted(self.tiers, key=lambda t: (-self.tiers[t].priority, t))
+
+    def shadowed(self, tier: str, rule: str) -> bool:
+        return rule in self.gateway.shadow or rule in self.tiers[tier].shadow

@@ -1,0 +1,254 @@
+"""The section parsers behind ``build_policy``: one per top-level section, plus the
+cross-section checks. Each reports through the shared ``Reader`` and returns what
+it could build, so one pass lists every problem in the document.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from extproc.policy.model import (
+    Backend,
+    BreakerOverride,
+    BreakerSettings,
+    Degrade,
+    Gateway,
+    Model,
+    Tenant,
+    Tier,
+    WatermarkSettings,
+)
+from extproc.policy.reader import NAME, Path, Reader, read_flat
+
+KNOWN_ENCODINGS = ("cl100k_base", "o200k_base")
+ENGINES = ("vllm", "sglang", "trtllm")
+# Rules that can run in shadow mode: decided and recorded, not enforced.
+SHADOW_RULES = ("tpm", "rpm", "slots", "queue", "shed", "degrade", "breaker")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _shadow(r: Reader, m: Mapping[str, Any], path: Path) -> tuple[str, ...]:
+    raw = r.get(m, path, "shadow", list, [])
+    for j, rule in enumerate(raw):
+        if rule not in SHADOW_RULES:
+            r.fail((*path, "shadow", j), f"unknown rule {rule!r} (known: {', '.join(SHADOW_RULES)})")
+    return tuple(x for x in raw if x in SHADOW_RULES)
+
+
+def _gateway(r: Reader, doc: Any) -> Gateway:
+    path: Path = ("gateway",)
+    m = r.mapping(doc if doc is not None else {}, path, tuple(Gateway.__dataclass_fields__))
+    d = Gateway()
+    return Gateway(
+        max_body_bytes=r.get(m, path, "max_body_bytes", int, d.max_body_bytes, minimum=1024),
+        unknown_paths=r.get(m, path, "unknown_paths", str, d.unknown_paths, choices=("reject", "passthrough")),
+        strip_api_key=r.get(m, path, "strip_api_key", bool, d.strip_api_key),
+        default_max_tokens=r.get(m, path, "default_max_tokens", int, d.default_max_tokens, minimum=1),
+        failure_mode_allow=r.get(m, path, "failure_mode_allow", bool, d.failure_mode_allow),
+        message_timeout_ms=r.get(m, path, "message_timeout_ms", int, d.message_timeout_ms, minimum=100),
+        image_token_estimate=r.get(m, path, "image_token_estimate", int, d.image_token_estimate, minimum=0),
+        shadow=_shadow(r, m, path),
+    )
+
+
+def _metric_names(r: Reader, m: Mapping[str, Any], path: Path) -> dict[str, tuple[str, ...]]:
+    raw = r.get(m, path, "metric_names", dict, {})
+    out: dict[str, tuple[str, ...]] = {}
+    for kind, names in raw.items():
+        p = (*path, "metric_names", str(kind))
+        if kind not in ("kv_usage", "waiting", "running", "preemptions"):
+            r.fail(p, "unknown metric kind (known: kv_usage, waiting, running, preemptions)")
+        elif not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            r.fail(p, "expected a list of metric names, tried in order")
+        else:
+            out[kind] = tuple(names)
+    return out
+
+
+_BACKEND_FIELDS = ("name", "address", "max_concurrency", "models", "metrics_url", "engine", "metric_names",
+                   "watermark", "breaker", "kv_capacity_tokens", "kv_block_size")
+
+
+def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
+    if not isinstance(doc, list) or not doc:
+        r.fail(("backends",), "expected a non-empty list of backends")
+        return ()
+    out = []
+    for i, item in enumerate(doc):
+        path: Path = ("backends", i)
+        m = r.mapping(item, path, _BACKEND_FIELDS)
+        name = r.name(m, path)
+        address = r.get(m, path, "address", str)
+        host, port = "", 0
+        if address is not None:
+            host, _, port_s = address.rpartition(":")
+            if not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+                r.fail((*path, "address"), f"expected host:port, got {address!r}")
+            else:
+                port = int(port_s)
+        models = []
+        raw_models = m.get("models")
+        if not isinstance(raw_models, list) or not raw_models:
+            r.fail((*path, "models"), "expected a non-empty list of models")
+            raw_models = []
+        for j, mm in enumerate(raw_models):
+            mp: Path = (*path, "models", j)
+            mmap = r.mapping(mm, mp, tuple(Model.__dataclass_fields__))
+            mname = r.get(mmap, mp, "name", str)
+            models.append(Model(
+                name=mname or "",
+                context_window=r.get(mmap, mp, "context_window", int, minimum=16) or 0,
+                encoding=r.get(mmap, mp, "encoding", str, "cl100k_base", choices=KNOWN_ENCODINGS),
+                default_max_tokens=r.get(mmap, mp, "default_max_tokens", int, None, minimum=1),
+                fallback_model=r.get(mmap, mp, "fallback_model", str, None),
+            ))
+        out.append(Backend(
+            name=name or "", host=host, port=port,
+            max_concurrency=r.get(m, path, "max_concurrency", int, 64, minimum=1),
+            models=tuple(models),
+            metrics_url=r.get(m, path, "metrics_url", str, None),
+            kv_capacity_tokens=r.get(m, path, "kv_capacity_tokens", int, None, minimum=1),
+            kv_block_size=r.get(m, path, "kv_block_size", int, 16, minimum=1),
+            engine=r.get(m, path, "engine", str, "vllm", choices=ENGINES),
+            metric_names=_metric_names(r, m, path),
+            watermark=read_flat(r, m.get("watermark"), (*path, "watermark"), WatermarkSettings),
+            breaker=read_flat(r, m.get("breaker"), (*path, "breaker"), BreakerSettings),
+        ))
+    return tuple(out)
+
+
+# A queued request holds Envoy's reply; Envoy allows at most max_message_timeout
+# (120 s in the generated config) and our deadline must answer first.
+MAX_QUEUE_WAIT_MS = 110_000
+
+
+def _queue_wait(r: Reader, t: Mapping[str, Any], path: Path) -> int:
+    v = r.get(t, path, "max_queue_wait_ms", int, 0, minimum=0)
+    if v > MAX_QUEUE_WAIT_MS:
+        r.fail((*path, "max_queue_wait_ms"), f"at most {MAX_QUEUE_WAIT_MS} (Envoy's max_message_timeout)")
+    return v
+
+
+def _tiers(r: Reader, doc: Any) -> dict[str, Tier]:
+    fields = tuple(f for f in Tier.__dataclass_fields__ if f != "name")
+    m = r.mapping(doc, ("tiers",), tuple(doc)) if isinstance(doc, dict) else r.mapping(doc, ("tiers",), ())
+    out: dict[str, Tier] = {}
+    for name, item in m.items():
+        path: Path = ("tiers", name)
+        if not NAME.match(str(name)):
+            r.fail(path, f"{name!r} is not a valid tier name")
+        t = r.mapping(item, path, fields)
+        tpm = r.get(t, path, "tpm", int, minimum=1) or 1
+        out[str(name)] = Tier(
+            name=str(name),
+            priority=r.get(t, path, "priority", int, 0),
+            tpm=tpm,
+            rpm=r.get(t, path, "rpm", int, minimum=1) or 1,
+            burst_tokens=r.get(t, path, "burst_tokens", int, tpm, minimum=1),
+            max_concurrency=r.get(t, path, "max_concurrency", int, 1 << 20, minimum=1),
+            guaranteed_slots=r.get(t, path, "guaranteed_slots", int, 0, minimum=0),
+            burst_slots=r.get(t, path, "burst_slots", int, None, minimum=0),
+            max_queue_wait_ms=_queue_wait(r, t, path),
+            max_queue_depth=r.get(t, path, "max_queue_depth", int, 0, minimum=0),
+            queue_weight=r.get(t, path, "queue_weight", int, 1, minimum=1),
+            degrade=read_flat(r, t.get("degrade"), (*path, "degrade"), Degrade),
+            shadow=_shadow(r, t, path),
+        )
+    if not out:
+        r.fail(("tiers",), "at least one tier is required")
+    return out
+
+
+def _tenants(r: Reader, doc: Any, tiers: Mapping[str, Tier]) -> tuple[dict[str, Tenant], dict[str, str]]:
+    """The tenants by name, and key hash -> tenant name."""
+    by_key: dict[str, str] = {}
+    if not isinstance(doc, list):
+        r.fail(("tenants",), "expected a list of tenants")
+        return {}, by_key
+    out: dict[str, Tenant] = {}
+    for i, item in enumerate(doc):
+        path: Path = ("tenants", i)
+        m = r.mapping(item, path, ("name", "tier", "keys", "tpm", "rpm", "max_concurrency"))
+        name = r.name(m, path)
+        tier = r.get(m, path, "tier", str)
+        if tier is not None and tier not in tiers:
+            r.fail((*path, "tier"), f"unknown tier {tier!r} (known: {', '.join(sorted(tiers))})")
+        keys = m.get("keys")
+        hashes: list[str] = []
+        if not isinstance(keys, list) or not keys:
+            r.fail((*path, "keys"), "expected a non-empty list of key hashes (sha256:<hex>)")
+        else:
+            for j, k in enumerate(keys):
+                if not isinstance(k, str) or not k.startswith("sha256:") or not _HEX64.match(k[7:]):
+                    r.fail((*path, "keys", j), "expected sha256:<64 lowercase hex>; store hashes, never keys")
+                    continue
+                hashes.append(k)
+                # Checked here, where i and j still point at the list items in the file.
+                if k in by_key and by_key[k] != name:
+                    r.fail((*path, "keys", j), f"key already belongs to tenant {by_key[k]!r}")
+                by_key.setdefault(k, name or "")
+        tenant = Tenant(
+            name=name or "", tier=tier or "", key_hashes=tuple(hashes),
+            tpm=r.get(m, path, "tpm", int, None, minimum=1),
+            rpm=r.get(m, path, "rpm", int, None, minimum=1),
+            max_concurrency=r.get(m, path, "max_concurrency", int, None, minimum=1),
+        )
+        if name in out:
+            r.fail((*path, "name"), f"duplicate tenant {name!r}")
+        else:
+            out[name or f"#{i}"] = tenant
+    return out, by_key
+
+
+def _breakers(r: Reader, doc: Any, backends: set[str]) -> tuple[BreakerOverride, ...]:
+    if doc is None:
+        return ()
+    if not isinstance(doc, list):
+        r.fail(("breakers",), "expected a list of manual breaker overrides")
+        return ()
+    out = []
+    for i, item in enumerate(doc):
+        path: Path = ("breakers", i)
+        m = r.mapping(item, path, tuple(BreakerOverride.__dataclass_fields__))
+        backend = r.get(m, path, "backend", str)
+        if backend is not None and backend not in backends:
+            r.fail((*path, "backend"), f"unknown backend {backend!r}")
+        state = r.get(m, path, "state", str, choices=("open", "closed"))
+        reason = r.get(m, path, "reason", str)
+        if reason is not None and not reason.strip():
+            r.fail((*path, "reason"), "a manual override needs a reason")
+        until = r.get(m, path, "until", (int, float), None)
+        out.append(BreakerOverride(backend=backend or "", state=state or "open", reason=reason or "",
+                                   until=float(until) if until is not None else None,
+                                   by=r.get(m, path, "by", str, ""),
+                                   at=r.get(m, path, "at", (int, float), None)))
+    return tuple(out)
+
+
+def _cross_checks(r: Reader, backends: tuple[Backend, ...], tiers: Mapping[str, Tier]
+                  ) -> dict[str, tuple[Backend, Model]]:
+    by_model: dict[str, tuple[Backend, Model]] = {}
+    seen_backends: set[str] = set()
+    guaranteed = sum(t.guaranteed_slots for t in tiers.values())
+    for i, b in enumerate(backends):
+        if b.name in seen_backends:
+            r.fail(("backends", i, "name"), f"duplicate backend {b.name!r}")
+        seen_backends.add(b.name)
+        if guaranteed > b.max_concurrency:
+            r.fail(("backends", i, "max_concurrency"),
+                   f"tiers guarantee {guaranteed} slots, more than this backend's {b.max_concurrency}")
+        for j, mdl in enumerate(b.models):
+            if mdl.name in by_model:
+                r.fail(("backends", i, "models", j, "name"),
+                       f"model {mdl.name!r} is already served by backend {by_model[mdl.name][0].name!r}")
+            by_model[mdl.name] = (b, mdl)
+    for i, b in enumerate(backends):
+        for j, mdl in enumerate(b.models):
+            if mdl.fallback_model is not None and mdl.fallback_model not in by_model:
+                r.fail(("backends", i, "models", j, "fallback_model"),
+                       f"fallback model {mdl.fallback_model!r} is not served by any backend")
+            elif mdl.fallback_model == mdl.name:
+                r.fail(("backends", i, "models", j, "fallback_model"), "a model cannot fall back to itself")
+    return by_model
