@@ -68,6 +68,7 @@ class BackendRuntime:
     sample: object | None = None  # the last scrape.Sample, for status reports
     has_metrics: bool = True
     kv_in_use: int = 0
+    priorities: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def create(cls, spec: Backend, policy: Policy, now: float) -> BackendRuntime:
@@ -78,6 +79,7 @@ class BackendRuntime:
                                _burst_caps(policy)),
                  wm=watermark_controller(spec), breaker=Breaker(breaker_config(spec), now),
                  queue=AdmissionQueue(configs), configs=configs, has_metrics=spec.metrics_url is not None)
+        rt.priorities = {name: t.priority for name, t in policy.tiers.items()}
         rt.apply_override(policy, now)
         return rt
 
@@ -92,6 +94,7 @@ class BackendRuntime:
         if _queue_configs(policy) != self.configs:
             self._requeue(policy, now)
         self.spec = spec
+        self.priorities = {name: t.priority for name, t in policy.tiers.items()}
         self.has_metrics = spec.metrics_url is not None
         self.apply_override(policy, now)
 
@@ -133,12 +136,34 @@ class BackendRuntime:
         cap = self.spec.kv_capacity_tokens
         return float("inf") if cap is None else cap * self.scale(now)
 
-    def kv_fits(self, kv: int, now: float) -> bool:
+    def kv_fits(self, kv: int, now: float, tier: str | None = None) -> bool:
+        """Whether ``kv`` more tokens fit, leaving room a more important waiter is owed.
+
+        Without that reservation a queued premium request needing a large footprint
+        is overtaken forever by small free-tier requests that each fit in the room
+        freed so far (priority inversion under KV pressure).
+        """
+        owed = self._kv_owed_above(tier, now) if tier is not None else 0
+        if self.kv_in_use + kv + owed <= self.kv_budget(now):
+            return True
         # A lone request always fits a scaled-down budget if it fits the whole cache:
         # otherwise a large prompt could starve forever while the scale is low.
-        return self.kv_in_use + kv <= self.kv_budget(now) or (self.kv_in_use == 0 and
-                                                                self.spec.kv_capacity_tokens is not None and
-                                                                kv <= self.spec.kv_capacity_tokens)
+        return (self.kv_in_use == 0 and self.spec.kv_capacity_tokens is not None
+                and kv <= self.spec.kv_capacity_tokens)
+
+    def _kv_owed_above(self, tier: str, now: float) -> int:
+        """The KV need of the most important waiter, of a tier above ``tier``, that does not fit."""
+        if not self.waiters or self.spec.kv_capacity_tokens is None:
+            return 0
+        mine = self.priorities.get(tier, 0)
+        budget = self.kv_budget(now)
+        best: Waiter | None = None
+        for w in self.waiters.values():
+            p = self.priorities.get(w.tier, 0)
+            if p > mine and not w.future.done() and self.kv_in_use + w.kv > budget and \
+                    (best is None or p > self.priorities.get(best.tier, 0)):
+                best = w
+        return best.kv if best is not None else 0
 
     # -- acquisition ----------------------------------------------------------------
     def try_acquire(self, tier: str, tenant: str, cap: int | None, kv: int, now: float) -> Hold | Denied:
@@ -152,7 +177,7 @@ class BackendRuntime:
         return self._take(tier, tenant, cap, kv, now)
 
     def _take(self, tier: str, tenant: str, cap: int | None, kv: int, now: float) -> Hold | Denied:
-        if not self.kv_fits(kv, now):
+        if not self.kv_fits(kv, now, tier):
             return Denied("kv_exhausted", f"KV budget: {self.kv_in_use} + {kv} > {self.kv_budget(now):.0f}")
         got = self.pool.try_acquire(tier, tenant, cap, self.scale(now))
         if isinstance(got, Denied):
@@ -162,7 +187,7 @@ class BackendRuntime:
 
     def can_admit(self, tier: str, now: float) -> bool:
         head = next((w for w in self.waiters.values() if w.tier == tier and not w.future.done()), None)
-        if head is not None and not self.kv_fits(head.kv, now):
+        if head is not None and not self.kv_fits(head.kv, now, tier):
             return False
         got = self.pool.try_acquire(tier, _PROBE_TENANT, None, self.scale(now))
         if isinstance(got, SlotGrant):

@@ -138,3 +138,27 @@ def test_no_interleaving_leaks_a_slot_or_kv(seq: list[tuple[str, str, int, int]]
         assert be.queue.depth() == 0 and not be.waiters
 
     asyncio.run(run())
+
+
+def test_small_low_tier_requests_cannot_starve_a_large_premium_waiter() -> None:
+    async def run() -> None:
+        be = runtime(kv=1000, total=8)
+        a = be.try_acquire("hi", "a", None, 500, 0.0)
+        b = be.try_acquire("hi", "a", None, 400, 0.0)
+        assert isinstance(a, Hold) and isinstance(b, Hold)
+        big = be.enqueue("hi", "a", None, 600, 0.0)  # needs 600; only 100 free
+        assert isinstance(big, Waiter)
+        # A small free-tier request would fit in the 100 left, but that room is owed upward.
+        assert isinstance(be.try_acquire("lo", "z", None, 50, 0.0), Denied)
+        be.release(a, 0.0)  # 600 free now: it goes to the premium waiter, not to newcomers
+        got = await asyncio.wait_for(big.future, 1)
+        assert isinstance(got, Hold)
+        # Nobody is owed anything now: the next free room goes to whoever fits.
+        be.release(b, 0.0)
+        small = be.try_acquire("lo", "z", None, 50, 0.0)
+        assert isinstance(small, Hold)
+        be.release(got, 0.0)
+        be.release(small, 0.0)
+        assert be.kv_in_use == 0
+
+    asyncio.run(run())
