@@ -27,7 +27,8 @@ test-e2e: install
 	$(PY) -m pytest -q -m e2e
 
 bench: install
-	$(PY) -m bench.overhead
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m bench.run
 
 lint: install
 	$(VENV)/bin/ruff check extproc console bench tests

