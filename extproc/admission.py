@@ -75,7 +75,7 @@ class Admission:
                              headers=retry_after_headers(wait))
             ticket.breaker_verdict = None  # shadowed: nothing to report back to the breaker
         d = self.tier.degrade
-        scale = be.scale(now)
+        scale = be.pressure_scale(self.tier.name, now)
         if d.shed_below_scale and scale < d.shed_below_scale and not self._shadow("shed"):
             raise Reject("overloaded", f"The backend is under memory pressure; the {self.tier.name!r} tier is "
                          "shed first. Retry later.", code="overloaded", headers=retry_after_headers(5))

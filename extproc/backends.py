@@ -126,6 +126,22 @@ class BackendRuntime:
         # A backend without a metrics endpoint has nothing to feed back; don't punish it.
         return self.wm.scale(now) if self.has_metrics else 1.0
 
+    def pressure_scale(self, tier: str, now: float) -> float:
+        """The scale a tier's degradation ladder sees.
+
+        KV-aware admission keeps the cache under the watermark, so the watermark
+        alone rarely signals pressure; a more important tier waiting in our own queue
+        does. While one waits, lower tiers are degraded or shed as at the high mark.
+        """
+        scale = self.scale(now)
+        if self.waiters and self._waiting_above(tier):
+            scale = min(scale, self.spec.watermark.floor)
+        return scale
+
+    def _waiting_above(self, tier: str) -> bool:
+        mine = self.priorities.get(tier, 0)
+        return any(self.priorities.get(w.tier, 0) > mine and not w.future.done() for w in self.waiters.values())
+
     # -- KV budget ------------------------------------------------------------------
     def footprint(self, tokens: int) -> int:
         """KV tokens a request may occupy, rounded up to whole cache blocks."""

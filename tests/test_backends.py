@@ -162,3 +162,23 @@ def test_small_low_tier_requests_cannot_starve_a_large_premium_waiter() -> None:
         assert be.kv_in_use == 0
 
     asyncio.run(run())
+
+
+def test_a_waiting_premium_request_is_pressure_for_lower_tiers() -> None:
+    async def run() -> None:
+        be = runtime(kv=100)
+        assert be.pressure_scale("lo", 0.0) == 1.0
+        h = be.try_acquire("hi", "a", None, 100, 0.0)
+        assert isinstance(h, Hold)
+        w = be.enqueue("hi", "a", None, 100, 0.0)
+        assert isinstance(w, Waiter)
+        floor = be.spec.watermark.floor
+        assert be.pressure_scale("lo", 0.0) == floor  # lower tiers degrade or shed now
+        assert be.pressure_scale("hi", 0.0) == 1.0  # the waiting tier itself is not degraded
+        be.release(h, 0.0)
+        got = await asyncio.wait_for(w.future, 1)
+        assert be.pressure_scale("lo", 0.0) == 1.0
+        assert isinstance(got, Hold)
+        be.release(got, 0.0)
+
+    asyncio.run(run())

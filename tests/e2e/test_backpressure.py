@@ -279,3 +279,23 @@ def test_metrics_cover_backpressure(stack: Stack) -> None:
                  "sluice_degraded_total", "sluice_rejections_total"):
         assert name in text, name
     assert yaml is not None
+
+
+def test_waiting_premium_request_sheds_batch_and_degrades_free(stack: Stack) -> None:
+    with ThreadPoolExecutor(4) as pool:
+        holders = _hold_cache(stack, pool)
+        waiting = pool.submit(chat, stack.url, KEYS["premium"], 10, 1000, 20)
+        deadline = time.monotonic() + 2
+        while backend_state(stack)["queue"]["depth"]["premium"] != 1:
+            assert time.monotonic() < deadline, backend_state(stack)
+            time.sleep(0.01)
+        # The KV watermark is calm (reservations keep it so); the premium queue is the pressure.
+        assert backend_state(stack)["scale"] == 1.0
+        shed = chat(stack.url, KEYS["batch"])
+        assert shed.status_code == 503 and shed.headers["x-sluice-reason"] == "overloaded"
+        free = pool.submit(chat, stack.url, KEYS["free"], 10, 200, 200)
+        assert waiting.result().status_code == 200
+        r = free.result()
+        assert r.status_code == 200 and r.headers["x-sluice-degraded"] == "max_tokens"
+        assert r.json()["usage"]["completion_tokens"] == 32
+        assert [h.result().status_code for h in holders] == [200, 200]
