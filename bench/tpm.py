@@ -26,19 +26,10 @@ from typing import Any
 from bench.headline import sim_args
 from bench.loadgen import ClientPolicy, Result, new_session, send
 from bench.metrics import max_window_ratio, rate_per_minute
+from bench.procs import wait_idle
 from bench.report import table, verdict
-from bench.stack import (
-    Gateway,
-    Ports,
-    envoy_config,
-    envoy_options,
-    example_backend,
-    example_gateway,
-    get_json,
-    write_policy,
-)
+from bench.stack import Gateway, Ports, example_backend, example_gateway
 from bench.trace import Mix, Request, load_trace, sample_mix
-from extproc.envoyconfig import BackendRoute
 from extproc.policy.schema import hash_key
 
 KEY = "sk-bench-tpm"
@@ -94,13 +85,9 @@ def run(workdir: Path, *, quick: bool = False, log: Any = print) -> TpmResult:
     mix = Mix(premium_share=1.0, batch_share=0.0, premium_max_tokens=MAX_TOKENS)
     reqs = sample_mix(load_trace(), 4000, mix, seed=5)
     gw = Gateway(workdir / "tpm", Ports())
-    gw.workdir.mkdir(parents=True, exist_ok=True)
     try:
         gw.start_sim("sim", gw.ports.sim, sim_args("preempt"))
-        doc = tpm_policy(gw.ports.sim)
-        gw.start_extproc(write_policy(gw.workdir / "policies", doc))
-        gw.start_envoy(envoy_config("sluice", [BackendRoute("sim", "127.0.0.1", gw.ports.sim)],
-                                    envoy_options(gw.ports, doc)), "tpm")
+        gw.start_sluice(tpm_policy(gw.ports.sim), "tpm")
         log(f"TPM accuracy: {CLIENTS} streaming clients on one tenant (TPM {TPM}), {seconds:.0f} s")
 
         async def drive() -> list[Result]:
@@ -113,11 +100,7 @@ def run(workdir: Path, *, quick: bool = False, log: Any = print) -> TpmResult:
             return results
 
         results = asyncio.run(drive())
-        deadline = time.monotonic() + 10
-        st = get_json(f"http://127.0.0.1:{gw.ports.admin}/debug/state")
-        while st["in_flight"] and time.monotonic() < deadline:
-            time.sleep(0.1)
-            st = get_json(f"http://127.0.0.1:{gw.ports.admin}/debug/state")
+        st = wait_idle(f"http://127.0.0.1:{gw.ports.admin}/debug/state", 10)
         out.ledger = st["ledger"]
         out.charged_by_sluice = st["ledger"]["charged"]
     except Exception as exc:  # noqa: BLE001 - reported, the other parts still run

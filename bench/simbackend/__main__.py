@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import signal
 from dataclasses import fields
+from typing import Any
 
 from .app import create_app
 from .config import MODES, SimConfig
@@ -18,54 +19,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     d = SimConfig()
-    p.add_argument("--model", default=d.model, help="served model name (requests may use any)")
-    p.add_argument("--kv-blocks", type=int, default=d.kv_blocks)
-    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+
+    def setting(flag: str, help: str | None = None, **kw: Any) -> None:
+        # Default and type from SimConfig's field (--kv-blocks: kv_blocks): a float field
+        # needs a float default, or its flag would parse as int.
+        default = getattr(d, flag[2:].replace("-", "_"))
+        p.add_argument(flag, type=type(default), default=default, help=help, **kw)
+
+    setting("--model", "served model name (requests may use any)")
+    setting("--kv-blocks")
+    setting("--block-size", "tokens per KV block")
+    setting("--max-num-seqs")
+    setting("--max-model-len")
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=None,
         help="prompt tokens per prefill step (default: max-model-len)",
     )
-    p.add_argument(
-        "--watermark",
-        type=float,
-        default=d.watermark,
-        help="fraction of blocks kept free at admission",
+    setting("--watermark", "fraction of blocks kept free at admission")
+    setting(
+        "--mode", "out of KV: preempt the newest sequence, or fail everything (oom)", choices=MODES
     )
-    p.add_argument(
-        "--mode",
-        choices=MODES,
-        default=d.mode,
-        help="out of KV: preempt the newest sequence, or fail everything (oom)",
-    )
-    p.add_argument(
-        "--time-scale", type=float, default=d.time_scale, help="10 runs everything ten times faster"
-    )
-    p.add_argument("--ttft-ms", type=float, default=d.ttft_ms, help="fixed cost of a prefill step")
-    p.add_argument("--prefill-ms-per-1k-tokens", type=float, default=d.prefill_ms_per_1k_tokens)
-    p.add_argument(
-        "--tokens-per-s",
-        type=float,
-        default=d.tokens_per_s,
-        help="decode speed of a sequence running alone",
-    )
-    p.add_argument(
-        "--decode-ms-per-seq",
-        type=float,
-        default=d.decode_ms_per_seq,
-        help="added to a decode step per sequence in the batch",
-    )
-    p.add_argument(
-        "--oom-pause-s",
-        type=float,
-        default=d.oom_pause_s,
-        help="admission pause after a simulated OOM (mode oom)",
-    )
-    p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
-    p.add_argument("--embedding-dim", type=int, default=d.embedding_dim)
+    setting("--time-scale", "10 runs everything ten times faster")
+    setting("--ttft-ms", "fixed cost of a prefill step")
+    setting("--prefill-ms-per-1k-tokens")
+    setting("--tokens-per-s", "decode speed of a sequence running alone")
+    setting("--decode-ms-per-seq", "added to a decode step per sequence in the batch")
+    setting("--oom-pause-s", "admission pause after a simulated OOM (mode oom)")
+    setting("--default-max-tokens")
+    setting("--embedding-dim")
     return p
 
 

