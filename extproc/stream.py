@@ -291,12 +291,17 @@ class StreamProcessor:
     # -- the one exit -------------------------------------------------------
     def settle(self, how: str) -> None:
         """Release what the request holds; idempotent, called on every exit path."""
-        if self.settled or not self.admitted:
-            self.settled = True
+        if self.settled:
             return
         self.settled = True
-        assert self.tenant is not None
         now = self.rt.clock()
+        if not self.admitted:
+            # Refused before its pre-charge, but a half-open breaker may have let it in
+            # as the probe: that place must be given back, or recovery stalls.
+            if self.ticket is not None:
+                self._release(self.ticket, "rejected", now)
+            return
+        assert self.tenant is not None
         # A request that never left Sluice (refused, or abandoned while queued) used nothing.
         actual = self._actual_usage(how) if self.forwarded and how != "rejected" else 0
         self.rt.state.settle(self.tenant.name, self.reserved, actual, now)

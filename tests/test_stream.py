@@ -1,0 +1,97 @@
+"""The per-stream state machine in process: messages in, answers out, nothing held after."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc.policy.breaker import BreakerState
+from extproc.policy.schema import build_policy, hash_key
+from extproc.runtime import Runtime
+from extproc.stream import StreamProcessor
+
+
+def policy(tpm: int = 100_000) -> Any:
+    return build_policy({
+        "backends": [{"name": "b", "address": "127.0.0.1:1", "max_concurrency": 4,
+                      "breaker": {"consecutive_failures": 1, "cooldown_s": 1, "max_cooldown_s": 2},
+                      "models": [{"name": "m", "context_window": 4096}]}],
+        "tiers": {"t": {"tpm": tpm, "rpm": 1000}},
+        "tenants": [{"name": "a", "tier": "t", "keys": [hash_key("k")]}],
+    })
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def headers(**h: str) -> pb.ProcessingRequest:
+    hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k.replace("_", "-") if not k.startswith("_") else
+                                                          ":" + k[1:], raw_value=v.encode()) for k, v in h.items()])
+    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=hm))
+
+
+def body(max_tokens: int) -> pb.ProcessingRequest:
+    raw = json.dumps({"model": "m", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hi"}]})
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=raw.encode(), end_of_stream=True))
+
+
+def response(status: int) -> pb.ProcessingRequest:
+    raw = json.dumps({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1}}).encode()
+    r = pb.ProcessingRequest(response_body=pb.HttpBody(body=raw, end_of_stream=True))
+    r.attributes["envoy.filters.http.ext_proc"].fields["response.code"].number_value = status
+    return r
+
+
+async def exchange(rt: Runtime, *messages: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    sp = StreamProcessor(rt, peer=None)  # type: ignore[arg-type]  # no queueing in these tests
+    out = []
+    for m in messages:
+        async for r in sp.handle(m):
+            out.append(r)
+        if sp.finished:
+            break
+    sp.settle("disconnect")
+    return out
+
+
+def test_a_request_refused_after_winning_the_half_open_probe_gives_the_probe_back() -> None:
+    clock = Clock()
+    rt = Runtime(policy(tpm=100), clock=clock)
+    be = rt.backends["b"]
+    be.has_metrics = False
+    hdr = headers(_path="/v1/chat/completions", _method="POST", authorization="Bearer k")
+    # One 500 trips the breaker; after the cooldown it lets a single probe through.
+    asyncio.run(exchange(rt, hdr, body(10), response(500)))
+    assert be.breaker.state(clock.now) is BreakerState.OPEN
+    clock.now += 1.5
+    # This request wins the probe, then is refused for tokens (it needs more than 100).
+    out = asyncio.run(exchange(rt, hdr, body(500)))
+    assert out[-1].immediate_response.status.code == 429
+    # The probe's place is free again: the next request may probe.
+    out = asyncio.run(exchange(rt, hdr, body(10), response(200)))
+    assert not out[-1].HasField("immediate_response")
+    st = rt.status()
+    assert st["in_flight"] == 0 and st["ledger"]["balanced"]
+    rt.close()
+
+
+def test_passthrough_path_skips_the_rest_and_holds_nothing() -> None:
+    doc_policy = policy()
+    gw = doc_policy.gateway.__class__(unknown_paths="passthrough")
+    rt = Runtime(doc_policy.__class__(**{**doc_policy.__dict__, "gateway": gw}))
+    out = asyncio.run(exchange(rt, headers(_path="/v1/models", _method="GET", authorization="Bearer k")))
+    assert out[0].HasField("mode_override")
+    set_headers = {h.header.key: h.header.raw_value for h in out[0].request_headers.response.header_mutation.set_headers}
+    assert set_headers["x-sluice-tenant"] == b"a"
+    assert "authorization" in out[0].request_headers.response.header_mutation.remove_headers
+    assert rt.status()["in_flight"] == 0
+    rt.close()
