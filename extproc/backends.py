@@ -150,7 +150,7 @@ class BackendRuntime:
 
     def kv_budget(self, now: float) -> float:
         cap = self.spec.kv_capacity_tokens
-        return float("inf") if cap is None else cap * self.scale(now)
+        return float("inf") if cap is None else cap * self.spec.kv_overcommit * self.scale(now)
 
     def kv_fits(self, kv: int, now: float, tier: str | None = None) -> bool:
         """Whether ``kv`` more tokens fit, leaving room a more important waiter is owed.

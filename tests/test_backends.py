@@ -182,3 +182,17 @@ def test_a_waiting_premium_request_is_pressure_for_lower_tiers() -> None:
         be.release(got, 0.0)
 
     asyncio.run(run())
+
+
+def test_overcommit_admits_more_reservations_than_the_cache() -> None:
+    p = build_policy({
+        "backends": [{"name": "b", "address": "127.0.0.1:1", "max_concurrency": 8, "kv_capacity_tokens": 100,
+                      "kv_block_size": 10, "kv_overcommit": 1.5, "models": [{"name": "m", "context_window": 64}]}],
+        "tiers": {"hi": {"tpm": 1000, "rpm": 10}},
+        "tenants": [{"name": "a", "tier": "hi", "keys": [hash_key("a")]}],
+    })
+    be = BackendRuntime.create(p.backends[0], p, 0.0)
+    be.has_metrics = False
+    holds = [be.try_acquire("hi", "a", None, 50, 0.0) for _ in range(3)]
+    assert all(isinstance(h, Hold) for h in holds)  # 150 reserved on a 100-token cache
+    assert isinstance(be.try_acquire("hi", "a", None, 10, 0.0), Denied)

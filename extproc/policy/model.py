@@ -100,6 +100,10 @@ class Backend:
     # in it, scaled by the watermark: the cache cannot be overcommitted.
     kv_capacity_tokens: int | None = None
     kv_block_size: int = 16
+    # Worst-case footprints overstate what requests really use (most stop well before
+    # max_tokens). >1 admits that many times the cache in reservations and relies on
+    # the watermark feedback to cut admission when real usage climbs.
+    kv_overcommit: float = 1.0
     engine: str = "vllm"
     metric_names: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     watermark: WatermarkSettings = field(default_factory=WatermarkSettings)

@@ -68,7 +68,7 @@ def _metric_names(r: Reader, m: Mapping[str, Any], path: Path) -> dict[str, tupl
 
 
 _BACKEND_FIELDS = ("name", "address", "max_concurrency", "models", "metrics_url", "engine", "metric_names",
-                   "watermark", "breaker", "kv_capacity_tokens", "kv_block_size")
+                   "watermark", "breaker", "kv_capacity_tokens", "kv_block_size", "kv_overcommit")
 
 
 def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
@@ -111,6 +111,7 @@ def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
             metrics_url=r.get(m, path, "metrics_url", str, None),
             kv_capacity_tokens=r.get(m, path, "kv_capacity_tokens", int, None, minimum=1),
             kv_block_size=r.get(m, path, "kv_block_size", int, 16, minimum=1),
+            kv_overcommit=float(r.get(m, path, "kv_overcommit", (int, float), 1.0, minimum=1)),
             engine=r.get(m, path, "engine", str, "vllm", choices=ENGINES),
             metric_names=_metric_names(r, m, path),
             watermark=read_flat(r, m.get("watermark"), (*path, "watermark"), WatermarkSettings),
