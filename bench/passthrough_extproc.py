@@ -22,6 +22,8 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from extproc.server import start_server
+
 # One prebuilt answer per message kind; gRPC serializes it on each send.
 ANSWERS: dict[str, pb.ProcessingResponse] = {
     "request_headers": pb.ProcessingResponse(request_headers=pb.HeadersResponse()),
@@ -44,18 +46,8 @@ class PassThrough(pb_grpc.ExternalProcessorServicer):
 
 
 async def serve(host: str, port: int) -> None:
-    # The same server options as extproc.server.serve, so only the handler differs.
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", 64 << 20),
-        ("grpc.max_send_message_length", 64 << 20),
-        ("grpc.max_concurrent_streams", 100000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-    ])
-    pb_grpc.add_ExternalProcessorServicer_to_server(PassThrough(), server)
-    if server.add_insecure_port(f"{host}:{port}") == 0:
-        raise OSError(f"cannot bind {host}:{port}")
-    await server.start()
+    # The same server as Sluice's (extproc.server.start_server), so only the handler differs.
+    server = await start_server(PassThrough(), host, port)
     print(f"pass-through ext_proc listening on {host}:{port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -52,17 +52,25 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             stream.settle(how)
 
 
-async def serve(runtime: Runtime, host: str, port: int) -> grpc.aio.Server:
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", 64 << 20),
-        ("grpc.max_send_message_length", 64 << 20),
-        ("grpc.max_concurrent_streams", 100000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-    ])
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(runtime), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
+# Bodies up to the policy's cap travel in one message; Envoy multiplexes every HTTP
+# stream over a few HTTP/2 connections, so the stream limit must not bind first.
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_concurrent_streams", 100000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+async def start_server(servicer: pb_grpc.ExternalProcessorServicer, host: str, port: int) -> grpc.aio.Server:
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+    if server.add_insecure_port(f"{host}:{port}") == 0:
         raise OSError(f"cannot bind ext_proc gRPC on {host}:{port}")
     await server.start()
     return server
+
+
+async def serve(runtime: Runtime, host: str, port: int) -> grpc.aio.Server:
+    return await start_server(ExternalProcessor(runtime), host, port)
