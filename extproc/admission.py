@@ -46,6 +46,7 @@ class Ticket:
     admitted_at: float = 0.0
     queued_s: float = 0.0
     breaker_verdict: BreakerVerdict | None = None
+    route_verdict: BreakerVerdict | None = None  # the model route's own breaker, if it has one
 
 
 class Admission:
@@ -64,16 +65,24 @@ class Admission:
         be = self.rt.backends[backend.name]
         verdict = be.breaker.allow(now)
         ticket = Ticket(backend, model, be, completion, breaker_verdict=verdict)
+        what = f"Backend {backend.name!r}"
+        route_breaker = be.route_breakers.get(model.name)
+        if verdict.allowed and route_breaker is not None:
+            ticket.route_verdict = route_verdict = route_breaker.allow(now)
+            if not route_verdict.allowed:
+                self._release_probe(ticket, now)
+                ticket.breaker_verdict, verdict = None, route_verdict
+                what = f"Model {model.name!r} on backend {backend.name!r}"
         if not verdict.allowed:
             fb = self._fallback(model, now)
             if fb is not None:
                 return self._to_fallback(ticket, fb, now)
             if not self._shadow("breaker"):
                 wait = verdict.retry_after_s if verdict.retry_after_s is not None else 30.0
-                raise Reject("breaker_open", f"Backend {backend.name!r} is unavailable ({verdict.reason}); "
-                             "retry later.", code="service_unavailable",
-                             headers=retry_after_headers(wait))
-            ticket.breaker_verdict = None  # shadowed: nothing to report back to the breaker
+                raise Reject("breaker_open", f"{what} is unavailable ({verdict.reason}); retry later.",
+                             code="service_unavailable", headers=retry_after_headers(wait))
+            # Shadowed: nothing to report back to the breakers.
+            ticket.breaker_verdict = ticket.route_verdict = None
         d = self.tier.degrade
         scale = be.pressure_scale(self.tier.name, now)
         if d.shed_below_scale and scale < d.shed_below_scale and not self._shadow("shed"):
@@ -113,6 +122,9 @@ class Admission:
         # A half-open probe slot that will not be used must be given back.
         if ticket.breaker_verdict is not None and ticket.breaker_verdict.allowed:
             ticket.runtime.breaker.record("cancelled", None, now)
+        rb = ticket.runtime.route_breakers.get(ticket.model.name)
+        if rb is not None and ticket.route_verdict is not None and ticket.route_verdict.allowed:
+            rb.record("cancelled", None, now)
 
     # -- budgets -------------------------------------------------------------------
     def charge(self, ticket: Ticket, cost: int, now: float) -> Verdict:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from extproc.policy.admission_queue import AdmissionQueue, Enqueued, TierQueueConfig
 from extproc.policy.breaker import Breaker, BreakerConfig
-from extproc.policy.schema import Backend, BreakerOverride, Policy
+from extproc.policy.schema import Backend, BreakerOverride, BreakerSettings, Policy
 from extproc.policy.slots import Denied, SlotGrant, SlotPool
 from extproc.policy.watermark import WatermarkController
 
@@ -21,8 +21,7 @@ _PROBE_TENANT = "\x00probe"
 _ids = itertools.count(1)
 
 
-def breaker_config(b: Backend) -> BreakerConfig:
-    s = b.breaker
+def breaker_config(s: BreakerSettings) -> BreakerConfig:
     return BreakerConfig(window_s=s.window_s, min_requests=s.min_requests, error_ratio=s.error_ratio,
                          consecutive_failures=s.consecutive_failures, latency_slo_s=s.latency_slo_s,
                          cooldown_s=s.cooldown_s, max_cooldown_s=max(s.max_cooldown_s, s.cooldown_s),
@@ -64,7 +63,9 @@ class BackendRuntime:
     queue: AdmissionQueue[int]
     waiters: dict[int, Waiter] = field(default_factory=dict)
     configs: dict[str, TierQueueConfig] = field(default_factory=dict)
-    override: BreakerOverride | None = None
+    overrides: dict[str | None, BreakerOverride | None] = field(default_factory=dict)
+    route_breakers: dict[str, Breaker] = field(default_factory=dict)
+    route_settings: dict[str, BreakerSettings] = field(default_factory=dict)
     sample: object | None = None  # the last scrape.Sample, for status reports
     has_metrics: bool = True
     kv_in_use: int = 0
@@ -77,11 +78,23 @@ class BackendRuntime:
         rt = cls(spec=spec,
                  pool=SlotPool(spec.max_concurrency, {t: policy.tiers[t].guaranteed_slots for t in order}, order,
                                _burst_caps(policy)),
-                 wm=watermark_controller(spec), breaker=Breaker(breaker_config(spec), now),
+                 wm=watermark_controller(spec), breaker=Breaker(breaker_config(spec.breaker), now),
                  queue=AdmissionQueue(configs), configs=configs, has_metrics=spec.metrics_url is not None)
         rt.priorities = {name: t.priority for name, t in policy.tiers.items()}
+        rt._sync_route_breakers(spec, now)
         rt.apply_override(policy, now)
         return rt
+
+    def _sync_route_breakers(self, spec: Backend, now: float) -> None:
+        """One breaker per model route that configures its own; kept across reloads."""
+        wanted = {m.name: m.breaker for m in spec.models if m.breaker is not None}
+        for name in [n for n in self.route_breakers if n not in wanted]:
+            del self.route_breakers[name]
+        for name, settings in wanted.items():
+            current = self.route_settings.get(name)
+            if name not in self.route_breakers or current != settings:
+                self.route_breakers[name] = Breaker(breaker_config(settings), now)
+                self.route_settings[name] = settings
 
     def reconfigure(self, spec: Backend, policy: Policy, now: float) -> None:
         order = policy.tier_order()
@@ -90,7 +103,8 @@ class BackendRuntime:
         if spec.watermark != self.spec.watermark:
             self.wm = watermark_controller(spec)
         if spec.breaker != self.spec.breaker:
-            self.breaker = Breaker(breaker_config(spec), now)
+            self.breaker = Breaker(breaker_config(spec.breaker), now)
+        self._sync_route_breakers(spec, now)
         if _queue_configs(policy) != self.configs:
             self._requeue(policy, now)
         self.spec = spec
@@ -108,18 +122,24 @@ class BackendRuntime:
         self.queue = new
 
     def apply_override(self, policy: Policy, now: float, wall: float | None = None) -> None:
-        """Apply the policy's manual trip/reset for this backend, once per change."""
-        ov = next((o for o in policy.breakers if o.backend == self.spec.name), None)
-        if ov == self.override:
-            return
-        self.override = ov
-        if ov is None:
-            self.breaker.set_manual(None, "", None, now)
-            return
-        until = None
-        if ov.until is not None:
-            until = now + (ov.until - (wall if wall is not None else time.time()))
-        self.breaker.set_manual(ov.state, ov.reason, until, now)
+        """Apply the policy's manual trips/resets for this backend and its routes, once per change."""
+        mine = {o.model: o for o in policy.breakers if o.backend == self.spec.name}
+        wall = wall if wall is not None else time.time()
+        targets: dict[str | None, Breaker] = {None: self.breaker, **self.route_breakers}
+        for model, breaker in targets.items():
+            ov = mine.get(model)
+            if ov == self.overrides.get(model):
+                continue
+            self.overrides[model] = ov
+            if ov is None:
+                breaker.set_manual(None, "", None, now)
+            else:
+                until = None if ov.until is None else now + (ov.until - wall)
+                breaker.set_manual(ov.state, ov.reason, until, now)
+
+    @property
+    def override(self) -> BreakerOverride | None:
+        return self.overrides.get(None)
 
     # -- capacity -----------------------------------------------------------------------
     def scale(self, now: float) -> float:

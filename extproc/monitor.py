@@ -68,12 +68,15 @@ def refresh(rt: Runtime) -> None:
             m.slots_in_use.labels(name, "guaranteed", tier).set(use.guaranteed.get(tier, 0))
             m.slots_in_use.labels(name, "shared", tier).set(use.shared_by_tier.get(tier, 0))
             m.queue_depth.labels(name, tier).set(be.queue.depth(tier))
-        state = be.breaker.state(now).value
-        for s in ("closed", "open", "half_open"):
-            m.breaker_state.labels(name, s).set(1 if s == state else 0)
-        for ev in be.breaker.drain_events():
-            m.breaker_transitions.labels(name, str(ev.from_state), str(ev.to_state), ev.cause).inc()
-            log.warning("breaker %s: %s -> %s (%s)", name, ev.from_state, ev.to_state, ev.cause)
+        # A model route's breaker is labelled backend/model.
+        breakers = {name: be.breaker, **{f"{name}/{model}": b for model, b in be.route_breakers.items()}}
+        for label, breaker in breakers.items():
+            state = breaker.state(now).value
+            for s in ("closed", "open", "half_open"):
+                m.breaker_state.labels(label, s).set(1 if s == state else 0)
+            for ev in breaker.drain_events():
+                m.breaker_transitions.labels(label, str(ev.from_state), str(ev.to_state), ev.cause).inc()
+                log.warning("breaker %s: %s -> %s (%s)", label, ev.from_state, ev.to_state, ev.cause)
 
 
 async def run_monitor(rt: Runtime) -> None:

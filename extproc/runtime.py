@@ -143,17 +143,23 @@ def backend_status(be: BackendRuntime, now: float) -> dict[str, Any]:
     use = be.pool.in_use()
     limits = be.pool.effective_limits(be.scale(now))
     snap = be.breaker.snapshot(now)
+    routes = {model: _breaker_summary(b.snapshot(now)) for model, b in be.route_breakers.items()}
     return {
         "kv_usage": getattr(sample, "kv_usage", None),
         "waiting": getattr(sample, "waiting", None),
         "running": getattr(sample, "running", None),
         "scrape_ok": bool(getattr(sample, "ok", False)),
         "scale": round(be.scale(now), 4),
-        "breaker": {"state": snap.get("state"), "retry_after_s": snap.get("cooldown_left_s"),
-                    "manual": snap.get("manual"), "trips": snap.get("trips", 0)},
+        "breaker": _breaker_summary(snap),
+        "route_breakers": routes,
         "slots": {"total": be.pool.total, "effective": limits["total"], "in_use": use.total,
                   "shared": use.shared, "by_tier": dict(use.by_tier)},
         "queue": {"depth": {t: be.queue.depth(t) for t in be.configs}},
         "kv": {"capacity_tokens": be.spec.kv_capacity_tokens, "reserved_tokens": be.kv_in_use,
                "budget_tokens": None if be.spec.kv_capacity_tokens is None else int(be.kv_budget(now))},
     }
+
+
+def _breaker_summary(snap: dict[str, Any]) -> dict[str, Any]:
+    return {"state": snap.get("state"), "retry_after_s": snap.get("cooldown_left_s"),
+            "manual": snap.get("manual"), "trips": snap.get("trips", 0)}

@@ -322,16 +322,19 @@ class StreamProcessor:
         if t.admitted_at:
             self.rt.metrics.in_flight.dec()
             self.rt.track(self.tenant.name, -1)
+        if how == "end_of_stream" and self.status:
+            outcome = outcome_for_status(self.status)
+        elif how == "error":
+            outcome = "failure"
+        else:
+            # A client that leaves says nothing about the backend's health.
+            outcome = "cancelled"
+        latency = self.first_byte_s - t.admitted_at if self.first_byte_s and t.admitted_at else None
         if t.breaker_verdict is not None and t.breaker_verdict.allowed:
-            if how == "end_of_stream" and self.status:
-                outcome = outcome_for_status(self.status)
-            elif how == "error":
-                outcome = "failure"
-            else:
-                # A client that leaves says nothing about the backend's health.
-                outcome = "cancelled"
-            latency = self.first_byte_s - t.admitted_at if self.first_byte_s and t.admitted_at else None
             t.runtime.breaker.record(outcome, latency, now)
+        route_breaker = t.runtime.route_breakers.get(t.model.name)
+        if route_breaker is not None and t.route_verdict is not None and t.route_verdict.allowed:
+            route_breaker.record(outcome, latency, now)
         if t.hold is not None:
             hold, t.hold = t.hold, None
             t.runtime.release(hold, now)

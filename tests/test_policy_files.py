@@ -450,3 +450,17 @@ def test_readme_documents_every_policy_field() -> None:
             if not re.search(rf"\b{re.escape(name)}\b", section):
                 missing.append(f"{cls.__name__}.{f.name}" + (f" ({name})" if name != f.name else ""))
     assert not missing, f"README.md policy reference does not mention: {', '.join(missing)}"
+
+
+def test_breaker_override_must_name_a_model_the_backend_serves() -> None:
+    doc = {
+        "backends": [{"name": "b", "address": "127.0.0.1:1", "models": [{"name": "m", "context_window": 64}]}],
+        "tiers": {"t": {"tpm": 10, "rpm": 1}},
+        "tenants": [],
+        "breakers": [{"backend": "b", "model": "nope", "state": "open", "reason": "x"}],
+    }
+    with pytest.raises(PolicyError) as exc:
+        build_policy(doc)
+    assert "does not serve model 'nope'" in str(exc.value)
+    doc["breakers"][0]["model"] = "m"
+    assert build_policy(doc).breakers[0].model == "m"

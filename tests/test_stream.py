@@ -95,3 +95,48 @@ def test_passthrough_path_skips_the_rest_and_holds_nothing() -> None:
     assert "authorization" in out[0].request_headers.response.header_mutation.remove_headers
     assert rt.status()["in_flight"] == 0
     rt.close()
+
+
+def test_a_model_route_breaker_trips_that_model_only() -> None:
+    clock = Clock()
+    p = build_policy({
+        "backends": [{"name": "b", "address": "127.0.0.1:1", "max_concurrency": 4,
+                      "models": [{"name": "m", "context_window": 4096,
+                                  "breaker": {"consecutive_failures": 1, "cooldown_s": 5, "max_cooldown_s": 5}},
+                                 {"name": "m2", "context_window": 4096}]}],
+        "tiers": {"t": {"tpm": 100_000, "rpm": 1000}},
+        "tenants": [{"name": "a", "tier": "t", "keys": [hash_key("k")]}],
+    })
+    rt = Runtime(p, clock=clock)
+    rt.backends["b"].has_metrics = False
+    hdr = headers(_path="/v1/chat/completions", _method="POST", authorization="Bearer k")
+
+    def ask(model: str, status: int = 200) -> pb.ProcessingResponse:
+        raw = json.dumps({"model": model, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})
+        req = pb.ProcessingRequest(request_body=pb.HttpBody(body=raw.encode(), end_of_stream=True))
+        return asyncio.run(exchange(rt, hdr, req, response(status)))[-1]
+
+    assert not ask("m", 500).HasField("immediate_response")  # the failure that trips m's route
+    refused = ask("m")
+    assert refused.immediate_response.status.code == 503
+    assert b"Model 'm'" in refused.immediate_response.body
+    assert not ask("m2").HasField("immediate_response"), "the backend's other model is unaffected"
+    assert rt.backends["b"].breaker.state(clock.now) is BreakerState.CLOSED
+    assert rt.status()["backends"]["b"]["route_breakers"]["m"]["state"] == "open"
+    rt.close()
+
+
+def test_a_manual_override_can_target_one_model_route() -> None:
+    p = build_policy({
+        "backends": [{"name": "b", "address": "127.0.0.1:1", "max_concurrency": 4,
+                      "models": [{"name": "m", "context_window": 4096, "breaker": {}},
+                                 {"name": "m2", "context_window": 4096}]}],
+        "tiers": {"t": {"tpm": 100_000, "rpm": 1000}},
+        "tenants": [{"name": "a", "tier": "t", "keys": [hash_key("k")]}],
+        "breakers": [{"backend": "b", "model": "m", "state": "open", "reason": "bad adapter"}],
+    })
+    rt = Runtime(p)
+    be = rt.backends["b"]
+    assert be.route_breakers["m"].state(rt.clock()) is BreakerState.OPEN
+    assert be.breaker.state(rt.clock()) is BreakerState.CLOSED
+    rt.close()

@@ -85,6 +85,9 @@ class Model:
     encoding: str = "cl100k_base"
     default_max_tokens: int | None = None
     fallback_model: str | None = None
+    # A breaker for this model's route alone, besides the backend's: one broken model
+    # (a bad adapter, a crashing tokenizer) need not take its backend's others down.
+    breaker: BreakerSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,7 @@ class BreakerOverride:
     until: float | None = None
     by: str = ""
     at: float | None = None
+    model: str | None = None  # a model route's breaker instead of the backend's
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ def build_policy(doc: Mapping[str, Any], locate: Locator | None = None) -> Polic
     backends = _backends(r, doc.get("backends"))
     tiers = _tiers(r, doc.get("tiers", {}))
     tenants, by_key = _tenants(r, doc.get("tenants", []), tiers)
-    breakers = _breakers(r, doc.get("breakers"), {b.name for b in backends})
+    breakers = _breakers(r, doc.get("breakers"), {b.name: {m.name for m in b.models} for b in backends})
     by_model = _cross_checks(r, backends, tiers)
     if r.problems:
         raise PolicyError(r.problems)

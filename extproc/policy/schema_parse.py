@@ -103,6 +103,8 @@ def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
                 encoding=r.get(mmap, mp, "encoding", str, "cl100k_base", choices=KNOWN_ENCODINGS),
                 default_max_tokens=r.get(mmap, mp, "default_max_tokens", int, None, minimum=1),
                 fallback_model=r.get(mmap, mp, "fallback_model", str, None),
+                breaker=read_flat(r, mmap["breaker"], (*mp, "breaker"), BreakerSettings)
+                if mmap.get("breaker") is not None else None,
             ))
         out.append(Backend(
             name=name or "", host=host, port=port,
@@ -203,7 +205,8 @@ def _tenants(r: Reader, doc: Any, tiers: Mapping[str, Tier]) -> tuple[dict[str, 
     return out, by_key
 
 
-def _breakers(r: Reader, doc: Any, backends: set[str]) -> tuple[BreakerOverride, ...]:
+def _breakers(r: Reader, doc: Any, backends: Mapping[str, set[str]]) -> tuple[BreakerOverride, ...]:
+    """Manual overrides; ``backends`` maps each backend to the models it serves."""
     if doc is None:
         return ()
     if not isinstance(doc, list):
@@ -221,10 +224,13 @@ def _breakers(r: Reader, doc: Any, backends: set[str]) -> tuple[BreakerOverride,
         if reason is not None and not reason.strip():
             r.fail((*path, "reason"), "a manual override needs a reason")
         until = r.get(m, path, "until", (int, float), None)
+        model = r.get(m, path, "model", str, None)
+        if model is not None and backend in backends and model not in backends[backend]:
+            r.fail((*path, "model"), f"backend {backend!r} does not serve model {model!r}")
         out.append(BreakerOverride(backend=backend or "", state=state or "open", reason=reason or "",
                                    until=float(until) if until is not None else None,
                                    by=r.get(m, path, "by", str, ""),
-                                   at=r.get(m, path, "at", (int, float), None)))
+                                   at=r.get(m, path, "at", (int, float), None), model=model))
     return tuple(out)
 
 
