@@ -22,6 +22,7 @@ from extproc.backends import BackendRuntime
 from extproc.metrics import Metrics
 from extproc.policy.gate import LocalState
 from extproc.policy.schema import Policy
+from extproc.policy.state import TokenState
 
 log = logging.getLogger("sluice.runtime")
 
@@ -36,7 +37,7 @@ class Runtime:
                  tokenize_threads: int = 2) -> None:
         self.clock = clock
         self.metrics = Metrics()
-        self.state = LocalState()
+        self.state: TokenState = LocalState()
         self.executor = ThreadPoolExecutor(tokenize_threads, thread_name_prefix="sluice-tokenize")
         self.encodings: dict[str, tiktoken.Encoding] = {}
         self._short_counts: dict[str, dict[str, int]] = {}

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.policy.gate import LocalState
 from extproc.policy.schema import Limits
+from extproc.policy.state import STATE_IMPLEMENTATIONS, TokenState
+
+# Every implementation of the state seam passes the same suite.
+pytestmark = pytest.mark.parametrize("make_state", STATE_IMPLEMENTATIONS, ids=lambda c: c.__name__)
 
 # 600 tokens/min = 10 tokens/s, 60 requests/min = 1 request/s.
 LIM = Limits(tpm=600, rpm=60, burst_tokens=600, max_concurrency=10)
 
 
-def test_admit_charges_both_buckets() -> None:
-    s = LocalState()
+def test_admit_charges_both_buckets(make_state: type[TokenState]) -> None:
+    s = make_state()
     v = s.admit("a", LIM, 100, now=0.0)
     assert v.admitted and v.reason is None and v.retry_after_s == 0
     assert (v.tokens.remaining, v.requests.remaining) == (500, 59)
@@ -24,8 +28,8 @@ def test_admit_charges_both_buckets() -> None:
     assert s.ledger.precharged == 100 and s.ledger.outstanding == 100
 
 
-def test_refused_for_tokens_does_not_use_a_request() -> None:
-    s = LocalState()
+def test_refused_for_tokens_does_not_use_a_request(make_state: type[TokenState]) -> None:
+    s = make_state()
     assert s.admit("a", LIM, 550, now=0.0).admitted
     v = s.admit("a", LIM, 100, now=0.0)
     assert not v.admitted and v.reason == "tpm"
@@ -35,8 +39,8 @@ def test_refused_for_tokens_does_not_use_a_request() -> None:
     assert s.in_flight == 1 and s.ledger.precharged == 550
 
 
-def test_refused_for_requests_does_not_use_tokens() -> None:
-    s = LocalState()
+def test_refused_for_requests_does_not_use_tokens(make_state: type[TokenState]) -> None:
+    s = make_state()
     lim = Limits(tpm=600, rpm=2, burst_tokens=600, max_concurrency=10)
     assert s.admit("a", lim, 10, now=0.0).admitted
     assert s.admit("a", lim, 10, now=0.0).admitted
@@ -47,8 +51,8 @@ def test_refused_for_requests_does_not_use_tokens() -> None:
     assert s.ledger.precharged == 20
 
 
-def test_tpm_request_too_large() -> None:
-    s = LocalState()
+def test_tpm_request_too_large(make_state: type[TokenState]) -> None:
+    s = make_state()
     v = s.admit("a", LIM, 601, now=0.0)
     assert not v.admitted and v.reason == "tpm_request_too_large"
     assert v.retry_after_s == math.inf
@@ -58,8 +62,8 @@ def test_tpm_request_too_large() -> None:
     assert s.admit("a", LIM, 600, now=0.0).admitted  # exactly the capacity fits
 
 
-def test_tpm_retry_after_is_deficit_over_rate() -> None:
-    s = LocalState()
+def test_tpm_retry_after_is_deficit_over_rate(make_state: type[TokenState]) -> None:
+    s = make_state()
     assert s.admit("a", LIM, 400, now=0.0).admitted
     v = s.admit("a", LIM, 350, now=0.0)
     assert v.reason == "tpm"
@@ -69,8 +73,8 @@ def test_tpm_retry_after_is_deficit_over_rate() -> None:
     assert s.admit("a", LIM, 350, now=v.retry_after_s).admitted
 
 
-def test_refund_raises_remaining() -> None:
-    s = LocalState()
+def test_refund_raises_remaining(make_state: type[TokenState]) -> None:
+    s = make_state()
     s.admit("a", LIM, 300, now=0.0)
     s.settle("a", reserved=300, actual=120, now=0.0)
     tokens, _ = s.view("a", LIM, now=0.0)
@@ -80,8 +84,8 @@ def test_refund_raises_remaining() -> None:
     assert s.ledger.balanced()
 
 
-def test_excess_puts_the_bucket_in_debt() -> None:
-    s = LocalState()
+def test_excess_puts_the_bucket_in_debt(make_state: type[TokenState]) -> None:
+    s = make_state()
     s.admit("a", LIM, 500, now=0.0)
     s.settle("a", reserved=500, actual=1000, now=0.0)
     tokens, _ = s.view("a", LIM, now=0.0)
@@ -92,8 +96,8 @@ def test_excess_puts_the_bucket_in_debt() -> None:
     assert s.ledger.excess == 500 and s.ledger.balanced()
 
 
-def test_settle_of_forgotten_tenant_only_touches_the_ledger() -> None:
-    s = LocalState()
+def test_settle_of_forgotten_tenant_only_touches_the_ledger(make_state: type[TokenState]) -> None:
+    s = make_state()
     s.admit("a", LIM, 50, now=0.0)
     s.forget(set())
     s.settle("a", 50, 10, now=1.0)
@@ -101,15 +105,15 @@ def test_settle_of_forgotten_tenant_only_touches_the_ledger() -> None:
     assert "a" not in s.snapshot(1.0)["buckets"]  # type: ignore[operator]
 
 
-def test_tenants_are_independent() -> None:
-    s = LocalState()
+def test_tenants_are_independent(make_state: type[TokenState]) -> None:
+    s = make_state()
     assert s.admit("a", LIM, 600, now=0.0).admitted
     assert s.admit("b", LIM, 600, now=0.0).admitted
     assert not s.admit("a", LIM, 1, now=0.0).admitted
 
 
-def test_reconfigure_keeps_the_level() -> None:
-    s = LocalState()
+def test_reconfigure_keeps_the_level(make_state: type[TokenState]) -> None:
+    s = make_state()
     s.admit("a", LIM, 400, now=0.0)
     bigger = Limits(tpm=6000, rpm=600, burst_tokens=6000, max_concurrency=10)
     tokens, requests = s.view("a", bigger, now=0.0)
@@ -123,8 +127,8 @@ def test_reconfigure_keeps_the_level() -> None:
     assert tokens.remaining == 60 and requests.remaining == 6  # clamped to the new capacity
 
 
-def test_scale_keeps_headroom_and_slows_refill() -> None:
-    s = LocalState()
+def test_scale_keeps_headroom_and_slows_refill(make_state: type[TokenState]) -> None:
+    s = make_state()
     # At scale 0.5 the top half of the 600-token bucket is out of reach.
     assert s.admit("a", LIM, 300, now=0.0, scale=0.5).admitted
     v = s.admit("a", LIM, 1, now=0.0, scale=0.5)
@@ -136,8 +140,8 @@ def test_scale_keeps_headroom_and_slows_refill() -> None:
     assert s.admit("a", LIM, 300, now=0.0, scale=1.0).admitted
 
 
-def test_scale_slows_the_refill_rate() -> None:
-    full, half = LocalState(), LocalState()
+def test_scale_slows_the_refill_rate(make_state: type[TokenState]) -> None:
+    full, half = make_state(), make_state()
     assert full.admit("a", LIM, 600, now=0.0, scale=1.0).admitted
     # A request may still use the whole bucket once it is full, even under pressure.
     assert half.admit("a", LIM, 600, now=0.0, scale=0.5).admitted
@@ -146,8 +150,8 @@ def test_scale_slows_the_refill_rate() -> None:
     assert half.view("a", LIM, 10.0)[0].remaining == 50
 
 
-def test_snapshot() -> None:
-    s = LocalState()
+def test_snapshot(make_state: type[TokenState]) -> None:
+    s = make_state()
     s.admit("a", LIM, 100, now=0.0)
     snap = s.snapshot(0.0)
     assert snap["in_flight"] == 1
@@ -167,8 +171,8 @@ ops = st.lists(
 
 @settings(max_examples=200, deadline=None)
 @given(ops)
-def test_ledger_balanced_after_any_sequence(seq: list[tuple[str, object, int, float]]) -> None:
-    s = LocalState()
+def test_ledger_balanced_after_any_sequence(make_state: type[TokenState], seq: list[tuple[str, object, int, float]]) -> None:
+    s = make_state()
     limits = dict.fromkeys("abc", LIM)
     held: list[tuple[str, int]] = []
     now = 0.0

@@ -1,0 +1,38 @@
+"""The state seam: what the adapter needs from wherever admission state lives.
+
+``LocalState`` (this process's memory) is the default. A shared store for many
+extproc replicas (Redis with atomic scripts, slot leases with TTLs) implements the
+same methods; the pure pieces in this package (buckets, slot pools, breakers, the
+queue) do not change, and the test suite runs against every implementation
+(``tests/test_policy_gate.py`` is parametrized over ``STATE_IMPLEMENTATIONS``).
+
+Slot, KV and breaker state are still held per process by ``extproc.backends``; moving
+them behind this seam is the next step toward many replicas.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from extproc.policy.bucket import Ledger
+from extproc.policy.gate import LocalState, RateView, Verdict
+from extproc.policy.model import Limits
+
+
+class TokenState(Protocol):
+    ledger: Ledger
+    in_flight: int
+
+    def admit(self, tenant: str, limits: Limits, cost: int, now: float, scale: float | None = None,
+              force: bool = False) -> Verdict: ...
+
+    def settle(self, tenant: str, reserved: int, actual: int, now: float) -> None: ...
+
+    def view(self, tenant: str, limits: Limits, now: float) -> tuple[RateView, RateView]: ...
+
+    def forget(self, keep: set[str]) -> None: ...
+
+    def snapshot(self, now: float) -> dict[str, Any]: ...
+
+
+STATE_IMPLEMENTATIONS: tuple[type[TokenState], ...] = (LocalState,)
