@@ -139,7 +139,7 @@ class Admission:
         return v
 
     # -- concurrency ---------------------------------------------------------------
-    async def acquire_slot(self, ticket: Ticket, cost: int, now: float) -> list[pb.ProcessingResponse]:
+    def acquire_slot(self, ticket: Ticket, cost: int, now: float) -> list[pb.ProcessingResponse]:
         """Take a slot (and KV room), or say the request must wait: returns the messages to send first."""
         be = ticket.runtime
         cap = self.limits.max_concurrency
@@ -178,7 +178,6 @@ class Admission:
             raise Reject("queue_full", "Too many requests are waiting for this backend; retry later.",
                          code="rate_limit_exceeded",
                          headers=retry_after_headers(be.queue.retry_after_hint(self.tier.name, now)))
-        self._update_depth(be)
         t0 = self.rt.clock()
         result = "cancelled"
         try:
@@ -188,8 +187,7 @@ class Admission:
             raise
         finally:
             ticket.queued_s = self.rt.clock() - t0
-            self.rt.metrics.queue_wait.labels(self.tier.name, result).observe(ticket.queued_s)
-            self._update_depth(be)
+            self.rt.metrics.child(self.rt.metrics.queue_wait, self.tier.name, result).observe(ticket.queued_s)
 
     async def _await_grant(self, ticket: Ticket, w: Waiter) -> str:
         be = ticket.runtime
@@ -215,8 +213,4 @@ class Admission:
         raise Reject("queue_timeout", f"Waited {max_wait:.0f}s for a free slot; the backend is saturated.",
                      code="service_unavailable",
                      headers=retry_after_headers(be.queue.retry_after_hint(self.tier.name, self.rt.clock())))
-
-    def _update_depth(self, be: BackendRuntime) -> None:
-        for tier in self.policy.tiers:
-            self.rt.metrics.queue_depth.labels(be.spec.name, tier).set(be.queue.depth(tier))
 

@@ -75,13 +75,10 @@ def _common(set_headers: Mapping[str, str] | None, remove: Iterable[str], body: 
 
 
 def headers_response(phase: str, set_headers: Mapping[str, str] | None = None, remove: Iterable[str] = (),
-                     mode_override: processing_mode_pb2.ProcessingMode | None = None,
-                     timeout_s: float | None = None) -> pb.ProcessingResponse:
+                     mode_override: processing_mode_pb2.ProcessingMode | None = None) -> pb.ProcessingResponse:
     resp = pb.ProcessingResponse(**{phase: pb.HeadersResponse(response=_common(set_headers, remove, None, False))})
     if mode_override is not None:
         resp.mode_override.CopyFrom(mode_override)
-    if timeout_s is not None:
-        resp.override_message_timeout.CopyFrom(duration_from(timeout_s))
     return resp
 
 

@@ -187,7 +187,7 @@ class StreamProcessor:
             raise Reject(verdict.reason, verdict.message, code="rate_limit_exceeded", headers=extra)
         self.admitted, self.reserved = True, cost
         ticket.verdict = verdict
-        for hint in await adm.acquire_slot(ticket, cost, now):
+        for hint in adm.acquire_slot(ticket, cost, now):
             yield hint
             await adm.wait_in_queue(ticket, now)
         ticket.admitted_at = self.rt.clock()
