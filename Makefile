@@ -1,10 +1,16 @@
 # Everything a fresh machine needs: `make demo` runs the stack, `make test` the tests.
+# Both install what is missing, Python packages and Debian packages alike.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test test-unit test-e2e bench lint envoy-config clean
+# Debian packages by what needs them: the browser test drives Debian's chromium (never a
+# downloaded browser) and needs a font to render text.
+TEST_SYSTEM_PACKAGES := chromium fonts-dejavu-core
+DEMO_SYSTEM_PACKAGES :=
+
+.PHONY: install system-packages-test system-packages-demo demo test test-unit test-e2e bench lint envoy-config clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,19 +20,26 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-demo: install
+# Idempotent and quick when everything is present (one dpkg query, no apt-get).
+system-packages-test:
+	@sh bench/system_packages.sh $(TEST_SYSTEM_PACKAGES)
+
+system-packages-demo:
+	@sh bench/system_packages.sh $(DEMO_SYSTEM_PACKAGES)
+
+demo: install system-packages-demo
 	$(PY) -m bench.demo
 
-test: install
+test: install system-packages-test
 	$(PY) -m pytest -q
 
 test-unit: install
 	$(PY) -m pytest -q -m 'not e2e'
 
-test-e2e: install
+test-e2e: install system-packages-test
 	$(PY) -m pytest -q -m e2e
 
-bench: install
+bench: install system-packages-demo
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench.run
 
