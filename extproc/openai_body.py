@@ -65,13 +65,36 @@ def _finite_float(text: str) -> float:
     return v
 
 
+class DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # Python keeps the last of repeated keys, a backend may keep the first: the body
+    # Sluice accounts for must be the one the backend reads, so repeats are refused.
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise DuplicateKey(k)
+            seen.add(k)
+    return d
+
+
 def decode_json(raw: bytes) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BadRequest(f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_encoding") from None
     try:
-        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float,
+                          object_pairs_hook=_unique_keys)
+    except DuplicateKey as exc:
+        raise BadRequest(f"request body has the key {exc.key!r} more than once in one object", exc.key,
+                         "duplicate_key") from None
     except json.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
                          code="invalid_json") from None

@@ -365,3 +365,21 @@ def test_upstream_roundtrip_valid_json_with_floats_and_big_ints() -> None:
     again = json.loads(out)
     assert again["temperature"] == 1e-7 and again["seed"] == int("9" * 100)
     assert b"NaN" not in out and b"Infinity" not in out
+
+
+# -- duplicate keys ----------------------------------------------------------------
+
+@pytest.mark.parametrize("body, key", [
+    (b'{"model":"m","max_tokens":9000,"max_tokens":4,"messages":[{"role":"user","content":"hi"}]}', "max_tokens"),
+    (b'{"model":"m","messages":[{"role":"user","content":"a","content":"b"}]}', "content"),
+    (b'{"model":"m","messages":[{"role":"user","content":"x"}],"metadata":{"a":[{"k":1,"k":2}]}}', "k"),
+])
+def test_duplicate_keys_at_any_depth_are_refused_by_name(body: bytes, key: str) -> None:
+    err = bad("chat", body)
+    assert (err.param, err.code) == (key, "duplicate_key")
+    assert repr(key) in err.message
+
+
+def test_repeated_keys_in_different_objects_are_fine() -> None:
+    body = b'{"model":"m","messages":[{"role":"user","content":"a"},{"role":"user","content":"b"}]}'
+    assert parse_request("chat", body).texts == ["user", "a", "user", "b"]
