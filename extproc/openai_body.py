@@ -220,6 +220,10 @@ def parse_request(kind: str, raw: bytes, image_tokens: int = 765) -> ParsedReque
     if opts is not None:
         if not isinstance(opts, dict):
             raise BadRequest("'stream_options' must be an object", "stream_options", "invalid_type")
+        if not req.stream:
+            # OpenAI refuses it too; passed on, the backend's 400 would carry no x-sluice-reason.
+            raise BadRequest("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                             "stream_options", "invalid_value")
         req.usage_requested = _bool(opts, "include_usage", "stream_options.include_usage")
     n = _int(body, "n", 1, MAX_N) or 1
     mct = _int(body, "max_completion_tokens", 1)

@@ -383,3 +383,16 @@ def test_duplicate_keys_at_any_depth_are_refused_by_name(body: bytes, key: str) 
 def test_repeated_keys_in_different_objects_are_fine() -> None:
     body = b'{"model":"m","messages":[{"role":"user","content":"a"},{"role":"user","content":"b"}]}'
     assert parse_request("chat", body).texts == ["user", "a", "user", "b"]
+
+
+# -- stream_options without streaming ----------------------------------------------
+
+@pytest.mark.parametrize("kind, extra", [("chat", chat()), ("completions", {"model": "m", "prompt": "x"})])
+def test_stream_options_need_stream(kind: str, extra: dict[str, Any]) -> None:
+    for stream in (False, None):
+        err = bad(kind, {**extra, "stream": stream, "stream_options": {"include_usage": True}})
+        assert (err.param, err.code) == ("stream_options", "invalid_value")
+        assert "only allowed when 'stream' is enabled" in err.message
+    err = bad(kind, {**extra, "stream_options": {"include_usage": True}})  # stream absent
+    assert err.param == "stream_options"
+    assert parse_request(kind, raw({**extra, "stream_options": None})).usage_requested is False
