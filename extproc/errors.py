@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 # (HTTP status, OpenAI error type) per Sluice rejection reason.
 REASONS: dict[str, tuple[int, str]] = {
@@ -45,6 +46,28 @@ def format_duration(seconds: float) -> str:
     return f"{int(minutes)}m{rest_s}s" if minutes else f"{rest_s}s"
 
 
-def retry_after_headers(seconds: float) -> dict[str, str]:
+# Clients refused in the same second must not all come back in the same second: the
+# advertised delay gets a uniform extra of up to JITTER_FRACTION of itself, at most
+# JITTER_MAX_S, drawn per rejection.
+JITTER_FRACTION = 0.25
+JITTER_MAX_S = 1.0
+_rng = random.Random()
+
+
+def jitter_bound(seconds: float) -> float:
+    """The largest extra delay added to a wait of ``seconds``."""
+    return min(JITTER_FRACTION * max(seconds, 0.0), JITTER_MAX_S)
+
+
+def retry_after_headers(seconds: float, jitter: float | None = None) -> dict[str, str]:
+    """``Retry-After`` (whole seconds, >= 1) and ``retry-after-ms`` for a wait of ``seconds``.
+
+    ``jitter`` is the uniform draw in [0, 1) (tests pass one to check the bounds); by
+    default each call draws its own. Both headers carry the same jittered delay:
+    ``retry-after-ms`` to the millisecond, ``Retry-After`` rounded up, so a client obeying
+    either is never early.
+    """
     seconds = seconds if math.isfinite(seconds) else 3600.0  # "never" still needs a number
-    return {"retry-after": str(max(1, math.ceil(seconds))), "retry-after-ms": str(max(1, math.ceil(seconds * 1000)))}
+    u = _rng.random() if jitter is None else min(max(jitter, 0.0), 1.0)
+    delay = max(seconds, 0.0) + u * jitter_bound(seconds)
+    return {"retry-after": str(max(1, math.ceil(delay))), "retry-after-ms": str(max(1, math.ceil(delay * 1000)))}

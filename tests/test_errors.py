@@ -9,7 +9,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.errors import REASONS, error_body, format_duration, retry_after_headers
+from extproc.errors import (
+    JITTER_MAX_S,
+    REASONS,
+    error_body,
+    format_duration,
+    jitter_bound,
+    retry_after_headers,
+)
 
 # What OpenAI sends in x-ratelimit-reset-*, and what clients that parse it accept.
 OPENAI_DURATION = re.compile(r"^(?:\d+ms|\d+(?:\.\d+)?s|\d+m\d+(?:\.\d+)?s)$")
@@ -89,12 +96,33 @@ def test_format_duration_is_parseable_and_never_early(seconds: float) -> None:
      (1.01, "2", "1010"), (59.9, "60", "59900")],
 )
 def test_retry_after_headers(seconds: float, after: str, after_ms: str) -> None:
-    assert retry_after_headers(seconds) == {"retry-after": after, "retry-after-ms": after_ms}
+    assert retry_after_headers(seconds, jitter=0.0) == {"retry-after": after, "retry-after-ms": after_ms}
 
 
-@given(st.floats(min_value=0, max_value=1e6, allow_nan=False))
-def test_retry_after_rounds_up_and_is_at_least_one(seconds: float) -> None:
-    h = retry_after_headers(seconds)
-    assert int(h["retry-after"]) >= max(1, seconds)
-    assert int(h["retry-after"]) < max(1, seconds) + 1
-    assert int(h["retry-after-ms"]) >= max(1, seconds * 1000)
+@given(st.floats(min_value=0, max_value=1e6, allow_nan=False), st.floats(min_value=0, max_value=1, exclude_max=True))
+def test_retry_after_rounds_up_and_is_at_least_one(seconds: float, u: float) -> None:
+    h = retry_after_headers(seconds, jitter=u)
+    delay = seconds + u * jitter_bound(seconds)
+    assert int(h["retry-after"]) >= max(1, delay)
+    assert int(h["retry-after"]) < max(1, delay) + 1
+    assert int(h["retry-after-ms"]) >= max(1, delay * 1000)
+    # The two headers say the same thing: Retry-After is retry-after-ms rounded up to seconds.
+    assert int(h["retry-after"]) == max(1, -(-int(h["retry-after-ms"]) // 1000))
+
+
+@pytest.mark.parametrize("seconds, bound", [(0.4, 0.1), (2.0, 0.5), (4.0, 1.0), (30.0, JITTER_MAX_S)])
+def test_jitter_is_a_quarter_of_the_wait_at_most_one_second(seconds: float, bound: float) -> None:
+    assert jitter_bound(seconds) == pytest.approx(bound)
+    assert retry_after_headers(seconds, jitter=0.0)["retry-after-ms"] == str(round(seconds * 1000))
+    top = int(retry_after_headers(seconds, jitter=0.999999)["retry-after-ms"])
+    assert round((seconds + bound) * 1000) - 1 <= top <= round((seconds + bound) * 1000)
+
+
+def test_rejections_in_the_same_second_spread_their_retry_within_the_bound() -> None:
+    for seconds in (1.0, 2.0, 30.0):
+        lo, hi = seconds * 1000, (seconds + jitter_bound(seconds)) * 1000
+        advertised = [int(retry_after_headers(seconds)["retry-after-ms"]) for _ in range(50)]
+        assert len(set(advertised)) > 10, advertised  # not all the same second, nor the same millisecond
+        assert all(lo <= a <= hi for a in advertised), advertised
+    # Whole seconds move too when the jitter crosses a second: 30.5 s + [0, 1 s) is told 31 or 32.
+    assert {retry_after_headers(30.5)["retry-after"] for _ in range(50)} == {"31", "32"}
