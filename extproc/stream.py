@@ -117,6 +117,9 @@ class StreamProcessor:
         if self.tenant is not None:
             self.rt.count_rejection(self.tenant.name, rej.reason)
         headers = {"x-sluice-reason": rej.reason, **rej.headers}
+        if self.tenant is not None and "x-ratelimit-limit-tokens" not in headers:
+            # Once the key is known every answer says where the tenant stands.
+            headers.update(self._rate_headers())
         return msg.immediate(status, error_body(rej.message, etype, rej.code, rej.param), headers,
                              f"sluice_{rej.reason}")
 
@@ -147,6 +150,11 @@ class StreamProcessor:
         if h.end_of_stream:
             raise Reject("bad_request", "Request body is required.", code="missing_body")
         return msg.headers_response("request_headers")
+
+    def _rate_headers(self) -> dict[str, str]:
+        assert self.tenant is not None and self.limits is not None
+        tv, rv = self.rt.state.view(self.tenant.name, self.limits, self.rt.clock())
+        return ratelimit_headers(tv, rv)
 
     def _identity_headers(self) -> dict[str, str]:
         assert self.tenant is not None
@@ -263,8 +271,7 @@ class StreamProcessor:
         self.first_byte_s = self.rt.clock()
         set_headers: dict[str, str] = {}
         if self.tenant is not None and self.limits is not None:
-            tv, rv = self.rt.state.view(self.tenant.name, self.limits, self.rt.clock())
-            set_headers.update(ratelimit_headers(tv, rv))
+            set_headers.update(self._rate_headers())
         if self.ticket is not None and self.ticket.degraded:
             set_headers["x-sluice-degraded"] = ",".join(self.ticket.degraded)
         if self.admitted:

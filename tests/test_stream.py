@@ -140,3 +140,31 @@ def test_a_manual_override_can_target_one_model_route() -> None:
     assert be.route_breakers["m"].state(rt.clock()) is BreakerState.OPEN
     assert be.breaker.state(rt.clock()) is BreakerState.CLOSED
     rt.close()
+
+
+def immediate_headers(r: pb.ProcessingResponse) -> dict[str, str]:
+    return {h.header.key: h.header.raw_value.decode() for h in r.immediate_response.headers.set_headers}
+
+
+def test_400_and_404_rejections_carry_the_tenants_rate_limit_headers() -> None:
+    rt = Runtime(policy(), clock=Clock())  # time stands still: the bucket does not refill
+    hdr = headers(_path="/v1/chat/completions", _method="POST", authorization="Bearer k")
+    asyncio.run(exchange(rt, hdr, body(10), response(200)))  # spend 6 tokens first
+    dup = pb.ProcessingRequest(request_body=pb.HttpBody(
+        body=b'{"model":"m","max_tokens":9000,"max_tokens":4,"messages":[{"role":"user","content":"x"}]}',
+        end_of_stream=True))
+    cases = [
+        (asyncio.run(exchange(rt, hdr, dup))[-1], 400, "bad_request"),
+        (asyncio.run(exchange(rt, headers(_path="/v1/nope", _method="POST", authorization="Bearer k")))[-1],
+         404, "unknown_path"),
+    ]
+    remaining = str(rt.state.view("a", rt.policy.limits(rt.policy.tenants["a"]), rt.clock())[0].remaining)
+    for out, status, reason in cases:
+        assert out.immediate_response.status.code == status
+        h = immediate_headers(out)
+        assert h["x-sluice-reason"] == reason
+        assert h["x-ratelimit-limit-tokens"] == "100000" and h["x-ratelimit-limit-requests"] == "1000"
+        assert h["x-ratelimit-remaining-tokens"] == remaining == "99994"
+    err = json.loads(cases[0][0].immediate_response.body)["error"]
+    assert err["param"] == "max_tokens" and "max_tokens" in err["message"]
+    rt.close()
