@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import messages as msg
+from extproc import models_list
 from extproc.admission import Admission, Reject, Ticket
 from extproc.errors import REASONS, error_body, format_duration, retry_after_headers
 from extproc.openai_body import BadRequest, ParsedRequest, parse_request, path_kind, upstream_body
@@ -135,6 +136,9 @@ class StreamProcessor:
         self.tenant = tenant
         self.limits = self.policy.limits(tenant)
         path = headers.get(":path", "/")
+        served = models_list.route(path)
+        if served is not None:
+            return self._serve_models(served, headers.get(":method", "GET"))
         self.kind = path_kind(path)
         if self.kind is None:
             if gw.unknown_paths == "reject":
@@ -150,6 +154,25 @@ class StreamProcessor:
         if h.end_of_stream:
             raise Reject("bad_request", "Request body is required.", code="missing_body")
         return msg.headers_response("request_headers")
+
+    def _serve_models(self, served: tuple[bool, str | None], method: str) -> pb.ProcessingResponse:
+        """The model list (or one model) from the policy, answered here: no backend, no charge."""
+        assert self.tenant is not None
+        if method != "GET":
+            raise Reject("bad_request", f"{models_list.PREFIX} takes GET.", code="method_not_allowed")
+        listing, name = served
+        if listing:
+            body = models_list.list_body(self.policy, self.tenant)
+        else:
+            assert name is not None
+            found = models_list.retrieve_body(self.policy, self.tenant, name)
+            if found is None:
+                raise Reject("unknown_model", f"The model {name!r} does not exist.", code="model_not_found",
+                             param="model")
+            body = found
+        self.rt.metrics.child(self.rt.metrics.requests, self.tenant.name, "models").inc()
+        self.finished = True
+        return msg.immediate(200, body, self._rate_headers(), "sluice_models")
 
     def _rate_headers(self) -> dict[str, str]:
         assert self.tenant is not None and self.limits is not None

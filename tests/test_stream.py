@@ -88,7 +88,7 @@ def test_passthrough_path_skips_the_rest_and_holds_nothing() -> None:
     doc_policy = policy()
     gw = doc_policy.gateway.__class__(unknown_paths="passthrough")
     rt = Runtime(doc_policy.__class__(**{**doc_policy.__dict__, "gateway": gw}))
-    out = asyncio.run(exchange(rt, headers(_path="/v1/models", _method="GET", authorization="Bearer k")))
+    out = asyncio.run(exchange(rt, headers(_path="/v1/files", _method="GET", authorization="Bearer k")))
     assert out[0].HasField("mode_override")
     set_headers = {h.header.key: h.header.raw_value for h in out[0].request_headers.response.header_mutation.set_headers}
     assert set_headers["x-sluice-tenant"] == b"a"
@@ -167,4 +167,47 @@ def test_400_and_404_rejections_carry_the_tenants_rate_limit_headers() -> None:
         assert h["x-ratelimit-remaining-tokens"] == remaining == "99994"
     err = json.loads(cases[0][0].immediate_response.body)["error"]
     assert err["param"] == "max_tokens" and "max_tokens" in err["message"]
+    rt.close()
+
+
+def two_model_policy() -> Any:
+    return build_policy({
+        "backends": [{"name": "b", "address": "127.0.0.1:1", "max_concurrency": 4,
+                      "models": [{"name": "m", "context_window": 4096, "fallback_model": "org/small"},
+                                 {"name": "org/small", "context_window": 2048}]}],
+        "tiers": {"t": {"tpm": 100_000, "rpm": 1000}},
+        "tenants": [{"name": "a", "tier": "t", "keys": [hash_key("k")]}],
+    })
+
+
+def test_models_are_listed_from_the_policy_without_a_backend() -> None:
+    rt = Runtime(two_model_policy())
+    hdr = headers(_path="/v1/models", _method="GET", authorization="Bearer k")
+    (out,) = asyncio.run(exchange(rt, hdr))
+    assert out.immediate_response.status.code == 200
+    doc = json.loads(out.immediate_response.body)
+    assert doc["object"] == "list"
+    assert [(m["id"], m["object"], m["owned_by"]) for m in doc["data"]] == [
+        ("m", "model", "sluice"), ("org/small", "model", "sluice")]
+    assert all(isinstance(m["created"], int) for m in doc["data"])
+    h = immediate_headers(out)
+    assert h["content-type"] == "application/json" and h["x-ratelimit-limit-tokens"] == "100000"
+    assert "x-sluice-reason" not in h
+    # One model by id (percent-encoded as the SDK sends it); an unknown one is 404 model_not_found.
+    (one,) = asyncio.run(exchange(rt, headers(_path="/v1/models/org%2Fsmall", _method="GET",
+                                              authorization="Bearer k")))
+    assert json.loads(one.immediate_response.body)["id"] == "org/small"
+    (missing,) = asyncio.run(exchange(rt, headers(_path="/v1/models/gpt-4", _method="GET", authorization="Bearer k")))
+    assert missing.immediate_response.status.code == 404
+    err = json.loads(missing.immediate_response.body)["error"]
+    assert (err["code"], err["param"], err["type"]) == ("model_not_found", "model", "invalid_request_error")
+    assert immediate_headers(missing)["x-sluice-reason"] == "unknown_model"
+    # Without a valid key: 401, and no tenant's numbers.
+    (anon,) = asyncio.run(exchange(rt, headers(_path="/v1/models", _method="GET", authorization="Bearer nope")))
+    assert anon.immediate_response.status.code == 401
+    assert not any(k.startswith("x-ratelimit") for k in immediate_headers(anon))
+    # Not a write path.
+    (post,) = asyncio.run(exchange(rt, headers(_path="/v1/models", _method="POST", authorization="Bearer k")))
+    assert post.immediate_response.status.code == 400
+    assert rt.status()["in_flight"] == 0 and rt.status()["ledger"]["precharged"] == 0
     rt.close()
