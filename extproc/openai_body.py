@@ -11,10 +11,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from extproc import responses_api
+
 ENDPOINTS = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/embeddings": "embeddings",
+    "/v1/responses": "responses",
 }
 # OpenAI's published accounting for chat formatting: every message is wrapped in
 # a few special tokens, and the reply is primed with a few more.
@@ -201,6 +204,21 @@ def _chat_messages(body: dict[str, Any], req: ParsedRequest, image_tokens: int) 
             req.texts.append(json.dumps(body[extra], ensure_ascii=False))
 
 
+def _responses(body: dict[str, Any], req: ParsedRequest, image_tokens: int) -> None:
+    """The Responses API: one completion, ``max_output_tokens``, usage always in the reply."""
+    if _bool(body, "background"):
+        # The reply comes before the generation, its usage never through Sluice: unaccountable.
+        raise BadRequest("'background' responses are not supported through this gateway", "background",
+                         "unsupported_value")
+    req.max_tokens = _int(body, "max_output_tokens", 1)
+    try:
+        parts = responses_api.prompt_parts(body, image_tokens)
+    except responses_api.InvalidInput as exc:
+        code = "missing_field" if exc.param == "input" and "required" in exc.message else "invalid_type"
+        raise BadRequest(exc.message, exc.param, code) from None
+    req.texts, req.fixed_tokens = parts.texts, parts.fixed_tokens
+
+
 def parse_request(kind: str, raw: bytes, image_tokens: int = 765) -> ParsedRequest:
     body = decode_json(raw)
     model = body.get("model")
@@ -216,6 +234,9 @@ def parse_request(kind: str, raw: bytes, image_tokens: int = 765) -> ParsedReque
         req.n = 0  # nothing is generated
         return req
     req.stream = _bool(body, "stream")
+    if kind == "responses":
+        _responses(body, req, image_tokens)
+        return req
     opts = body.get("stream_options")
     if opts is not None:
         if not isinstance(opts, dict):
@@ -256,13 +277,18 @@ def upstream_body(req: ParsedRequest, max_tokens: int, model: str | None = None)
         changed = True
     if req.kind == "embeddings":
         pass
+    elif req.kind == "responses":
+        if req.max_tokens != max_tokens:
+            body["max_output_tokens"] = max_tokens
+            changed = True
     elif req.max_tokens != max_tokens:
         key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         body[key] = max_tokens
         if key == "max_completion_tokens" and "max_tokens" in body:
             body["max_tokens"] = max_tokens
         changed = True
-    if req.kind != "embeddings" and req.stream and not req.usage_requested:
+    # The Responses API always reports usage in its final event: nothing to ask for.
+    if req.kind in ("chat", "completions") and req.stream and not req.usage_requested:
         opts = body.get("stream_options") or {}
         body["stream_options"] = {**opts, "include_usage": True}
         changed = True

@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from extproc import responses_api
+
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 MAX_JSON_BODY = 8 << 20
 MAX_HELD_EVENT = 1 << 20  # the most of one unfinished SSE event held back  # non-streaming bodies larger than this are not parsed for usage
@@ -49,6 +51,10 @@ def usage_from(obj: Any) -> Usage | None:
     return Usage(p, c)
 
 
+def _from_responses(u: responses_api.ResponsesUsage | None) -> Usage | None:
+    return None if u is None else Usage(u.input_tokens, u.output_tokens)
+
+
 def _choice_texts(obj: dict[str, Any]) -> list[str]:
     out: list[str] = []
     choices = obj.get("choices")
@@ -73,6 +79,7 @@ def _choice_texts(obj: dict[str, Any]) -> list[str]:
 @dataclass
 class SSETracker:
     drop_usage_chunk: bool
+    responses: bool = False  # a Responses API stream: usage in its final event, never dropped
     usage: Usage | None = None
     texts: list[str] = field(default_factory=list)
     _pending: bytes = b""
@@ -121,6 +128,10 @@ class SSETracker:
             return False
         if not isinstance(obj, dict):
             return False
+        if self.responses:
+            self.usage = _from_responses(responses_api.usage_of_event(obj)) or self.usage
+            self.texts.extend(responses_api.texts_of_event(obj))
+            return False
         u = usage_from(obj)
         if u is not None:
             self.usage = u
@@ -137,6 +148,7 @@ class JSONTracker:
 
     body: bytearray = field(default_factory=bytearray)
     overflow: bool = False
+    responses: bool = False  # a Responses API body ("object": "response")
     usage: Usage | None = None
     texts: list[str] = field(default_factory=list)
 
@@ -154,6 +166,9 @@ class JSONTracker:
                 return
             finally:
                 self.body.clear()
-            if isinstance(obj, dict):
+            if isinstance(obj, dict) and self.responses:
+                self.usage = _from_responses(responses_api.usage_of_body(obj))
+                self.texts = responses_api.texts_of_body(obj)
+            elif isinstance(obj, dict):
                 self.usage = usage_from(obj)
                 self.texts = _choice_texts(obj)

@@ -279,10 +279,12 @@ class StreamProcessor:
         self.status = int(code) if isinstance(code, (int, float)) else 200
         self.first_byte_s = self.rt.clock()
         assert self.req is not None
+        responses = self.req.kind == "responses"
         if self.req.stream and self.status < 400:
-            self.tracker = SSETracker(drop_usage_chunk=not self.req.usage_requested)
+            self.tracker = SSETracker(drop_usage_chunk=not responses and not self.req.usage_requested,
+                                      responses=responses)
         else:
-            self.tracker = JSONTracker()
+            self.tracker = JSONTracker(responses=responses)
 
     def on_response_headers(self, h: pb.HttpHeaders) -> pb.ProcessingResponse:
         """Used only when Envoy is configured to send response headers."""
@@ -299,11 +301,14 @@ class StreamProcessor:
             set_headers["x-sluice-degraded"] = ",".join(self.ticket.degraded)
         if self.admitted:
             ctype = headers.get("content-type", "")
+            assert self.req is not None
+            responses = self.req.kind == "responses"
             if "text/event-stream" in ctype:
-                assert self.req is not None
-                self.tracker = SSETracker(drop_usage_chunk=self.req.stream and not self.req.usage_requested)
+                self.tracker = SSETracker(
+                    drop_usage_chunk=self.req.stream and not responses and not self.req.usage_requested,
+                    responses=responses)
             else:
-                self.tracker = JSONTracker()
+                self.tracker = JSONTracker(responses=responses)
             if h.end_of_stream:
                 self.settle("end_of_stream")
         return msg.headers_response("response_headers", set_headers)

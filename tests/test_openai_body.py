@@ -396,3 +396,63 @@ def test_stream_options_need_stream(kind: str, extra: dict[str, Any]) -> None:
     err = bad(kind, {**extra, "stream_options": {"include_usage": True}})  # stream absent
     assert err.param == "stream_options"
     assert parse_request(kind, raw({**extra, "stream_options": None})).usage_requested is False
+
+
+# -- the Responses API -------------------------------------------------------------
+
+def test_path_kind_responses() -> None:
+    assert path_kind("/v1/responses") == "responses"
+    assert path_kind("/v1/responses/resp_1") is None  # retrieval/cancel: not generation
+
+
+def test_responses_string_input_and_instructions() -> None:
+    req = parse_request("responses", raw({"model": "m", "input": "hello", "instructions": "be brief",
+                                          "max_output_tokens": 40, "stream": True}))
+    assert (req.kind, req.n, req.max_tokens, req.stream) == ("responses", 1, 40, True)
+    assert req.texts == ["system", "be brief", "user", "hello"]
+    assert req.fixed_tokens == 2 * TOKENS_PER_MESSAGE + REPLY_PRIMING
+    assert req.usage_requested is False
+
+
+def test_responses_item_list_counts_every_part() -> None:
+    body = {"model": "m", "input": [
+        {"role": "developer", "content": "rules"},
+        {"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "look"}, {"type": "input_image", "image_url": "data:x"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{\"a\":1}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "42"},
+    ], "tools": [{"type": "function", "name": "f"}]}
+    req = parse_request("responses", raw(body), image_tokens=100)
+    assert req.texts[:7] == ["developer", "rules", "user", "look", "assistant", "ok", "f"]
+    assert req.texts[7:9] == ["{\"a\":1}", "42"]
+    assert "function" in req.texts[-1]  # the tool definitions
+    assert req.fixed_tokens == 5 * TOKENS_PER_MESSAGE + REPLY_PRIMING + 100
+    assert req.max_tokens is None
+
+
+@pytest.mark.parametrize("body, param, code", [
+    ({"model": "m"}, "input", "missing_field"),
+    ({"model": "m", "input": []}, "input", "invalid_type"),
+    ({"model": "m", "input": 5}, "input", "invalid_type"),
+    ({"model": "m", "input": ["x"]}, "input[0]", "invalid_type"),
+    ({"model": "m", "input": [{"content": "x"}]}, "input[0].role", "invalid_type"),
+    ({"model": "m", "input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+     "input[0].content[0].text", "invalid_type"),
+    ({"model": "m", "input": "x", "instructions": 3}, "instructions", "invalid_type"),
+    ({"model": "m", "input": "x", "max_output_tokens": 0}, "max_output_tokens", "invalid_value"),
+    ({"model": "m", "input": "x", "background": True}, "background", "unsupported_value"),
+])
+def test_responses_invalid(body: dict[str, Any], param: str, code: str) -> None:
+    err = bad("responses", body)
+    assert (err.param, err.code) == (param, code)
+
+
+def test_upstream_responses_gets_max_output_tokens_and_no_stream_options() -> None:
+    req = parse_request("responses", raw({"model": "m", "input": "x", "stream": True}))
+    body = json.loads(upstream_body(req, 128) or b"")
+    assert body["max_output_tokens"] == 128
+    assert "stream_options" not in body and "max_tokens" not in body
+    asked = parse_request("responses", raw({"model": "m", "input": "x", "max_output_tokens": 50}))
+    assert upstream_body(asked, 50) is None
+    assert json.loads(upstream_body(asked, 20) or b"")["max_output_tokens"] == 20  # clamped

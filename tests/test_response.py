@@ -282,3 +282,70 @@ def test_usage_from_shapes() -> None:
     assert usage_from({"usage": {"prompt_tokens": 5, "total_tokens": True}}) == Usage(5, 0)
     assert usage_from({"usage": {"prompt_tokens": 0, "total_tokens": True}}) == Usage(0, 0)
     assert usage_from({"usage": {"prompt_tokens": 5, "total_tokens": 3}}) == Usage(5, 0)
+
+
+# -- the Responses API ----------------------------------------------------------
+
+def typed(etype: str, **fields: Any) -> bytes:
+    return f"event: {etype}\n".encode() + event({"type": etype, **fields})
+
+
+RESPONSE_USAGE = {"input_tokens": 12, "output_tokens": 3, "total_tokens": 15,
+                  "output_tokens_details": {"reasoning_tokens": 0}}
+
+
+def responses_stream(final: str = "response.completed", usage: Any = RESPONSE_USAGE) -> list[bytes]:
+    return [
+        typed("response.created", response={"id": "r", "status": "in_progress", "usage": None}),
+        typed("response.output_item.added", output_index=0, item={"type": "message", "content": []}),
+        *[typed("response.output_text.delta", output_index=0, content_index=0, delta=w) for w in WORDS[:3]],
+        typed("response.output_text.done", output_index=0, content_index=0, text="".join(WORDS[:3])),
+        typed(final, response={"id": "r", "status": "completed", "usage": usage,
+                               "output": [{"type": "message", "content": [{"type": "output_text",
+                                                                           "text": "".join(WORDS[:3])}]}]}),
+    ]
+
+
+def test_responses_stream_usage_from_the_completed_event_and_nothing_dropped() -> None:
+    chunks = responses_stream()
+    t = SSETracker(drop_usage_chunk=False, responses=True)
+    assert run(t, chunks) == b"".join(chunks)
+    assert t.usage == Usage(12, 3)
+    assert t.texts == WORDS[:3]  # deltas only, not the .done repeat
+    # Split anywhere, the final event still reads whole and still reaches the client.
+    whole = b"".join(chunks)
+    for cut in range(0, len(whole), 37):
+        t = SSETracker(drop_usage_chunk=False, responses=True)
+        assert run(t, [whole[:cut], whole[cut:]]) == whole
+        assert t.usage == Usage(12, 3)
+
+
+def test_responses_stream_incomplete_and_missing_usage() -> None:
+    t = SSETracker(drop_usage_chunk=False, responses=True)
+    run(t, responses_stream("response.incomplete", {"input_tokens": 12, "output_tokens": 0, "total_tokens": 20}))
+    assert t.usage == Usage(12, 8)
+    t = SSETracker(drop_usage_chunk=False, responses=True)
+    run(t, responses_stream(usage=None))
+    assert t.usage is None and t.texts == WORDS[:3]  # settled from the counted text instead
+    # Chat-shaped usage in a Responses stream is not believed, nor Responses usage in a chat stream.
+    t = SSETracker(drop_usage_chunk=False, responses=True)
+    run(t, [event(USAGE_OBJ)])
+    assert t.usage is None
+    chat_t = SSETracker(drop_usage_chunk=True)
+    assert run(chat_t, responses_stream()) == b"".join(responses_stream())
+    assert chat_t.usage is None
+
+
+def test_responses_json_body_usage_and_text() -> None:
+    body = json.dumps({"object": "response", "status": "completed", "usage": RESPONSE_USAGE, "output": [
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "think"}]},
+        {"type": "message", "content": [{"type": "output_text", "text": "answer"}]},
+        {"type": "function_call", "name": "f", "arguments": "{}"}]}).encode()
+    t = JSONTracker(responses=True)
+    t.feed(body[:10], False)
+    t.feed(body[10:], True)
+    assert t.usage == Usage(12, 3)
+    assert t.texts == ["think", "answer", "{}"]
+    bad = JSONTracker(responses=True)
+    bad.feed(json.dumps({"usage": {"prompt_tokens": 1, "completion_tokens": 1}}).encode(), True)
+    assert bad.usage is None

@@ -496,6 +496,87 @@ async def test_metrics_names() -> None:
     assert samples["vllm:kv_cache_usage_perc"] == 0.0
 
 
+# ---- the Responses API ------------------------------------------------------------------
+def sse_typed(raw: str) -> list[tuple[str, dict[str, Any]]]:
+    """(event name, data) pairs of a Responses API stream: each event names its type twice."""
+    assert raw.endswith("\n\n"), raw[-80:]
+    out = []
+    for block in raw.split("\n\n")[:-1]:
+        name_line, data_line = block.split("\n")
+        assert name_line.startswith("event: ") and data_line.startswith("data: "), block
+        data = json.loads(data_line[len("data: ") :])
+        assert data["type"] == name_line[len("event: ") :]
+        out.append((data["type"], data))
+    return out
+
+
+@aio
+async def test_responses_non_streaming_shape_and_usage(encodings: tuple[Any, Any]) -> None:
+    cl, _ = encodings
+    async with sim() as c:
+        payload = {"model": "llama-test", "input": "tell me", "instructions": "be brief"}
+        r = await c.post("/v1/responses", json=payload, headers={"x-sim-tokens": "6"})
+        assert r.status == 200
+        body = await r.json()
+        r = await c.post("/v1/responses", json={**payload, "max_output_tokens": 2},
+                         headers={"x-sim-tokens": "6"})
+        short = await r.json()
+    assert body["object"] == "response" and body["status"] == "completed"
+    assert body["id"].startswith("resp_") and body["instructions"] == "be brief"
+    (item,) = body["output"]
+    assert item["type"] == "message" and item["role"] == "assistant"
+    text = item["content"][0]["text"]
+    assert item["content"][0]["type"] == "output_text" and len(cl.encode_ordinary(text)) == 6
+    # instructions count as a system message, the input as a user message.
+    prompt = chat_prompt_tokens(cl, "tell me") + 3 + len(cl.encode_ordinary("system")) + 2
+    assert body["usage"]["input_tokens"] == prompt
+    assert body["usage"]["output_tokens"] == 6
+    assert body["usage"]["total_tokens"] == prompt + 6
+    # max_output_tokens cuts it: "incomplete", as OpenAI reports a length stop.
+    assert short["status"] == "incomplete" and short["usage"]["output_tokens"] == 2
+    assert short["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+@aio
+async def test_responses_streaming_events_and_final_usage(encodings: tuple[Any, Any]) -> None:
+    cl, _ = encodings
+    payload = {"model": "llama-test", "stream": True,
+               "input": [{"role": "user", "content": [{"type": "input_text", "text": "count me"}]}]}
+    async with sim() as c:
+        r = await c.post("/v1/responses", json=payload, headers={"x-sim-tokens": "4"})
+        assert r.status == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_typed(await r.text())
+        r = await c.post("/v1/responses", json=payload, headers={"x-sim-tokens": "2", "x-sim-usage": "none"})
+        hidden = sse_typed(await r.text())
+    names = [name for name, _ in events]
+    assert names[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert names[4:8] == ["response.output_text.delta"] * 4
+    assert names[8:] == ["response.output_text.done", "response.content_part.done",
+                         "response.output_item.done", "response.completed"]
+    assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+    deltas = "".join(d["delta"] for name, d in events if name.endswith(".delta"))
+    assert deltas == events[8][1]["text"]
+    # Usage only in the last event; the first carries the response with none yet.
+    assert events[0][1]["response"]["usage"] is None
+    final = events[-1][1]["response"]
+    assert final["usage"]["input_tokens"] == chat_prompt_tokens(cl, "count me")
+    assert final["usage"]["output_tokens"] == 4
+    assert final["output"][0]["content"][0]["text"] == deltas
+    assert hidden[-1][1]["response"]["usage"] is None
+
+
+@aio
+async def test_responses_rejects_what_vllm_rejects() -> None:
+    async with sim() as c:
+        r = await c.post("/v1/responses", json={"model": "llama-test"})
+        assert r.status == 400 and (await r.json())["error"]["param"] == "input"
+        r = await c.post("/v1/responses", json={"input": "x", "max_output_tokens": 0})
+        assert r.status == 400 and (await r.json())["error"]["param"] == "max_output_tokens"
+        r = await c.post("/v1/responses", json={"input": "x", "max_output_tokens": 10**7})
+        assert r.status == 400 and (await r.json())["error"]["code"] == "context_length_exceeded"
+
+
 # ---- the KV model through HTTP ---------------------------------------------------------
 async def _many(c: TestClient, count: int, words: int, tokens: int, **headers: str) -> list[int]:
     async def one() -> int:

@@ -211,3 +211,21 @@ def test_models_are_listed_from_the_policy_without_a_backend() -> None:
     assert post.immediate_response.status.code == 400
     assert rt.status()["in_flight"] == 0 and rt.status()["ledger"]["precharged"] == 0
     rt.close()
+
+
+def test_a_responses_api_request_is_reserved_from_max_output_tokens_and_settled_from_its_usage() -> None:
+    rt = Runtime(policy(), clock=Clock())
+    hdr = headers(_path="/v1/responses", _method="POST", authorization="Bearer k")
+    req = pb.ProcessingRequest(request_body=pb.HttpBody(
+        body=json.dumps({"model": "m", "input": "hi", "max_output_tokens": 50}).encode(), end_of_stream=True))
+    reply = pb.ProcessingRequest(response_body=pb.HttpBody(body=json.dumps({
+        "object": "response", "status": "completed", "output": [],
+        "usage": {"input_tokens": 9, "output_tokens": 4, "total_tokens": 13}}).encode(), end_of_stream=True))
+    reply.attributes["envoy.filters.http.ext_proc"].fields["response.code"].number_value = 200
+    out = asyncio.run(exchange(rt, hdr, req, reply))
+    assert not any(r.HasField("immediate_response") for r in out)
+    assert not out[1].request_body.response.HasField("body_mutation")  # max_output_tokens as asked
+    ledger = rt.status()["ledger"]
+    assert ledger["precharged"] == 8 + 50  # "user", "hi", 3 framing + 3 priming; 50 reserved
+    assert ledger["charged"] == 13 and ledger["refunded"] == 45 and ledger["balanced"]
+    rt.close()

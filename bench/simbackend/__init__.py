@@ -1,6 +1,9 @@
 """A simulated vLLM backend: OpenAI API, vLLM metric names, a KV cache that runs out.
 
-The stand-in for a GPU in end-to-end tests, the demo and the benchmarks.
+The stand-in for a GPU in end-to-end tests, the demo and the benchmarks. Endpoints:
+/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses (the Responses API:
+typed SSE events ending in response.completed with usage, or one response object),
+GET /v1/models.
 
 In-process: ``create_app(SimConfig(...))`` (aiohttp), or ``BackgroundServer(cfg)`` as a
 context manager on its own thread. CLI: ``python -m bench.simbackend --port 8000``.

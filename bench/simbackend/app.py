@@ -27,10 +27,11 @@ from .parse import (
     parse_chat,
     parse_completion,
     parse_embedding,
+    parse_responses,
     parse_sim_headers,
 )
 from .scheduler import ScaledClock, Scheduler
-from .stream import Job, complete, stream
+from .stream import Job, complete, stream, stream_responses
 
 # Prompts larger than this are tokenized in a thread so the event loop keeps streaming.
 OFFLOAD_CHARS = 8 * 1024
@@ -197,7 +198,8 @@ def _plan_length(
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     st = request.app[STATE]
     body = await _json_body(request)
-    req = parse_chat(body) if kind == "chat" else parse_completion(body)
+    parsers = {"chat": parse_chat, "completion": parse_completion, "responses": parse_responses}
+    req = parsers[kind](body)
     sim = parse_sim_headers(request.headers)
     prompt: int = await _count(st, req, count_prompt)
     target, natural = _plan_length(st, req, prompt, sim.tokens)
@@ -212,7 +214,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     handle = st.scheduler.submit(seq)
     job = Job(request, handle, kind, req.model or st.config.model, req, sim, prompt)
     try:
-        return await (stream(job) if req.stream else complete(job))
+        if req.stream:
+            return await (stream_responses(job) if kind == "responses" else stream(job))
+        return await complete(job)
     finally:
         if not handle.done:
             # Disconnect, handler cancellation or a programmed abort: vLLM frees the
@@ -226,6 +230,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "completion")
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "responses")
 
 
 async def embeddings(request: web.Request) -> web.StreamResponse:
@@ -349,6 +357,7 @@ def create_app(config: SimConfig | None = None) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -189,3 +189,121 @@ class ChunkMaker:
 
     def usage(self, use: dict[str, int]) -> bytes:
         return self._event([], use)
+
+
+# ---- the Responses API (/v1/responses) ---------------------------------------------------
+def responses_usage(prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt_tokens + output_tokens,
+    }
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [_output_text(text)]
+    return {
+        "type": "message",
+        "id": item_id,
+        "status": status,
+        "role": "assistant",
+        "content": content,
+    }
+
+
+class ResponseMaker:
+    """The response object and the SSE events of one Responses API reply, as vLLM sends them."""
+
+    def __init__(self, model: str, instructions: str | None, max_output_tokens: int | None) -> None:
+        self.rid = "resp_" + uuid.uuid4().hex
+        self.item_id = "msg_" + uuid.uuid4().hex
+        self.model = model
+        self.instructions = instructions
+        self.max_output_tokens = max_output_tokens
+        self.created_at = now_s()
+        self.seq = 0
+
+    def response(
+        self, status: str, text: str | None, use: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        incomplete = status == "incomplete"
+        output = [] if text is None else [_message_item(self.item_id, text, "completed")]
+        return {
+            "id": self.rid,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "background": False,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens,
+            "metadata": {},
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": True,
+            "previous_response_id": None,
+            "reasoning": None,
+            "store": False,
+            "temperature": 1.0,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": "auto",
+            "tools": [],
+            "top_p": 1.0,
+            "truncation": "disabled",
+            "usage": use,
+            "user": None,
+        }
+
+    def final(self, text: str, finish_reason: str, use: dict[str, Any] | None) -> dict[str, Any]:
+        status = "incomplete" if finish_reason == "length" else "completed"
+        return self.response(status, text, use)
+
+    def _event(self, etype: str, **fields: Any) -> bytes:
+        obj = {"type": etype, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        data = json.dumps(obj, separators=(",", ":"))
+        return f"event: {etype}\ndata: {data}\n\n".encode()
+
+    def opening(self) -> list[bytes]:
+        at = {"output_index": 0, "item_id": self.item_id, "content_index": 0}
+        return [
+            self._event("response.created", response=self.response("in_progress", None, None)),
+            self._event("response.in_progress", response=self.response("in_progress", None, None)),
+            self._event(
+                "response.output_item.added",
+                output_index=0,
+                item=_message_item(self.item_id, None, "in_progress"),
+            ),
+            self._event("response.content_part.added", **at, part=_output_text("")),
+        ]
+
+    def delta(self, text: str) -> bytes:
+        return self._event(
+            "response.output_text.delta",
+            output_index=0,
+            item_id=self.item_id,
+            content_index=0,
+            delta=text,
+            logprobs=[],
+        )
+
+    def closing(self, text: str, finish_reason: str, use: dict[str, Any] | None) -> list[bytes]:
+        at = {"output_index": 0, "item_id": self.item_id, "content_index": 0}
+        final = self.final(text, finish_reason, use)
+        return [
+            self._event("response.output_text.done", **at, text=text, logprobs=[]),
+            self._event("response.content_part.done", **at, part=_output_text(text)),
+            self._event(
+                "response.output_item.done",
+                output_index=0,
+                item=_message_item(self.item_id, text, "completed"),
+            ),
+            self._event(f"response.{final['status']}", response=final),
+        ]

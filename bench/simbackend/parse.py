@@ -24,7 +24,7 @@ class BadRequest(Exception):
 
 @dataclass
 class GenRequest:
-    kind: str  # chat | completion | embedding
+    kind: str  # chat | completion | embedding | responses
     model: str | None
     texts: list[str] = field(default_factory=list)  # counted with the tokenizer
     id_tokens: int = 0  # prompts given as token ids count as their length
@@ -34,6 +34,7 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False
     items: list[Any] = field(default_factory=list)  # embedding inputs, one vector each
+    instructions: str | None = None  # Responses API: echoed in the response object
 
     @property
     def text_chars(self) -> int:
@@ -111,6 +112,61 @@ def parse_chat(body: Any) -> GenRequest:
     return req
 
 
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def parse_responses(body: Any) -> GenRequest:
+    """The Responses API: ``input`` (a string or message items), ``instructions``,
+    ``max_output_tokens``. vLLM renders it through the chat template, so the prompt is
+    counted as chat messages (``instructions`` first, as a system message)."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("model must be a string", "model")
+    req = GenRequest(kind="responses", model=model)
+    v = body.get("max_output_tokens")
+    if v is not None:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise BadRequest(f"max_output_tokens must be at least 1, got {v!r}", "max_output_tokens")
+        req.max_tokens = v
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool | None):
+        raise BadRequest("stream must be a boolean", "stream")
+    req.stream = bool(stream)
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise BadRequest("instructions must be a string", "instructions")
+        req.instructions = instructions
+        req.texts += ["system", instructions]
+        req.messages += 1
+    value = body.get("input")
+    if isinstance(value, str):
+        req.texts += ["user", value]
+        req.messages += 1
+    elif isinstance(value, list) and value:
+        for i, item in enumerate(value):
+            if not isinstance(item, dict) or not isinstance(item.get("role"), str):
+                raise BadRequest(f"input[{i}] must be a message with a role", "input")
+            req.texts.append(item["role"])
+            content = item.get("content")
+            if isinstance(content, str):
+                req.texts.append(content)
+            elif isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict) and part.get("type") in _TEXT_PARTS:
+                        if not isinstance(part.get("text"), str):
+                            raise BadRequest(f"input[{i}] text part needs a string", "input")
+                        req.texts.append(part["text"])
+            else:
+                raise BadRequest(f"input[{i}].content must be a string or a list", "input")
+            req.messages += 1
+    else:
+        raise BadRequest("input must be a string or a non-empty list of messages", "input")
+    return req
+
+
 def _prompts(value: Any, param: str, req: GenRequest) -> int:
     """Collect str / [str] / [int] / [[int]] prompts into ``req``; returns how many."""
     if isinstance(value, str):
@@ -153,7 +209,7 @@ def parse_embedding(body: Any) -> GenRequest:
 
 def count_prompt(req: GenRequest, enc: tiktoken.Encoding) -> int:
     tokens = req.id_tokens + sum(len(t) for t in enc.encode_ordinary_batch(req.texts))
-    if req.kind == "chat":
+    if req.kind in ("chat", "responses"):
         tokens += TOKENS_PER_MESSAGE * req.messages + TOKENS_PER_REPLY
     return tokens
 

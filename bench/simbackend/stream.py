@@ -19,7 +19,7 @@ POLL_S = 0.25
 class Job:
     request: web.Request
     handle: Handle
-    kind: str  # chat | completion | embedding
+    kind: str  # chat | completion | embedding | responses
     model: str
     req: GenRequest
     sim: SimHeaders
@@ -34,6 +34,12 @@ class Job:
         if self.sim.usage_none:
             return None
         return fmt.usage(self.prompt_tokens, self.handle.visible * self.req.choices)
+
+    def responses_usage(self, output_tokens: int) -> dict[str, object] | None:
+        return None if self.sim.usage_none else fmt.responses_usage(self.prompt_tokens, output_tokens)
+
+    def response_maker(self) -> fmt.ResponseMaker:
+        return fmt.ResponseMaker(self.model, self.req.instructions, self.req.max_tokens)
 
     def should_fail(self, sent: int) -> bool:
         return self.sim.fail_after is not None and sent >= self.sim.fail_after
@@ -74,6 +80,11 @@ async def complete(job: Job) -> web.StreamResponse:
             fmt.embedding_response(job.model, job.req.items, job.embedding_dim, job.usage())
         )
     texts = [fmt.generated_text(c, handle.visible) for c in range(job.req.choices)]
+    if job.kind == "responses":
+        final = job.response_maker().final(
+            texts[0], job.finish_reason, job.responses_usage(handle.visible)
+        )
+        return web.json_response(final)
     if job.kind == "chat":
         body = fmt.chat_response(
             fmt.new_id("chatcmpl"), job.model, texts, job.finish_reason, job.usage()
@@ -132,4 +143,39 @@ async def stream(job: Job) -> web.StreamResponse:
                 return resp
     except ConnectionError:
         # The client went away mid-write; the caller aborts the sequence.
+        return resp
+
+
+async def stream_responses(job: Job) -> web.StreamResponse:
+    """A Responses API stream: typed events, usage only in the final ``response.completed``."""
+    request, handle = job.request, job.handle
+    maker = job.response_maker()
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    for event in maker.opening():
+        await resp.write(event)
+    sent = 0
+    try:
+        while True:
+            upto = handle.visible
+            if job.sim.fail_after is not None:
+                upto = min(upto, job.sim.fail_after)
+            for i in range(sent, upto):
+                await resp.write(maker.delta(fmt.token_text(0, i)))
+            sent = upto
+            if job.should_fail(upto) or handle.error is not None:
+                hard_close(request)
+                return resp
+            if handle.done:
+                text = fmt.generated_text(0, sent)
+                for event in maker.closing(text, job.finish_reason, job.responses_usage(sent)):
+                    await resp.write(event)
+                await resp.write_eof()
+                return resp
+            await handle.wait(POLL_S)
+            if client_gone(request):
+                return resp
+    except ConnectionError:
         return resp
