@@ -255,19 +255,20 @@ class StreamProcessor:
         if req.n == 0:
             return 0
         window = model.context_window
+        param = "input" if req.kind == "responses" else "messages"
         if req.max_tokens is not None:
             if prompt + req.max_tokens > window:
                 raise Reject("context_length",
                              f"This model's maximum context length is {window} tokens. However, you requested "
                              f"{prompt + req.max_tokens} tokens ({prompt} in the messages, {req.max_tokens} in "
                              "the completion). Please reduce the length of the messages or completion.",
-                             code="context_length_exceeded", param="messages")
+                             code="context_length_exceeded", param=param)
             return req.max_tokens
         if prompt >= window:
             raise Reject("context_length",
                          f"This model's maximum context length is {window} tokens. However, your messages "
                          f"resulted in {prompt} tokens. Please reduce the length of the messages.",
-                         code="context_length_exceeded", param="messages")
+                         code="context_length_exceeded", param=param)
         default = model.default_max_tokens or self.policy.gateway.default_max_tokens
         # The client asked for no particular length: reserve what fits, never reject for it.
         return min(default, window - prompt)

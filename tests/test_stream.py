@@ -229,3 +229,16 @@ def test_a_responses_api_request_is_reserved_from_max_output_tokens_and_settled_
     assert ledger["precharged"] == 8 + 50  # "user", "hi", 3 framing + 3 priming; 50 reserved
     assert ledger["charged"] == 13 and ledger["refunded"] == 45 and ledger["balanced"]
     rt.close()
+
+
+def test_a_responses_api_prompt_over_the_window_names_input() -> None:
+    rt = Runtime(policy(), clock=Clock())
+    hdr = headers(_path="/v1/responses", _method="POST", authorization="Bearer k")
+    req = pb.ProcessingRequest(request_body=pb.HttpBody(
+        body=json.dumps({"model": "m", "input": "hi", "max_output_tokens": 5000}).encode(), end_of_stream=True))
+    out = asyncio.run(exchange(rt, hdr, req))[-1]
+    assert out.immediate_response.status.code == 400
+    err = json.loads(out.immediate_response.body)["error"]
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "input")
+    assert rt.status()["ledger"]["precharged"] == 0
+    rt.close()
