@@ -199,3 +199,24 @@ def test_a_429_is_a_rate_limit_error_with_the_openai_body(stack: Stack) -> None:
             delays.append(int(r.headers["retry-after-ms"]))
     assert len(set(delays)) > 25, delays
     assert max(delays) - min(delays) <= 0.25 * min(delays) + 1500, delays
+
+
+def test_refused_bodies_never_reach_the_backend_and_carry_the_tenants_numbers(stack: Stack) -> None:
+    stack.clear_sim_requests()
+    c = client(stack, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as ei:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                  stream_options={"include_usage": True})
+    assert ei.value.param == "stream_options"
+    h = ei.value.response.headers
+    assert h["x-sluice-reason"] == "bad_request" and h["x-ratelimit-limit-tokens"] == "1000000"
+    r = httpx.post(f"{stack.url}/v1/chat/completions", timeout=10,
+                   headers={"authorization": f"Bearer {TEST_KEYS['premium']}", "content-type": "application/json"},
+                   content=b'{"model":"sim-llama-8b","max_tokens":9000,"max_tokens":4,'
+                           b'"messages":[{"role":"user","content":"hi"}]}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert r.headers["x-sluice-reason"] == "bad_request" and "x-ratelimit-remaining-tokens" in r.headers
+    with pytest.raises(openai.NotFoundError) as nf:
+        c.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    assert nf.value.code == "model_not_found" and "x-ratelimit-remaining-requests" in nf.value.response.headers
+    assert stack.sim_requests() == []
