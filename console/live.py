@@ -76,8 +76,14 @@ def _breaker_transition(db: Database, now: float, replica: str, backend: str, b:
                     int(trips) if trips is not None else None])
 
 
-def prune(store: Store, now: float) -> None:
+FORGET_AFTER_S = 3600.0
+HIDE_AFTER_S = 300.0
+
+
+def prune(store: Store, now: float, forget_after: float = FORGET_AFTER_S) -> None:
+    """Old samples and events go, and so do replicas silent for ``forget_after`` seconds."""
     with store.write() as db:
+        db.execute("DELETE FROM replicas WHERE last_seen < ?", [now - forget_after])
         db.execute("DELETE FROM kv_samples WHERE at < ?", [now - SAMPLE_KEEP_S])
         db.execute("DELETE FROM tenant_events WHERE at < ?", [now - SAMPLE_KEEP_S])
         db.execute("DELETE FROM breaker_events WHERE at < ?", [now - EVENT_KEEP_S])
@@ -97,9 +103,11 @@ class Replica:
         return value if isinstance(value, str) else None
 
 
-def replicas(store: Store, now: float, stale_after: float) -> list[Replica]:
+def replicas(store: Store, now: float, stale_after: float, hide_after: float = HIDE_AFTER_S) -> list[Replica]:
+    """The replicas heard from within ``hide_after`` seconds (older ones wait to be pruned)."""
     out = []
-    for r in store.query("SELECT id, last_seen, status FROM replicas ORDER BY id"):
+    for r in store.query("SELECT id, last_seen, status FROM replicas WHERE last_seen >= ? ORDER BY id",
+                         [now - hide_after]):
         try:
             status = as_map(json.loads(r["status"]))
         except ValueError:

@@ -34,7 +34,7 @@ def _context(**extra: Any) -> dict[str, Any]:
     s = sluice()
     now = s.now()
     snap = snapshot()
-    reps = live.replicas(s.store, now, s.config.stale_after_s)
+    reps = live.replicas(s.store, now, s.config.stale_after_s, s.config.replica_hide_after_s)
     return {"rows": _rows(), "tiers": sorted(snap.policy.tiers) if snap else [],
             "live": live.tenant_live(s.store, reps, now - LIVE_WINDOW_S), "window_min": LIVE_WINDOW_S // 60,
             "editing": {}, **extra}
