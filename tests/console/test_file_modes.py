@@ -39,3 +39,31 @@ def test_existing_loose_db_is_tightened_and_shared_dir_left_alone(tmp_path: Path
     Store(db).close()
     assert mode(db) == 0o600
     assert mode(shared) == 0o755  # not ours to change (it could be /tmp)
+
+
+def test_token_from_a_file_or_the_environment(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import pytest
+
+    from console.__main__ import build_parser
+    from console.config import ConsoleConfig, read_secret_file
+
+    secret = tmp_path / "token"
+    secret.write_text("tok-from-file\n")
+    monkeypatch.delenv("SLUICE_CONSOLE_TOKEN", raising=False)
+    monkeypatch.setenv("SLUICE_CONSOLE_TOKEN_FILE", str(secret))
+    assert ConsoleConfig.from_env("x.db", "p").api_token == "tok-from-file"
+    monkeypatch.setenv("SLUICE_CONSOLE_TOKEN", "tok-from-env")
+    assert ConsoleConfig.from_env("x.db", "p").api_token == "tok-from-env"
+    args = build_parser().parse_args(["serve", "--api-token-file", str(secret)])
+    assert read_secret_file(args.api_token_file) == "tok-from-file"
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        read_secret_file(tmp_path / "empty")
+
+
+def test_the_demo_keeps_the_token_off_command_lines() -> None:
+    demo = (Path(__file__).resolve().parents[2] / "bench" / "demo.py").read_text()
+    stack = (Path(__file__).resolve().parents[2] / "tests" / "e2e" / "console_stack.py").read_text()
+    for source in (demo, stack):
+        assert '"--api-token"' not in source and '"--console-token"' not in source
+    assert "SLUICE_CONSOLE_TOKEN" in demo and "--api-token-file" in stack
