@@ -81,7 +81,11 @@ def status(replica: str) -> Response | tuple[Response, int]:
         return _error(400, violation.message, violation.code, violation.param)
     s = sluice()
     now = s.now()
-    live.ingest(s.store, replica, body, now)
+    try:
+        known: set[str] | None = {b.name for b in s.state.snapshot().policy.backends}
+    except NoPolicy:
+        known = None
+    live.ingest(s.store, replica, body, now, known)
     if now - s.last_prune > PRUNE_EVERY_S:
         s.last_prune = now
         live.prune(s.store, now, forget_after=s.config.replica_forget_after_s)

@@ -89,3 +89,19 @@ def test_silent_replicas_are_hidden_then_deleted(operator: Console) -> None:
     assert operator.sluice.store.one("SELECT id FROM replicas WHERE id = 'gone'") is None
     live.prune(operator.sluice.store, operator.clock.t + cfg.replica_forget_after_s + 1)
     assert operator.sluice.store.query("SELECT id FROM replicas") == []
+
+
+def test_backends_not_in_the_policy_cost_no_rows_and_no_page_size(operator: Console) -> None:
+    fake = report()
+    fake["backends"].update({f"f{i:03d}": {"kv_usage": 0.1, "breaker": {"state": "open"}, "slots": {"in_use": 1}}
+                             for i in range(reports.MAX_BACKENDS - 1)})
+    baseline = len(operator.client.get("/").get_data())
+    for rep in ("a", "b", "c", "d"):
+        assert post_status(operator, fake, rep).status_code == 200
+    store = operator.sluice.store
+    assert {r["backend"] for r in store.query("SELECT DISTINCT backend FROM kv_samples")} == {"sim"}
+    assert {r["backend"] for r in store.query("SELECT DISTINCT backend FROM breaker_events")} == {"sim"}
+    for path in ("/", "/breakers", "/overview/backends"):
+        body = operator.client.get(path).get_data(as_text=True)
+        assert "f007" not in body, path
+    assert len(operator.client.get("/").get_data()) < baseline + 10_000
