@@ -182,3 +182,12 @@ def test_viewer_cannot_manage_keys(viewer: Console) -> None:
     assert not [a for a in viewer.audit_rows() if a["kind"].startswith(("key.", "tenant."))]
     page = viewer.client.get("/tenants/acme/keys").get_data(as_text=True)
     assert "Revoke" not in page and "Issue a new key" not in page and "New tenant" not in page
+
+
+def test_reverting_a_created_tenant_takes_its_keys_along(operator: Console) -> None:
+    key = shown_key(create(operator))
+    created = next(o for o in operator.sluice.state.snapshot().overrides if o.scope == "tenant_new")
+    assert operator.post(f"/overrides/{created.id}/revert", {"reason": "signed up by mistake"}).status_code == 200
+    snap = operator.sluice.state.snapshot()
+    assert tenant_of(operator, key) is None and "newco" not in snap.policy.tenants
+    assert not snap.conflicts and not [o for o in snap.overrides if o.target == "newco"]
