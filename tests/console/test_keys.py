@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from console import exporter, validation
@@ -191,3 +192,25 @@ def test_reverting_a_created_tenant_takes_its_keys_along(operator: Console) -> N
     snap = operator.sluice.state.snapshot()
     assert tenant_of(operator, key) is None and "newco" not in snap.policy.tenants
     assert not snap.conflicts and not [o for o in snap.overrides if o.target == "newco"]
+
+
+def test_migration_keeps_existing_overrides_and_allows_the_new_scopes(tmp_path: Path) -> None:
+    import sqlite3
+
+    from sqlite_utils import Database
+
+    from console import migrations
+
+    db = Database(sqlite3.connect(str(tmp_path / "old.db")))
+    migrations.apply(db, migrations.MIGRATIONS[:1])
+    db.execute("INSERT INTO overrides (scope, target, field, value, actor, at, reason) "
+               "VALUES ('tenant', 'acme', 'tpm', '5', 'olga', 1.0, 'r')")
+    db.conn.commit()
+    assert migrations.apply(db) == [2, 3]
+    assert [(r["id"], r["scope"], r["value"]) for r in db.query("SELECT * FROM overrides")] == [(1, "tenant", "5")]
+    db.execute("INSERT INTO overrides (scope, target, field, value, actor, at, reason) "
+               "VALUES ('key', 'acme', 'sha256:x', NULL, 'olga', 2.0, 'r')")
+    with pytest.raises(sqlite3.IntegrityError):  # the scope CHECK constraint is still there
+        db.execute("INSERT INTO overrides (scope, target, field, value, actor, at, reason) "
+                   "VALUES ('bogus', 'acme', 'x', NULL, 'olga', 2.0, 'r')")
+    db.close()
