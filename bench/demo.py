@@ -45,8 +45,8 @@ def main() -> int:
     subprocess.run([py, "-m", "extproc", "envoy-config", args.policy, "-o", str(cfg)], check=True, cwd=ROOT)
     procs: list[subprocess.Popen] = []
 
-    def start(*cmd: str) -> subprocess.Popen:
-        p = subprocess.Popen(list(cmd), cwd=ROOT, env=os.environ.copy())
+    def start(*cmd: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        p = subprocess.Popen(list(cmd), cwd=ROOT, env={**os.environ, **(env or {})})
         procs.append(p)
         return p
 
@@ -56,13 +56,15 @@ def main() -> int:
                       "--time-scale", args.time_scale)
         wait("http://127.0.0.1:8000/health", sim)
         wait("http://127.0.0.1:8001/health", small)
-        token = secrets.token_urlsafe(24)
-        (ROOT / "var").mkdir(exist_ok=True)
+        # The replica token goes through the environment, not the command line (``ps`` shows
+        # every user the command line; /proc/PID/environ only the owner).
+        secret = {"SLUICE_CONSOLE_TOKEN": secrets.token_urlsafe(24)}
+        (ROOT / "var").mkdir(mode=0o700, exist_ok=True)
         con = start(py, "-m", "console", "serve", "--db", str(ROOT / "var" / "console.db"), "--policy", args.policy,
-                    "--host", "127.0.0.1", "--port", "8080", "--demo", "--api-token", token)
+                    "--host", "127.0.0.1", "--port", "8080", "--demo", env=secret)
         wait("http://127.0.0.1:8080/healthz", con)
         ep = start(py, "-m", "extproc", "serve", "--policy", args.policy, "--console-url", "http://127.0.0.1:8080",
-                   "--console-token", token, "--replica-id", "demo-1")
+                   "--replica-id", "demo-1", env=secret)
         wait("http://127.0.0.1:9100/healthz", ep)
         env = start(str(envoy), "-c", str(cfg), "--disable-hot-restart", "-l", "warning")
         wait("http://127.0.0.1:9901/ready", env)

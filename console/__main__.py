@@ -3,8 +3,9 @@
     python -m console serve --db var/console.db --policy policies/ --host 127.0.0.1 --port 8080 [--demo]
     python -m console create-user NAME --role operator|viewer [--password P] --db var/console.db
 
-Secrets can come from the environment instead of the command line (where ``ps``
-shows them): ``SLUICE_CONSOLE_TOKEN`` (the replicas' bearer token),
+Secrets can come from the environment or a file instead of the command line (where
+``ps`` shows them): ``SLUICE_CONSOLE_TOKEN`` or ``--api-token-file`` /
+``SLUICE_CONSOLE_TOKEN_FILE`` (the replicas' bearer token),
 ``SLUICE_CONSOLE_SECRET`` (the session key), ``SLUICE_CONSOLE_PASSWORD``
 (for create-user).
 """
@@ -28,10 +29,14 @@ def _serve(args: argparse.Namespace) -> int:
 
     from console import users
     from console.app import create_app
-    from console.config import ConsoleConfig
+    from console.config import ConsoleConfig, read_secret_file
 
-    cfg = ConsoleConfig.from_env(args.db, args.policy, api_token=args.api_token,
-                                 reload_interval=args.reload_interval, secure_cookies=args.secure_cookies)
+    token = args.api_token or (read_secret_file(args.api_token_file) if args.api_token_file else None)
+    cfg = ConsoleConfig.from_env(args.db, args.policy, api_token=token,
+                                 reload_interval=args.reload_interval, secure_cookies=args.secure_cookies,
+                                 replica_hide_after_s=args.replica_hide_after,
+                                 replica_forget_after_s=args.replica_forget_after,
+                                 login_concurrency=args.login_concurrency)
     app = create_app(cfg)
     sluice = app.extensions["sluice"]
     try:
@@ -95,13 +100,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8080, help="0 picks a free port")
     s.add_argument("--api-token", default=None,
-                   help="bearer token replicas use (default: $SLUICE_CONSOLE_TOKEN, else one stored in the DB)")
+                   help="bearer token replicas use (visible in ps: prefer --api-token-file or "
+                        "$SLUICE_CONSOLE_TOKEN; default: one stored in the DB)")
+    s.add_argument("--api-token-file", default=None,
+                   help="read the bearer token from this file (or $SLUICE_CONSOLE_TOKEN_FILE)")
     s.add_argument("--demo", action="store_true", help="create/reset a demo operator and print its credentials")
     s.add_argument("--demo-user", default="demo")
     s.add_argument("--demo-password", default=None, help="default: a random one, printed")
     s.add_argument("--threads", type=int, default=16)
     s.add_argument("--reload-interval", type=float, default=1.0, help="seconds between checks of the files")
     s.add_argument("--secure-cookies", action="store_true", help="session cookie only over HTTPS")
+    s.add_argument("--replica-hide-after", type=float, default=None,
+                   help="seconds without a report before a replica leaves the pages (default 300)")
+    s.add_argument("--replica-forget-after", type=float, default=None,
+                   help="seconds without a report before a replica is deleted (default 3600)")
+    s.add_argument("--login-concurrency", type=int, default=None,
+                   help="password checks (scrypt) run at once; more get 429 (default 1)")
     u = sub.add_parser("create-user", help="create an operator or viewer account")
     u.add_argument("name")
     u.add_argument("--role", choices=("operator", "viewer"), required=True)

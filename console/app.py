@@ -15,6 +15,9 @@ from console import security
 from console.config import ConsoleConfig
 from console.policystate import PolicyState
 from console.store import Store
+from console.throttle import Hashing, Throttle
+
+SESSION_LIFETIME = timedelta(hours=12)
 
 
 @dataclass
@@ -26,6 +29,8 @@ class Sluice:
     state: PolicyState
     api_token: str
     clock: Any
+    throttle: Throttle = field(default_factory=Throttle)
+    hashing: Hashing = field(default_factory=lambda: Hashing(1))
     last_prune: float = field(default=float("-inf"))
 
     def now(self) -> float:
@@ -55,12 +60,15 @@ def create_app(config: ConsoleConfig) -> Flask:
         SESSION_COOKIE_HTTPONLY=True,
         SESSION_COOKIE_SAMESITE="Lax",
         SESSION_COOKIE_SECURE=config.secure_cookies,
-        PERMANENT_SESSION_LIFETIME=timedelta(hours=12),
+        PERMANENT_SESSION_LIFETIME=SESSION_LIFETIME,
         MAX_CONTENT_LENGTH=1 << 20,
         TEMPLATES_AUTO_RELOAD=False,
     )
     app.jinja_env.autoescape = True  # every template, whatever its extension
-    app.extensions["sluice"] = Sluice(config, store, state, token, clock)
+    throttle = Throttle(free=config.login_free_failures, addr_free=config.login_addr_free_failures,
+                        window_s=config.login_window_s, max_delay_s=config.login_max_delay_s)
+    app.extensions["sluice"] = Sluice(config, store, state, token, clock, throttle,
+                                      Hashing(config.login_concurrency))
     security.install(app)
     _filters(app)
     for bp in BLUEPRINTS:

@@ -110,8 +110,12 @@ def revert(state: PolicyState, *, actor: str, override_id: int, reason: str) -> 
         if row is None:
             return False
         now = state.clock()
+        orphans = row["scope"] == "tenant_new" and overrides.entity(state.snapshot().base.doc, "tenant",
+                                                                    row["target"]) is None
         with state.store.write() as db:
             db.execute("UPDATE overrides SET active = 0 WHERE id = ?", [override_id])
+            if orphans:  # a created tenant taken back takes the keys issued to it along
+                _deactivate_all(db, "key", row["target"])
             audit.record(db, at=now, actor=actor, kind="override.revert", target=row["target"],
                          summary=f"reverted {row['scope']} {row['target']}.{row['field']} to the files' value",
                          reason=reason, detail={"override": override_id, "value": json.loads(row["value"] or "null")})
@@ -141,6 +145,10 @@ def keep(state: PolicyState, *, actor: str, override_id: int, reason: str) -> bo
 def _deactivate(db: Any, scope: str, target: str, name: str) -> None:
     db.execute("UPDATE overrides SET active = 0 WHERE active = 1 AND scope = ? AND target = ? AND field = ?",
                [scope, target, name])
+
+
+def _deactivate_all(db: Any, scope: str, target: str) -> None:
+    db.execute("UPDATE overrides SET active = 0 WHERE active = 1 AND scope = ? AND target = ?", [scope, target])
 
 
 def _insert(db: Any, scope: str, target: str, name: str, value: Any, base: Any, actor: str, at: float,

@@ -22,6 +22,7 @@ from console.overrides import Override
 from console.policystate import Snapshot
 
 _PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+_HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
@@ -43,12 +44,26 @@ def effective_yaml(snap: Snapshot) -> str:
     return header + yaml.safe_dump(snap.policy_doc(), sort_keys=False, allow_unicode=True)
 
 
+EXPORTED = ("tenant", "tier", "tenant_new", "key")
+
+
+def _home(snap: Snapshot) -> str | None:
+    """Where tenants created in the console go: the first file with a tenants list."""
+    for name in snap.base.files:
+        if isinstance(snap.base.file_data(name).get("tenants"), list):
+            return name
+    return "tenants.yaml" if "tenants.yaml" in snap.base.files else next(reversed(snap.base.files), None)
+
+
 def files(snap: Snapshot, directory: str = "policies") -> list[FileExport]:
     out = []
-    field_overrides = [o for o in snap.overrides if o.scope in ("tenant", "tier")]
+    field_overrides = [o for o in snap.overrides if o.scope in EXPORTED]
+    home = _home(snap)
     for name, text in snap.base.files.items():
-        mine = [o for o in field_overrides if _holds(snap.base.file_data(name), o)]
-        after, patched = _export_file(text, snap.base.file_data(name), mine)
+        data = snap.base.file_data(name)
+        mine = [o for o in field_overrides
+                if _holds(data, o) or (name == home and not _held_anywhere(snap, o))]
+        after, patched = _export_file(text, data, mine)
         diff = "".join(difflib.unified_diff(text.splitlines(keepends=True), after.splitlines(keepends=True),
                                             fromfile=f"a/{directory}/{name}", tofile=f"b/{directory}/{name}"))
         out.append(FileExport(name, text, after, diff, patched))
@@ -59,8 +74,16 @@ def combined_diff(exports: list[FileExport]) -> str:
     return "".join(e.diff for e in exports)
 
 
+def _scope(ov: Override) -> str:
+    return "tier" if ov.scope == "tier" else "tenant"
+
+
 def _holds(data: dict[str, Any], ov: Override) -> bool:
-    return overrides.entity(data, ov.scope, ov.target) is not None
+    return overrides.entity(data, _scope(ov), ov.target) is not None
+
+
+def _held_anywhere(snap: Snapshot, ov: Override) -> bool:
+    return any(_holds(snap.base.file_data(n), ov) for n in snap.base.files)
 
 
 def _export_file(text: str, data: dict[str, Any], ovs: list[Override]) -> tuple[str, bool]:
@@ -68,12 +91,21 @@ def _export_file(text: str, data: dict[str, Any], ovs: list[Override]) -> tuple[
         return text, True
     want = copy.deepcopy(data)
     for ov in ovs:
-        item = overrides.entity(want, ov.scope, ov.target)
-        assert item is not None
-        overrides.set_field(item, ov.field, ov.value)
+        overrides.apply_one(want, data, ov)
+    created = {o.target for o in ovs if o.scope == "tenant_new" and not _holds(data, o)}
     patched: str | None = text
     for ov in ovs:
+        if ov.target in created and ov.scope != "tier" or ov.scope == "tenant_new":
+            continue  # written whole below
+        if ov.scope == "key":
+            continue
         patched = _patch(patched, ov) if patched is not None else None
+    for tenant in sorted({o.target for o in ovs if o.scope == "key"} - created):
+        item = overrides.entity(want, "tenant", tenant)
+        patched = _patch_keys(patched, tenant, item.get("keys") or []) if patched is not None and item else None
+    for tenant in [o.target for o in ovs if o.scope == "tenant_new" and o.target in created]:
+        item = overrides.entity(want, "tenant", tenant)
+        patched = _append_tenant(patched, item) if patched is not None and item else None
     if patched is not None and _loads(patched) == want:
         return patched, True
     rendered = yaml.safe_dump(want, sort_keys=False, allow_unicode=True)
@@ -130,6 +162,59 @@ def _end_of_last_line(node: yaml.Node) -> int:
         last = node.value[-1]
         node = last[1] if isinstance(node, yaml.MappingNode) else last
     return node.end_mark.index
+
+
+def _flow_list(items: list[Any]) -> str:
+    return "[" + ", ".join(k if isinstance(k, str) and _HASH.match(k) else scalar(k) for k in items) + "]"
+
+
+def _patch_keys(text: str, tenant: str, keys: list[Any]) -> str | None:
+    """Rewrite a tenant's one-line ``keys: [...]`` with the wanted hashes."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return None
+    probe = Override(0, "tenant", tenant, "keys", None, None, "", 0.0, "")
+    node = _find(root, probe) if root is not None else None
+    found = _entry(node, "keys") if node is not None else None
+    if found is None:
+        return None
+    v = found[1]
+    if not isinstance(v, yaml.SequenceNode) or not v.flow_style or v.start_mark.line != v.end_mark.line:
+        return None
+    return text[: v.start_mark.index] + _flow_list(keys) + text[v.end_mark.index:]
+
+
+def _append_tenant(text: str, item: dict[str, Any]) -> str | None:
+    """Add a tenant created in the console after the last one of the file's block list."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return None
+    seq = None
+    if isinstance(root, yaml.MappingNode):
+        seq = next((v for k, v in root.value if k.value == "tenants"), None)
+    if not isinstance(seq, yaml.SequenceNode) or seq.flow_style or not seq.value:
+        return None
+    first = seq.value[0]
+    line_start = text.rfind("\n", 0, first.start_mark.index) + 1
+    prefix = text[line_start: first.start_mark.index]
+    if "-" not in prefix or prefix.strip() != "-":
+        return None
+    dash, inner = prefix[: prefix.index("-")], " " * len(prefix)
+    lines = []
+    for i, (k, v) in enumerate(item.items()):
+        if isinstance(v, list):
+            rendered = _flow_list(v)
+        elif isinstance(v, dict):
+            return None
+        else:
+            rendered = scalar(v)
+        lines.append(f"{dash}- {k}: {rendered}" if i == 0 else f"{inner}{k}: {rendered}")
+    at = text.find("\n", _end_of_last_line(seq.value[-1]))
+    if at == -1:
+        return text + "\n" + "\n".join(lines) + "\n"
+    return text[:at] + "\n" + "\n".join(lines) + text[at:]
 
 
 def _patch(text: str, ov: Override) -> str | None:

@@ -36,7 +36,10 @@ def _counters(value: Any) -> dict[str, int]:
     return {str(k): int(v) for k, v in as_map(value).items() if num(v) is not None}
 
 
-def ingest(store: Store, replica: str, status: Mapping[str, Any], now: float) -> None:
+def ingest(store: Store, replica: str, status: Mapping[str, Any], now: float,
+           known: set[str] | None = None) -> None:
+    """Store a report; samples and breaker history only for the ``known`` backends (the
+    policy's), so made-up backend names cost one stored report, not rows every second."""
     with store.write() as db:
         # Read inside the transaction: the increments are against exactly the previous report.
         prev_rows = list(db.query("SELECT status FROM replicas WHERE id = ?", [replica]))
@@ -45,6 +48,8 @@ def ingest(store: Store, replica: str, status: Mapping[str, Any], now: float) ->
                    "ON CONFLICT (id) DO UPDATE SET last_seen = excluded.last_seen, status = excluded.status",
                    [replica, now, json.dumps(status)])
         for name, b in as_map(status.get("backends")).items():
+            if known is not None and str(name) not in known:
+                continue
             b = as_map(b)
             db.execute("INSERT INTO kv_samples (at, replica, backend, kv_usage, running, waiting, scale) "
                        "VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -76,8 +81,14 @@ def _breaker_transition(db: Database, now: float, replica: str, backend: str, b:
                     int(trips) if trips is not None else None])
 
 
-def prune(store: Store, now: float) -> None:
+FORGET_AFTER_S = 3600.0
+HIDE_AFTER_S = 300.0
+
+
+def prune(store: Store, now: float, forget_after: float = FORGET_AFTER_S) -> None:
+    """Old samples and events go, and so do replicas silent for ``forget_after`` seconds."""
     with store.write() as db:
+        db.execute("DELETE FROM replicas WHERE last_seen < ?", [now - forget_after])
         db.execute("DELETE FROM kv_samples WHERE at < ?", [now - SAMPLE_KEEP_S])
         db.execute("DELETE FROM tenant_events WHERE at < ?", [now - SAMPLE_KEEP_S])
         db.execute("DELETE FROM breaker_events WHERE at < ?", [now - EVENT_KEEP_S])
@@ -97,9 +108,11 @@ class Replica:
         return value if isinstance(value, str) else None
 
 
-def replicas(store: Store, now: float, stale_after: float) -> list[Replica]:
+def replicas(store: Store, now: float, stale_after: float, hide_after: float = HIDE_AFTER_S) -> list[Replica]:
+    """The replicas heard from within ``hide_after`` seconds (older ones wait to be pruned)."""
     out = []
-    for r in store.query("SELECT id, last_seen, status FROM replicas ORDER BY id"):
+    for r in store.query("SELECT id, last_seen, status FROM replicas WHERE last_seen >= ? ORDER BY id",
+                         [now - hide_after]):
         try:
             status = as_map(json.loads(r["status"]))
         except ValueError:
@@ -127,12 +140,15 @@ class BackendView:
 
 
 def backend_views(names: list[str], reps: list[Replica]) -> list[BackendView]:
-    """Per backend, the freshest live report's gauges; breakers and slots per replica."""
+    """Per backend of the policy, the freshest live report's gauges; breakers and slots per
+    replica. Names the policy does not have are not shown (a page must not grow with them)."""
     fresh = sorted((r for r in reps if not r.stale), key=lambda r: r.last_seen)
     views = {n: BackendView(n) for n in names}
     for r in fresh:
         for name, b in as_map(r.status.get("backends")).items():
-            v = views.setdefault(str(name), BackendView(str(name)))
+            v = views.get(str(name))
+            if v is None:
+                continue
             b = as_map(b)
             v.kv_usage, v.running, v.waiting = num(b.get("kv_usage")), num(b.get("running")), num(b.get("waiting"))
             v.scale = num(b.get("scale"))

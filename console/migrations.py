@@ -101,8 +101,56 @@ def _initial(db: Database) -> None:
     """)
 
 
+def _sessions(db: Database) -> None:
+    _statements(db, """
+    -- Server-side sessions: the cookie carries a random id, the row holds its sha256.
+    -- Logging out, a password change or a role change deletes rows, and a cookie without
+    -- its row is logged out.
+    CREATE TABLE sessions (
+        id TEXT PRIMARY KEY,   -- sha256 hex of the id in the cookie
+        user_id INTEGER NOT NULL REFERENCES users (id) ON DELETE CASCADE,
+        created_at REAL NOT NULL,
+        addr TEXT NOT NULL DEFAULT ''
+    );
+    CREATE INDEX sessions_user ON sessions (user_id);
+    -- Failed password checks, per throttle key ("name:<n>" or "addr:<a>").
+    CREATE TABLE login_failures (
+        key TEXT NOT NULL,
+        at REAL NOT NULL
+    );
+    CREATE INDEX login_failures_key_at ON login_failures (key, at)
+    """)
+
+
+def _tenant_overrides(db: Database) -> None:
+    # SQLite cannot alter a CHECK constraint: rebuild the table with two more scopes,
+    # "tenant_new" (a tenant created in the console) and "key" (an API key hash added
+    # to, or with a null value removed from, a tenant).
+    _statements(db, """
+    CREATE TABLE overrides_new (
+        id INTEGER PRIMARY KEY,
+        scope TEXT NOT NULL CHECK (scope IN ('tenant', 'tier', 'breaker', 'tenant_new', 'key')),
+        target TEXT NOT NULL,
+        field TEXT NOT NULL,
+        value TEXT,
+        base_value TEXT,
+        actor TEXT NOT NULL,
+        at REAL NOT NULL,
+        reason TEXT NOT NULL,
+        active INTEGER NOT NULL DEFAULT 1
+    );
+    INSERT INTO overrides_new (id, scope, target, field, value, base_value, actor, at, reason, active)
+        SELECT id, scope, target, field, value, base_value, actor, at, reason, active FROM overrides;
+    DROP TABLE overrides;
+    ALTER TABLE overrides_new RENAME TO overrides;
+    CREATE INDEX overrides_active ON overrides (active, scope, target, field)
+    """)
+
+
 MIGRATIONS: list[Migration] = [
     (1, "initial schema", _initial),
+    (2, "server-side sessions and login throttling", _sessions),
+    (3, "tenants and keys as overrides", _tenant_overrides),
 ]
 
 

@@ -56,10 +56,10 @@ def editable_tier_fields() -> dict[str, str]:
 @dataclass(frozen=True)
 class Override:
     id: int
-    scope: str  # tenant | tier | breaker
-    target: str
-    field: str
-    value: Any  # None removes the field
+    scope: str  # tenant | tier | breaker | tenant_new | key
+    target: str  # the tenant, tier or backend
+    field: str  # the field; for "key" the key's hash; "" for "tenant_new"
+    value: Any  # None removes the field (the key)
     base_value: Any
     actor: str
     at: float
@@ -134,12 +134,69 @@ def set_field(item: dict[str, Any], name: str, value: Any) -> None:
         chain[-1][last] = value
 
 
+def new_tenant(value: Any) -> dict[str, Any]:
+    """The item a "tenant_new" override adds: its name and tier; keys come from "key" overrides."""
+    v = value if isinstance(value, dict) else {}
+    return {"name": v.get("name"), "tier": v.get("tier"), "keys": []}
+
+
+def apply_one(doc: dict[str, Any], base: dict[str, Any], ov: Override) -> Conflict | None:
+    """Apply one tenant, tier, tenant_new or key override to ``doc`` in place.
+
+    A "missing" conflict means nothing was applied; a "changed" one was still applied.
+    A console-created tenant the files now define, a key the files already hold (or no
+    longer hold, for a removal) apply as no-ops: the files caught up with the console.
+    """
+    if ov.scope == "tenant_new":
+        if entity(doc, "tenant", ov.target) is None:
+            if not isinstance(doc.get("tenants"), list):
+                doc["tenants"] = []
+            doc["tenants"].append(new_tenant(ov.value))
+        return None
+    target = entity(doc, "tenant" if ov.scope == "key" else ov.scope, ov.target)
+    if target is None:
+        what = "tenant" if ov.scope == "key" else ov.scope
+        return Conflict(ov, "missing", f"{what} {ov.target!r} is no longer in the policy files")
+    if ov.scope == "key":
+        keys = target.get("keys") if isinstance(target.get("keys"), list) else []
+        if ov.value is None:
+            target["keys"] = [k for k in keys if k != ov.field]
+        elif ov.field not in keys:
+            target["keys"] = [*keys, ov.field]
+        return None
+    conflict = None
+    now_base = base_value(base, ov.scope, ov.target, ov.field)
+    if now_base != ov.base_value and now_base != ov.value:
+        conflict = Conflict(
+            ov, "changed",
+            f"the files changed {ov.target}.{ov.field} from {_show(ov.base_value)} to {_show(now_base)} "
+            f"after this override set it to {_show(ov.value)}", now_base)
+    set_field(target, ov.field, ov.value)
+    return conflict
+
+
+def _groups(fields: list[Override]) -> list[list[Override]]:
+    """Overrides that only make sense together: a created tenant and the keys issued with
+    it (a tenant without keys does not validate). Everything else stands alone."""
+    groups: list[list[Override]] = []
+    created: dict[str, list[Override]] = {}
+    for ov in fields:
+        if ov.scope == "key" and ov.target in created and ov.value is not None:
+            created[ov.target].append(ov)
+            continue
+        group = [ov]
+        if ov.scope == "tenant_new":
+            created[ov.target] = group
+        groups.append(group)
+    return groups
+
+
 def apply(base: dict[str, Any], overrides: Iterable[Override], now: float,
           check: Callable[[dict[str, Any]], list[str]]) -> Applied:
     """The effective document: ``base`` with every override that still applies.
 
     ``check`` returns the problems of a document (empty when valid). It is called
-    once when everything applies cleanly, and per override only when not.
+    once when everything applies cleanly, and per override (or group) only when not.
     """
     doc = copy.deepcopy(base)
     out = Applied(doc)
@@ -149,33 +206,27 @@ def apply(base: dict[str, Any], overrides: Iterable[Override], now: float,
         if ov.scope == "breaker":
             _apply_breaker(doc, ov, now, breakers, out)
             continue
-        target = entity(doc, ov.scope, ov.target)
-        if target is None:
-            out.conflicts.append(Conflict(ov, "missing", f"{ov.scope} {ov.target!r} is no longer in the policy files"))
-            continue
-        now_base = base_value(base, ov.scope, ov.target, ov.field)
-        if now_base != ov.base_value and now_base != ov.value:
-            out.conflicts.append(Conflict(
-                ov, "changed",
-                f"the files changed {ov.target}.{ov.field} from {_show(ov.base_value)} to {_show(now_base)} "
-                f"after this override set it to {_show(ov.value)}", now_base))
-        set_field(target, ov.field, ov.value)
-        fields.append(ov)
+        conflict = apply_one(doc, base, ov)
+        if conflict is not None:
+            out.conflicts.append(conflict)
+        if conflict is None or conflict.kind == "changed":
+            fields.append(ov)
     if fields and check(doc):
         # Something no longer fits: rebuild one override at a time and keep those that do.
         doc = copy.deepcopy(base)
-        out.doc = doc
-        for ov in fields:
-            target = entity(doc, ov.scope, ov.target)
-            assert target is not None
-            before = copy.deepcopy(get_field(target, ov.field))
-            set_field(target, ov.field, ov.value)
-            found = check(doc)
+        for group in _groups(fields):
+            trial = copy.deepcopy(doc)
+            missing = [c for c in (apply_one(trial, base, ov) for ov in group) if c and c.kind == "missing"]
+            if missing:
+                out.conflicts.extend(missing)
+                continue
+            found = check(trial)
             if found:
-                set_field(target, ov.field, before)
-                out.conflicts.append(Conflict(ov, "invalid", "no longer valid: " + "; ".join(found)))
+                out.conflicts.extend(Conflict(ov, "invalid", "no longer valid: " + "; ".join(found)) for ov in group)
             else:
-                out.applied.append(ov)
+                doc = trial
+                out.applied.extend(group)
+        out.doc = doc
     else:
         out.applied.extend(fields)
     # Entries written in the files stay unless the console has its own for that backend.

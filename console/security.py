@@ -30,7 +30,7 @@ from flask import (
     url_for,
 )
 
-from console import users
+from console import sessions, users
 
 F = TypeVar("F", bound=Callable[..., Any])
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
@@ -73,9 +73,13 @@ def safe_next(target: str | None) -> str:
 
 def _load_user() -> Response | None:
     g.user = None
-    uid = session.get("uid")
-    if isinstance(uid, int):
-        g.user = users.get(current_app.extensions["sluice"].store, uid)
+    sid = session.get("sid")
+    if isinstance(sid, str):
+        s = current_app.extensions["sluice"]
+        # The session must still exist server-side: logout and password/role changes end it.
+        uid = sessions.user_of(s.store, sid, s.now(), current_app.permanent_session_lifetime.total_seconds())
+        if uid is not None:
+            g.user = users.get(s.store, uid)
     if g.user is None and request.endpoint not in PUBLIC_ENDPOINTS:
         if is_htmx():
             resp = Response("login required", status=401, mimetype="text/plain")

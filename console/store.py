@@ -7,7 +7,9 @@ takes its values as parameters.
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import stat
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -17,6 +19,36 @@ from typing import Any
 from sqlite_utils import Database
 
 from console import migrations
+
+
+def _private_dir(directory: Path) -> None:
+    """Create the missing directories of ``directory`` 0700; an existing one is left alone
+    (it may be shared, like /tmp), but the files in it are still private."""
+    missing = []
+    d = directory
+    while not d.exists():
+        missing.append(d)
+        d = d.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=0o700)
+        except FileExistsError:
+            continue
+        os.chmod(d, 0o700)  # mkdir's mode is masked by the umask
+
+
+def _private_files(path: Path) -> None:
+    """The database holds the session key and password hashes: 0600, and so do its WAL
+    and shared-memory files (SQLite gives them the main file's mode; tightened here in
+    case they were left over with another one)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.close(fd)
+    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        try:
+            if stat.S_IMODE(p.stat().st_mode) & 0o077:
+                os.chmod(p, 0o600)
+        except FileNotFoundError:
+            continue
 
 
 def _connect(path: Path) -> Database:
@@ -30,12 +62,14 @@ def _connect(path: Path) -> Database:
 class Store:
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _private_dir(self.path.parent)
+        _private_files(self.path)
         self._write_lock = threading.RLock()
         self._writer = _connect(self.path)
         self._writer.enable_wal()
         self._writer.execute("PRAGMA synchronous = NORMAL")  # safe with WAL; fsync per checkpoint
         migrations.apply(self._writer)
+        _private_files(self.path)  # the -wal and -shm files exist now
         self._local = threading.local()
         self._readers: list[Database] = []
         self._readers_lock = threading.Lock()

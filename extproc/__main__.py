@@ -35,6 +35,10 @@ async def _serve(args: argparse.Namespace) -> int:
         from extproc.console_client import ConsoleClient
 
         token = args.console_token or os.environ.get("SLUICE_CONSOLE_TOKEN", "")
+        token_file = args.console_token_file or os.environ.get("SLUICE_CONSOLE_TOKEN_FILE")
+        if not args.console_token and token_file:
+            # A file (a container secret) beats the variable: it is the more deliberate choice.
+            token = Path(token_file).read_text(encoding="utf-8").strip().splitlines()[0].strip()
         client = ConsoleClient(runtime, args.console_url, token, args.replica_id)
         try:
             # Start from the console's policy when it answers; the files are the fallback.
@@ -103,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--reload-interval", type=float, default=1.0)
     s.add_argument("--log-level", default="INFO")
     s.add_argument("--console-url", help="take the policy from the console and report status to it")
-    s.add_argument("--console-token", help="API token for the console (or $SLUICE_CONSOLE_TOKEN)")
+    s.add_argument("--console-token", help="API token for the console (visible in ps: prefer "
+                   "--console-token-file or $SLUICE_CONSOLE_TOKEN)")
+    s.add_argument("--console-token-file", help="read the console's API token from this file "
+                   "(or $SLUICE_CONSOLE_TOKEN_FILE)")
     s.add_argument("--replica-id", default=socket.gethostname(), help="this replica's name in the console")
     v = sub.add_parser("validate", help="check policy files; prints file:line: message per problem")
     v.add_argument("policy")

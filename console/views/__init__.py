@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from console.views import api, audit, auth, breakers, export, overview, tenants, tiers
+from console.views import api, audit, auth, breakers, export, keys, overview, tenants, tiers
 
-BLUEPRINTS = [auth.bp, overview.bp, tenants.bp, tiers.bp, breakers.bp, audit.bp, export.bp, api.bp]
+BLUEPRINTS = [auth.bp, overview.bp, tenants.bp, keys.bp, tiers.bp, breakers.bp, audit.bp, export.bp, api.bp]

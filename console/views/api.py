@@ -18,7 +18,7 @@ from typing import Any
 
 from flask import Blueprint, Response, jsonify, request
 
-from console import live
+from console import live, reports
 from console.policystate import NoPolicy, Snapshot
 from console.views.common import sluice
 
@@ -37,9 +37,9 @@ def _etags(header: str | None) -> set[str]:
     return tags
 
 
-def _error(status: int, message: str) -> tuple[Response, int]:
-    return jsonify({"error": {"message": message, "type": "invalid_request" if status < 500 else "unavailable"}}), \
-        status
+def _error(status: int, message: str, code: str | None = None, param: str | None = None) -> tuple[Response, int]:
+    return jsonify({"error": {"message": message, "type": "invalid_request" if status < 500 else "unavailable",
+                              "code": code, "param": param}}), status
 
 
 def _policy_response(snap: Snapshot, etags: set[str]) -> Response:
@@ -71,16 +71,24 @@ def policy() -> Response | tuple[Response, int]:
 @bp.post("/replicas/<replica>/status")
 def status(replica: str) -> Response | tuple[Response, int]:
     if not REPLICA_ID.match(replica):
-        return _error(400, "replica id: letters, digits, _ . : - (at most 64)")
-    body: Any = request.get_json(silent=True)
-    if not isinstance(body, dict):
-        return _error(400, "expected a JSON object")
+        return _error(400, "replica id: letters, digits, _ . : - (at most 64)", "invalid_replica_id")
+    if (request.content_length or 0) > reports.MAX_BYTES:
+        return _error(400, f"a status report is at most {reports.MAX_BYTES} bytes, got {request.content_length}",
+                      "report_too_large")
+    body: Any
+    body, violation = reports.parse(request.stream.read(reports.MAX_BYTES + 1))
+    if violation is not None:
+        return _error(400, violation.message, violation.code, violation.param)
     s = sluice()
     now = s.now()
-    live.ingest(s.store, replica, body, now)
+    try:
+        known: set[str] | None = {b.name for b in s.state.snapshot().policy.backends}
+    except NoPolicy:
+        known = None
+    live.ingest(s.store, replica, body, now, known)
     if now - s.last_prune > PRUNE_EVERY_S:
         s.last_prune = now
-        live.prune(s.store, now)
+        live.prune(s.store, now, forget_after=s.config.replica_forget_after_s)
     try:
         etag: str | None = s.state.snapshot().etag
     except NoPolicy:
@@ -91,6 +99,6 @@ def status(replica: str) -> Response | tuple[Response, int]:
 @bp.get("/replicas")
 def replicas() -> Response:
     s = sluice()
-    reps = live.replicas(s.store, s.now(), s.config.stale_after_s)
+    reps = live.replicas(s.store, s.now(), s.config.stale_after_s, hide_after=s.config.replica_hide_after_s)
     return jsonify([{"id": r.id, "last_seen": r.last_seen, "stale": r.stale, "policy_etag": r.etag}
                     for r in reps])

@@ -34,7 +34,7 @@ def _context(**extra: Any) -> dict[str, Any]:
     s = sluice()
     snap = snapshot()
     names = [b.name for b in snap.policy.backends] if snap else []
-    reps = live.replicas(s.store, s.now(), s.config.stale_after_s)
+    reps = live.replicas(s.store, s.now(), s.config.stale_after_s, s.config.replica_hide_after_s)
     manual = {b["backend"]: b for b in snap.doc.get("breakers", [])} if snap else {}
     return {"names": names, "backends": live.backend_views(names, reps), "manual": manual, "now": s.now(),
             "history": _history(), "forms": {}, **extra}

@@ -17,7 +17,7 @@ def _context() -> dict[str, Any]:
     s = sluice()
     now = s.now()
     snap = snapshot()
-    reps = live.replicas(s.store, now, s.config.stale_after_s)
+    reps = live.replicas(s.store, now, s.config.stale_after_s, s.config.replica_hide_after_s)
     names = [b.name for b in snap.policy.backends] if snap else []
     backends = live.backend_views(names, reps)
     sparks = {b.name: sparkline.svg(live.kv_series(s.store, b.name, now - SPARK_WINDOW_S), now - SPARK_WINDOW_S,

@@ -23,10 +23,12 @@ def _rows() -> list[dict[str, Any]]:
     if snap is None:
         return []
     overridden = {(o.target, o.field) for o in snap.overrides if o.scope == "tenant"}
+    created = {o.target for o in snap.overrides if o.scope == "tenant_new"}
     rows = []
     for t in snap.policy.tenants.values():
         rows.append({"name": t.name, "tenant": t, "limits": snap.policy.limits(t), "keys": len(t.key_hashes),
-                     "overridden": {f for f in TENANT_FIELDS if (t.name, f) in overridden}})
+                     "overridden": {f for f in TENANT_FIELDS if (t.name, f) in overridden},
+                     "created": t.name in created})
     return rows
 
 
@@ -34,10 +36,10 @@ def _context(**extra: Any) -> dict[str, Any]:
     s = sluice()
     now = s.now()
     snap = snapshot()
-    reps = live.replicas(s.store, now, s.config.stale_after_s)
+    reps = live.replicas(s.store, now, s.config.stale_after_s, s.config.replica_hide_after_s)
     return {"rows": _rows(), "tiers": sorted(snap.policy.tiers) if snap else [],
             "live": live.tenant_live(s.store, reps, now - LIVE_WINDOW_S), "window_min": LIVE_WINDOW_S // 60,
-            "editing": {}, **extra}
+            "editing": {}, "new_form": {}, "new_errors": {}, "keys_tenant": None, **extra}
 
 
 EDITOR = RowEditor(scope="tenant", index="tenants.page", page="tenants.html", row_template="_tenant_row.html",
@@ -47,6 +49,11 @@ EDITOR = RowEditor(scope="tenant", index="tenants.page", page="tenants.html", ro
 @bp.get("/tenants")
 def page() -> tuple[str, int]:
     return region("tenants.html", "tenants.html", **_context())
+
+
+@bp.get("/tenants/table")
+def table() -> tuple[str, int]:
+    return region("tenants.html", "_tenant_table.html", **_context())
 
 
 @bp.get("/tenants/live")

@@ -18,6 +18,8 @@ CHANGES = [
     ("/breakers/sim", {"action": "trip", "reason": "test"}),
     ("/overrides/1/revert", {"reason": "test"}),
     ("/overrides/1/keep", {"reason": "test"}),
+    ("/tenants", {"name": "newco", "tier": "free", "reason": "test"}),
+    ("/tenants/acme/keys", {"reason": "test"}),
 ]
 
 

@@ -7,6 +7,7 @@ its state every second; the console reads the same policy directory as its base.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -44,11 +45,19 @@ class ConsoleStack(Stack):
         self.start_envoy()
         return self
 
+    def token_file(self) -> str:
+        """The replica token in a 0600 file: neither side gets it on the command line."""
+        path = self.workdir / "console-token"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.token + "\n")
+        return str(path)
+
     def start_console(self) -> None:
         name, password = OPERATOR
         p = Proc("console", [sys.executable, "-m", "console", "serve", "--db", str(self.console_db),
                              "--policy", str(self.policy_dir), "--host", "127.0.0.1",
-                             "--port", str(self.console_port), "--api-token", self.token,
+                             "--port", str(self.console_port), "--api-token-file", self.token_file(),
                              "--reload-interval", "0.2", "--demo", "--demo-user", name,
                              "--demo-password", password], self.workdir / "console.log")
         self.procs["console"] = p.start()
@@ -61,8 +70,8 @@ class ConsoleStack(Stack):
         p = Proc("extproc", [sys.executable, "-m", "extproc", "serve", "--policy", str(self.policy_dir),
                              "--grpc", f"127.0.0.1:{self.grpc_port}", "--admin", f"127.0.0.1:{self.admin_port}",
                              "--reload-interval", "0.2", "--console-url", self.console_url,
-                             "--console-token", self.token, "--replica-id", self.replica_id],
-                 self.workdir / "extproc.log")
+                             "--replica-id", self.replica_id],
+                 self.workdir / "extproc.log", env={"SLUICE_CONSOLE_TOKEN_FILE": self.token_file()})
         self.procs["extproc"] = p.start()
         wait_http(f"{self.admin_url}/healthz", proc=p.popen)
 
