@@ -15,6 +15,7 @@ from extproc.policy.admission_queue import AdmissionQueue, Enqueued, TierQueueCo
 from extproc.policy.breaker import Breaker, BreakerConfig
 from extproc.policy.schema import Backend, BreakerOverride, BreakerSettings, Policy
 from extproc.policy.slots import Denied, SlotGrant, SlotPool
+from extproc.policy.tenant_breakers import TenantBreakers
 from extproc.policy.watermark import WatermarkController
 
 _PROBE_TENANT = "\x00probe"
@@ -27,6 +28,10 @@ def breaker_config(s: BreakerSettings) -> BreakerConfig:
                          cooldown_s=s.cooldown_s, max_cooldown_s=max(s.max_cooldown_s, s.cooldown_s),
                          ramp_steps=tuple(s.ramp_steps), ramp_step_s=s.ramp_step_s,
                          trip_on_preemption=s.trip_on_preemption, preemption_threshold=s.preemption_threshold)
+
+
+def tenant_breakers(s: BreakerSettings, now: float) -> TenantBreakers:
+    return TenantBreakers(breaker_config(s), s.min_failing_tenants, s.max_tenant_breakers, now)
 
 
 def watermark_controller(b: Backend) -> WatermarkController:
@@ -60,6 +65,7 @@ class BackendRuntime:
     pool: SlotPool
     wm: WatermarkController
     breaker: Breaker
+    tenant_breakers: TenantBreakers  # failures blamed on one tenant trip that tenant's, not the backend's
     queue: AdmissionQueue[int]
     waiters: dict[int, Waiter] = field(default_factory=dict)
     configs: dict[str, TierQueueConfig] = field(default_factory=dict)
@@ -79,6 +85,7 @@ class BackendRuntime:
                  pool=SlotPool(spec.max_concurrency, {t: policy.tiers[t].guaranteed_slots for t in order}, order,
                                _burst_caps(policy)),
                  wm=watermark_controller(spec), breaker=Breaker(breaker_config(spec.breaker), now),
+                 tenant_breakers=tenant_breakers(spec.breaker, now),
                  queue=AdmissionQueue(configs), configs=configs, has_metrics=spec.metrics_url is not None)
         rt.priorities = {name: t.priority for name, t in policy.tiers.items()}
         rt._sync_route_breakers(spec, now)
@@ -104,6 +111,7 @@ class BackendRuntime:
             self.wm = watermark_controller(spec)
         if spec.breaker != self.spec.breaker:
             self.breaker = Breaker(breaker_config(spec.breaker), now)
+            self.tenant_breakers = tenant_breakers(spec.breaker, now)
         self._sync_route_breakers(spec, now)
         if _queue_configs(policy) != self.configs:
             self._requeue(policy, now)

@@ -153,6 +153,7 @@ def backend_status(be: BackendRuntime, now: float) -> dict[str, Any]:
         "scale": round(be.scale(now), 4),
         "breaker": _breaker_summary(snap),
         "route_breakers": routes,
+        "tenant_breakers": be.tenant_breakers.snapshot(now),
         "slots": {"total": be.pool.total, "effective": limits["total"], "in_use": use.total,
                   "shared": use.shared, "by_tier": dict(use.by_tier)},
         "queue": {"depth": {t: be.queue.depth(t) for t in be.configs}},
