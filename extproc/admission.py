@@ -153,7 +153,7 @@ class Admission:
         self._release_probe(ticket, now)
         wait = verdict.retry_after_s if verdict.retry_after_s is not None else 30.0
         raise Reject(REASON_TENANT_OPEN, f"Requests with this key are failing on backend {ticket.backend.name!r} "
-                     f"while other tenants' succeed; they are refused there for now ({verdict.reason}). "
+                     f"while other tenants' requests succeed; the key is refused there for now ({verdict.reason}). "
                      "Retry later.", code="service_unavailable", headers=retry_after_headers(wait))
 
     def _release_probe(self, ticket: Ticket, now: float) -> None:

@@ -113,3 +113,20 @@ def test_a_tenant_probe_refused_after_winning_gives_its_place_back() -> None:
     # The probe's place is free again: the next request may probe.
     assert not ask(rt, "kp", max_tokens=5).HasField("immediate_response")
     rt.close()
+
+
+def test_a_shadowed_breaker_rule_records_the_tenant_refusal_but_lets_it_through() -> None:
+    clock = Clock()
+    p = policy()
+    tiers = dict(p.tiers)
+    tiers["t"] = tiers["t"].__class__(**{**tiers["t"].__dict__, "shadow": ("breaker",)})
+    rt = Runtime(p.__class__(**{**p.__dict__, "tiers": tiers}), clock=clock)
+    rt.backends["b"].has_metrics = False
+    ask(rt, "kg")
+    for _ in range(4):
+        assert not ask(rt, "kb", 500).HasField("immediate_response"), "shadowed: never refused"
+        ask(rt, "kg")
+    assert rt.status()["backends"]["b"]["tenant_breakers"]["tripped"]["bad"]["state"] == "open"
+    assert b'sluice_shadow_decisions_total{rule="breaker",tier="t"} 2.0' in rt.metrics.render()
+    assert rt.backends["b"].breaker.state(clock.now) is BreakerState.CLOSED
+    rt.close()
