@@ -77,7 +77,7 @@ def refresh(rt: Runtime) -> None:
             for ev in breaker.drain_events():
                 m.breaker_transitions.labels(label, str(ev.from_state), str(ev.to_state), ev.cause).inc()
                 log.warning("breaker %s: %s -> %s (%s)", label, ev.from_state, ev.to_state, ev.cause)
-        by_state = be.tenant_breakers.snapshot(now)["by_state"]
+        by_state = be.tenant_breakers.by_state(now)
         for s in ("closed", "open", "half_open"):
             m.tenant_breakers.labels(name, s).set(by_state.get(s, 0))
         for tenant, ev in be.tenant_breakers.drain_events():

@@ -82,17 +82,22 @@ class TenantBreakers:
     def __len__(self) -> int:
         return len(self._breakers)
 
-    def snapshot(self, now: float) -> dict[str, Any]:
+    def by_state(self, now: float) -> dict[str, int]:
+        """How many tenant breakers are in each state (for the gauges)."""
         now = self._advance(now)
-        states = Counter(b.state(now).value for b in self._breakers.values())
+        return dict(Counter(b.state(now).value for b in self._breakers.values()))
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """Counts, and the tenants whose breaker is not closed."""
+        now = self._advance(now)
         tripped = {}
         for tenant, b in self._breakers.items():
-            snap = b.snapshot(now)
-            if snap["state"] != "closed":
+            if b.state(now) is not BreakerState.CLOSED:
+                snap = b.snapshot(now)
                 tripped[tenant] = {"state": snap["state"], "retry_after_s": snap["cooldown_left_s"],
                                    "trips": snap["trips"], "last_cause": snap["last_cause"]}
         return {"tracked_tenants": len(self._latest), "failing_tenants": self._failing,
-                "breakers": len(self._breakers), "by_state": dict(states), "tripped": tripped}
+                "breakers": len(self._breakers), "by_state": self.by_state(now), "tripped": tripped}
 
     def drain_events(self) -> list[tuple[str, BreakerEvent]]:
         """Every tenant breaker's transitions since the last call (the newest 1000 of dropped ones)."""

@@ -32,8 +32,9 @@ CONSECUTIVE = 3
 
 
 def policy(port: int, fb_port: int) -> dict[str, Any]:
-    breaker = {"consecutive_failures": CONSECUTIVE, "min_requests": 50, "window_s": 10, "cooldown_s": 3,
-               "max_cooldown_s": 6, "ramp_steps": [0.5, 1.0], "ramp_step_s": 0.3, "trip_on_preemption": False}
+    # A long cooldown, so that what a test sees open stays open on a loaded machine.
+    breaker = {"consecutive_failures": CONSECUTIVE, "min_requests": 50, "window_s": 60, "cooldown_s": 60,
+               "max_cooldown_s": 60, "trip_on_preemption": False}
     tier = {"tpm": 10_000_000, "rpm": 100_000}
     return {
         "gateway": {"max_body_bytes": 1 << 20, "default_max_tokens": 64, "message_timeout_ms": 5000},
@@ -152,7 +153,7 @@ def test_one_tenants_failures_do_not_degrade_the_others(stack: TwoBackends) -> N
     assert CONSECUTIVE <= sent <= 6, codes
     assert codes[-3:] == [(503, "tenant_breaker_open")] * 3, "after the trip the bad tenant is refused"
     refusal = bad[-1]
-    assert int(refusal.headers["retry-after"]) >= 1
+    assert 30 <= int(refusal.headers["retry-after"]) <= 60
     err = refusal.json()["error"]
     assert err["code"] == "service_unavailable" and err["type"] == "server_error" and "param" in err
     assert primary_requests(stack, "free") == sent, "refused requests never reached the backend"
@@ -198,13 +199,6 @@ def test_a_backend_failing_for_everyone_still_trips_the_shared_breaker(stack: Tw
         assert r.status_code == 200 and r.headers["x-sluice-degraded"] == "fallback", r.text
         r = chat(stack, t, model="sim-nofb")  # a model without a fallback: refused
         assert r.status_code == 503 and r.headers["x-sluice-reason"] == "breaker_open"
-        assert int(r.headers["retry-after"]) >= 1
-
-    # Recovery: the backend heals; after the cooldown a probe, then the ramp, then closed.
-    sim_config(stack.sim_url, fail_status=None)
-    deadline = time.monotonic() + 15
-    while backend(stack)["breaker"]["state"] != "closed":
-        assert time.monotonic() < deadline, backend(stack)["breaker"]
-        r = chat(stack, "premium")
-        assert r.status_code == 200, r.text
-        time.sleep(0.1)
+        assert 30 <= int(r.headers["retry-after"]) <= 60
+    # (Recovery after the cooldown is tests/e2e/test_backpressure.py's; this breaker stays
+    # open to the end of the module, so this test runs last.)
