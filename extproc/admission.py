@@ -62,7 +62,8 @@ class Ticket:
         be = self.runtime
         shared = outcome
         if self.tenant_verdict is not None:
-            shared = be.tenant_breakers.record(self.tenant, outcome, now, admitted=self.tenant_verdict.allowed)
+            shared = be.tenants_for(self.model.name).record(self.tenant, outcome, now,
+                                                            admitted=self.tenant_verdict.allowed)
         if self.breaker_verdict is not None and self.breaker_verdict.allowed:
             be.breaker.record(shared, latency_s, now)
         rb = be.route_breakers.get(self.model.name)
@@ -147,7 +148,7 @@ class Admission:
     def _check_tenant(self, ticket: Ticket, now: float) -> None:
         """Refuse a tenant whose own failures tripped its breaker on this backend (no fallback:
         its requests are what fails)."""
-        ticket.tenant_verdict = verdict = ticket.runtime.tenant_breakers.allow(ticket.tenant, now)
+        ticket.tenant_verdict = verdict = ticket.runtime.tenants_for(ticket.model.name).allow(ticket.tenant, now)
         if verdict.allowed or self._shadow("breaker"):
             return
         self._release_probe(ticket, now)

@@ -72,6 +72,8 @@ class BackendRuntime:
     overrides: dict[str | None, BreakerOverride | None] = field(default_factory=dict)
     route_breakers: dict[str, Breaker] = field(default_factory=dict)
     route_settings: dict[str, BreakerSettings] = field(default_factory=dict)
+    # A model with its own breaker judges its failures among that model's tenants.
+    route_tenant_breakers: dict[str, TenantBreakers] = field(default_factory=dict)
     sample: object | None = None  # the last scrape.Sample, for status reports
     has_metrics: bool = True
     kv_in_use: int = 0
@@ -97,11 +99,17 @@ class BackendRuntime:
         wanted = {m.name: m.breaker for m in spec.models if m.breaker is not None}
         for name in [n for n in self.route_breakers if n not in wanted]:
             del self.route_breakers[name]
+            del self.route_tenant_breakers[name]
         for name, settings in wanted.items():
             current = self.route_settings.get(name)
             if name not in self.route_breakers or current != settings:
                 self.route_breakers[name] = Breaker(breaker_config(settings), now)
+                self.route_tenant_breakers[name] = tenant_breakers(settings, now)
                 self.route_settings[name] = settings
+
+    def tenants_for(self, model: str) -> TenantBreakers:
+        """Where a request for ``model`` is attributed: its route's if it has a breaker, else the backend's."""
+        return self.route_tenant_breakers.get(model, self.tenant_breakers)
 
     def reconfigure(self, spec: Backend, policy: Policy, now: float) -> None:
         order = policy.tier_order()

@@ -144,7 +144,8 @@ def backend_status(be: BackendRuntime, now: float) -> dict[str, Any]:
     use = be.pool.in_use()
     limits = be.pool.effective_limits(be.scale(now))
     snap = be.breaker.snapshot(now)
-    routes = {model: _breaker_summary(b.snapshot(now)) for model, b in be.route_breakers.items()}
+    routes = {model: {**_breaker_summary(b.snapshot(now)), "tenant_breakers": be.tenants_for(model).snapshot(now)}
+              for model, b in be.route_breakers.items()}
     return {
         "kv_usage": getattr(sample, "kv_usage", None),
         "waiting": getattr(sample, "waiting", None),

@@ -130,3 +130,38 @@ def test_a_shadowed_breaker_rule_records_the_tenant_refusal_but_lets_it_through(
     assert b'sluice_shadow_decisions_total{rule="breaker",tier="t"} 2.0' in rt.metrics.render()
     assert rt.backends["b"].breaker.state(clock.now) is BreakerState.CLOSED
     rt.close()
+
+
+def test_a_model_with_its_own_breaker_judges_failures_among_that_models_tenants() -> None:
+    # One tenant uses the broken model m while another is served by m2: m's failures are
+    # m's (nobody succeeds on m), so m's route breaker trips, not a tenant breaker over
+    # the whole backend that would also refuse the tenant's m2 requests.
+    clock = Clock()
+    rt = Runtime(build_policy({
+        "backends": [{"name": "b", "address": "127.0.0.1:1", "max_concurrency": 8,
+                      "models": [{"name": "m", "context_window": 4096,
+                                  "breaker": {"consecutive_failures": 2, "cooldown_s": 5, "max_cooldown_s": 5}},
+                                 {"name": "m2", "context_window": 4096}]}],
+        "tiers": {"t": {"tpm": 100_000, "rpm": 1000}},
+        "tenants": [{"name": "a", "tier": "t", "keys": [hash_key("ka")]},
+                    {"name": "z", "tier": "t", "keys": [hash_key("kz")]}],
+    }), clock=clock)
+    rt.backends["b"].has_metrics = False
+
+    def ask_model(key: str, model: str, status: int = 200) -> pb.ProcessingResponse:
+        hdr = headers(_path="/v1/chat/completions", _method="POST", authorization=f"Bearer {key}")
+        raw = json.dumps({"model": model, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})
+        req = pb.ProcessingRequest(request_body=pb.HttpBody(body=raw.encode(), end_of_stream=True))
+        return asyncio.run(exchange(rt, hdr, req, response(status)))[-1]
+
+    ask_model("kz", "m2")
+    for _ in range(2):
+        ask_model("ka", "m", 500)
+        assert not ask_model("kz", "m2").HasField("immediate_response")
+    code, reason, _ = refused(ask_model("ka", "m"))
+    assert (code, reason) == (503, "breaker_open")
+    assert not ask_model("ka", "m2").HasField("immediate_response"), "a's other model is not refused"
+    st = rt.status()["backends"]["b"]
+    assert st["route_breakers"]["m"]["state"] == "open"
+    assert st["tenant_breakers"]["tripped"] == {} and st["route_breakers"]["m"]["tenant_breakers"]["tripped"] == {}
+    rt.close()

@@ -66,9 +66,9 @@ class BreakerSettings:
     ramp_step_s: float = 10.0
     trip_on_preemption: bool = True
     preemption_threshold: float = 1.0
-    # Failure attribution (extproc.policy.tenant_breakers; a backend's breaker only): a
-    # failure counts for the backend once this many tenants fail (1: always), else for
-    # its tenant's own breaker; at most max_tenant_breakers tenants tracked per backend.
+    # Failure attribution (extproc.policy.tenant_breakers): a failure counts for this
+    # breaker once this many tenants fail (1: always), else for its tenant's own breaker;
+    # at most max_tenant_breakers tenants tracked here.
     min_failing_tenants: int = 2
     max_tenant_breakers: int = 1000
 
