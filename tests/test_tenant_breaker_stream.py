@@ -165,3 +165,21 @@ def test_a_model_with_its_own_breaker_judges_failures_among_that_models_tenants(
     assert st["route_breakers"]["m"]["state"] == "open"
     assert st["tenant_breakers"]["tripped"] == {} and st["route_breakers"]["m"]["tenant_breakers"]["tripped"] == {}
     rt.close()
+
+
+def test_in_an_outage_the_backend_breaker_takes_over_from_a_tripped_tenant() -> None:
+    clock = Clock()
+    rt = Runtime(policy(), clock=clock)
+    be = rt.backends["b"]
+    be.has_metrics = False
+    ask(rt, "kg")
+    ask(rt, "kb", 500)
+    ask(rt, "kb", 500)  # the busiest tenant fails first: blamed, its breaker opens
+    assert refused(ask(rt, "kb"))[1] == "tenant_breaker_open"
+    assert be.breaker.state(clock.now) is BreakerState.CLOSED
+    ask(rt, "kg", 500)  # a second tenant failing: the backend's from now on
+    ask(rt, "kg", 500)
+    assert be.breaker.state(clock.now) is BreakerState.OPEN
+    assert refused(ask(rt, "kb"))[1] == "breaker_open", "the backend's breaker is checked first"
+    assert refused(ask(rt, "kg"))[1] == "breaker_open"
+    rt.close()
