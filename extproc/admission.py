@@ -17,9 +17,10 @@ from extproc import messages as msg
 from extproc.backends import BackendRuntime, Hold, Waiter
 from extproc.errors import retry_after_headers
 from extproc.peer import PeerStream
-from extproc.policy.breaker import BreakerVerdict
+from extproc.policy.breaker import BreakerVerdict, Outcome
 from extproc.policy.gate import Verdict
 from extproc.policy.schema import Backend, Limits, Model, Policy, Tenant
+from extproc.policy.tenant_breakers import REASON_TENANT_OPEN
 from extproc.runtime import Runtime
 
 
@@ -47,6 +48,28 @@ class Ticket:
     queued_s: float = 0.0
     breaker_verdict: BreakerVerdict | None = None
     route_verdict: BreakerVerdict | None = None  # the model route's own breaker, if it has one
+    tenant: str = ""
+    tenant_verdict: BreakerVerdict | None = None  # the tenant's breaker on this backend
+
+    def report_outcome(self, outcome: Outcome, latency_s: float | None, now: float) -> None:
+        """Tell each breaker that let this request through how it ended; once.
+
+        The tenant's breakers hear first and decide who a failure is blamed on: a
+        failure of this tenant alone reaches the backend's breakers as
+        ``TENANT_FAILURE``, which they ignore. A request that will not be sent reports
+        ``CANCELLED``: a half-open probe's place goes back.
+        """
+        be = self.runtime
+        shared = outcome
+        if self.tenant_verdict is not None:
+            shared = be.tenants_for(self.model.name).record(self.tenant, outcome, now,
+                                                            admitted=self.tenant_verdict.allowed)
+        if self.breaker_verdict is not None and self.breaker_verdict.allowed:
+            be.breaker.record(shared, latency_s, now)
+        rb = be.route_breakers.get(self.model.name)
+        if rb is not None and self.route_verdict is not None and self.route_verdict.allowed:
+            rb.record(shared, latency_s, now)
+        self.breaker_verdict = self.route_verdict = self.tenant_verdict = None
 
 
 class Admission:
@@ -64,7 +87,7 @@ class Admission:
     def route(self, backend: Backend, model: Model, completion: int, now: float) -> Ticket:
         be = self.rt.backends[backend.name]
         verdict = be.breaker.allow(now)
-        ticket = Ticket(backend, model, be, completion, breaker_verdict=verdict)
+        ticket = Ticket(backend, model, be, completion, breaker_verdict=verdict, tenant=self.tenant.name)
         what = f"Backend {backend.name!r}"
         route_breaker = be.route_breakers.get(model.name)
         if verdict.allowed and route_breaker is not None:
@@ -83,6 +106,7 @@ class Admission:
                              code="service_unavailable", headers=retry_after_headers(wait))
             # Shadowed: nothing to report back to the breakers.
             ticket.breaker_verdict = ticket.route_verdict = None
+        self._check_tenant(ticket, now)
         d = self.tier.degrade
         scale = be.pressure_scale(self.tier.name, now)
         if d.shed_below_scale and scale < d.shed_below_scale and not self._shadow("shed"):
@@ -116,15 +140,26 @@ class Admission:
             raise Reject("breaker_open", "The model and its fallback are unavailable; retry later.",
                          code="service_unavailable", headers=retry_after_headers(verdict.retry_after_s or 30.0))
         completion = min(ticket.completion, max(1, model.context_window // 2))
-        return Ticket(backend, model, be, completion, [*ticket.degraded, "fallback"], breaker_verdict=verdict)
+        fb = Ticket(backend, model, be, completion, [*ticket.degraded, "fallback"], breaker_verdict=verdict,
+                    tenant=ticket.tenant)
+        self._check_tenant(fb, now)
+        return fb
+
+    def _check_tenant(self, ticket: Ticket, now: float) -> None:
+        """Refuse a tenant whose own failures tripped its breaker on this backend (no fallback:
+        its requests are what fails)."""
+        ticket.tenant_verdict = verdict = ticket.runtime.tenants_for(ticket.model.name).allow(ticket.tenant, now)
+        if verdict.allowed or self._shadow("breaker"):
+            return
+        self._release_probe(ticket, now)
+        wait = verdict.retry_after_s if verdict.retry_after_s is not None else 30.0
+        raise Reject(REASON_TENANT_OPEN, f"Requests with this key are failing on backend {ticket.backend.name!r} "
+                     f"while other tenants' requests succeed; the key is refused there for now ({verdict.reason}). "
+                     "Retry later.", code="service_unavailable", headers=retry_after_headers(wait))
 
     def _release_probe(self, ticket: Ticket, now: float) -> None:
         # A half-open probe slot that will not be used must be given back.
-        if ticket.breaker_verdict is not None and ticket.breaker_verdict.allowed:
-            ticket.runtime.breaker.record("cancelled", None, now)
-        rb = ticket.runtime.route_breakers.get(ticket.model.name)
-        if rb is not None and ticket.route_verdict is not None and ticket.route_verdict.allowed:
-            rb.record("cancelled", None, now)
+        ticket.report_outcome(Outcome.CANCELLED, None, now)
 
     # -- budgets -------------------------------------------------------------------
     def charge(self, ticket: Ticket, cost: int, now: float) -> Verdict:

@@ -15,6 +15,7 @@ from extproc.policy.admission_queue import AdmissionQueue, Enqueued, TierQueueCo
 from extproc.policy.breaker import Breaker, BreakerConfig
 from extproc.policy.schema import Backend, BreakerOverride, BreakerSettings, Policy
 from extproc.policy.slots import Denied, SlotGrant, SlotPool
+from extproc.policy.tenant_breakers import TenantBreakers
 from extproc.policy.watermark import WatermarkController
 
 _PROBE_TENANT = "\x00probe"
@@ -27,6 +28,10 @@ def breaker_config(s: BreakerSettings) -> BreakerConfig:
                          cooldown_s=s.cooldown_s, max_cooldown_s=max(s.max_cooldown_s, s.cooldown_s),
                          ramp_steps=tuple(s.ramp_steps), ramp_step_s=s.ramp_step_s,
                          trip_on_preemption=s.trip_on_preemption, preemption_threshold=s.preemption_threshold)
+
+
+def tenant_breakers(s: BreakerSettings, now: float) -> TenantBreakers:
+    return TenantBreakers(breaker_config(s), s.min_failing_tenants, s.max_tenant_breakers, now)
 
 
 def watermark_controller(b: Backend) -> WatermarkController:
@@ -60,12 +65,15 @@ class BackendRuntime:
     pool: SlotPool
     wm: WatermarkController
     breaker: Breaker
+    tenant_breakers: TenantBreakers  # failures blamed on one tenant trip that tenant's, not the backend's
     queue: AdmissionQueue[int]
     waiters: dict[int, Waiter] = field(default_factory=dict)
     configs: dict[str, TierQueueConfig] = field(default_factory=dict)
     overrides: dict[str | None, BreakerOverride | None] = field(default_factory=dict)
     route_breakers: dict[str, Breaker] = field(default_factory=dict)
     route_settings: dict[str, BreakerSettings] = field(default_factory=dict)
+    # A model with its own breaker judges its failures among that model's tenants.
+    route_tenant_breakers: dict[str, TenantBreakers] = field(default_factory=dict)
     sample: object | None = None  # the last scrape.Sample, for status reports
     has_metrics: bool = True
     kv_in_use: int = 0
@@ -79,6 +87,7 @@ class BackendRuntime:
                  pool=SlotPool(spec.max_concurrency, {t: policy.tiers[t].guaranteed_slots for t in order}, order,
                                _burst_caps(policy)),
                  wm=watermark_controller(spec), breaker=Breaker(breaker_config(spec.breaker), now),
+                 tenant_breakers=tenant_breakers(spec.breaker, now),
                  queue=AdmissionQueue(configs), configs=configs, has_metrics=spec.metrics_url is not None)
         rt.priorities = {name: t.priority for name, t in policy.tiers.items()}
         rt._sync_route_breakers(spec, now)
@@ -90,11 +99,17 @@ class BackendRuntime:
         wanted = {m.name: m.breaker for m in spec.models if m.breaker is not None}
         for name in [n for n in self.route_breakers if n not in wanted]:
             del self.route_breakers[name]
+            del self.route_tenant_breakers[name]
         for name, settings in wanted.items():
             current = self.route_settings.get(name)
             if name not in self.route_breakers or current != settings:
                 self.route_breakers[name] = Breaker(breaker_config(settings), now)
+                self.route_tenant_breakers[name] = tenant_breakers(settings, now)
                 self.route_settings[name] = settings
+
+    def tenants_for(self, model: str) -> TenantBreakers:
+        """Where a request for ``model`` is attributed: its route's if it has a breaker, else the backend's."""
+        return self.route_tenant_breakers.get(model, self.tenant_breakers)
 
     def reconfigure(self, spec: Backend, policy: Policy, now: float) -> None:
         order = policy.tier_order()
@@ -104,6 +119,7 @@ class BackendRuntime:
             self.wm = watermark_controller(spec)
         if spec.breaker != self.spec.breaker:
             self.breaker = Breaker(breaker_config(spec.breaker), now)
+            self.tenant_breakers = tenant_breakers(spec.breaker, now)
         self._sync_route_breakers(spec, now)
         if _queue_configs(policy) != self.configs:
             self._requeue(policy, now)

@@ -52,6 +52,11 @@ class Metrics:
                                    ["backend", "state"], registry=r)
         self.breaker_transitions = Counter("sluice_breaker_transitions", "Breaker state changes.",
                                            ["backend", "from_state", "to_state", "cause"], registry=r)
+        self.tenant_breakers = Gauge("sluice_tenant_breakers", "Tenant breakers on a backend, by state.",
+                                     ["backend", "state"], registry=r)
+        self.tenant_breaker_trips = Counter("sluice_tenant_breaker_trips",
+                                            "Times a tenant's own failures opened its breaker on a backend.",
+                                            ["backend", "tenant"], registry=r)
         self.queue_depth = Gauge("sluice_queue_depth", "Requests waiting for a slot.", ["backend", "tier"],
                                  registry=r)
         self.queue_wait = Histogram("sluice_queue_wait_seconds", "Time requests waited for a slot, by result.",

@@ -77,6 +77,15 @@ def refresh(rt: Runtime) -> None:
             for ev in breaker.drain_events():
                 m.breaker_transitions.labels(label, str(ev.from_state), str(ev.to_state), ev.cause).inc()
                 log.warning("breaker %s: %s -> %s (%s)", label, ev.from_state, ev.to_state, ev.cause)
+        tenants = {name: be.tenant_breakers, **{f"{name}/{model}": t for model, t in be.route_tenant_breakers.items()}}
+        for label, tb in tenants.items():
+            by_state = tb.by_state(now)
+            for s in ("closed", "open", "half_open"):
+                m.tenant_breakers.labels(label, s).set(by_state.get(s, 0))
+            for tenant, ev in tb.drain_events():
+                if ev.to_state == "open":
+                    m.tenant_breaker_trips.labels(label, tenant).inc()
+                    log.warning("tenant breaker %s %s: open (%s)", label, tenant, ev.cause)
 
 
 async def run_monitor(rt: Runtime) -> None:

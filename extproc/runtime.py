@@ -144,7 +144,8 @@ def backend_status(be: BackendRuntime, now: float) -> dict[str, Any]:
     use = be.pool.in_use()
     limits = be.pool.effective_limits(be.scale(now))
     snap = be.breaker.snapshot(now)
-    routes = {model: _breaker_summary(b.snapshot(now)) for model, b in be.route_breakers.items()}
+    routes = {model: {**_breaker_summary(b.snapshot(now)), "tenant_breakers": be.tenants_for(model).snapshot(now)}
+              for model, b in be.route_breakers.items()}
     return {
         "kv_usage": getattr(sample, "kv_usage", None),
         "waiting": getattr(sample, "waiting", None),
@@ -153,6 +154,7 @@ def backend_status(be: BackendRuntime, now: float) -> dict[str, Any]:
         "scale": round(be.scale(now), 4),
         "breaker": _breaker_summary(snap),
         "route_breakers": routes,
+        "tenant_breakers": be.tenant_breakers.snapshot(now),
         "slots": {"total": be.pool.total, "effective": limits["total"], "in_use": use.total,
                   "shared": use.shared, "by_tier": dict(use.by_tier)},
         "queue": {"depth": {t: be.queue.depth(t) for t in be.configs}},

@@ -21,7 +21,7 @@ from extproc.admission import Admission, Reject, Ticket
 from extproc.errors import REASONS, error_body, format_duration, retry_after_headers
 from extproc.openai_body import BadRequest, ParsedRequest, parse_request, path_kind, upstream_body
 from extproc.peer import PeerStream
-from extproc.policy.breaker import outcome_for_status
+from extproc.policy.breaker import Outcome, outcome_for_status
 from extproc.policy.gate import RateView
 from extproc.policy.schema import Limits, Model, Tenant
 from extproc.response import JSONTracker, SSETracker
@@ -361,16 +361,12 @@ class StreamProcessor:
         if how == "end_of_stream" and self.status:
             outcome = outcome_for_status(self.status)
         elif how == "error":
-            outcome = "failure"
+            outcome = Outcome.FAILURE
         else:
             # A client that leaves says nothing about the backend's health.
-            outcome = "cancelled"
+            outcome = Outcome.CANCELLED
         latency = self.first_byte_s - t.admitted_at if self.first_byte_s and t.admitted_at else None
-        if t.breaker_verdict is not None and t.breaker_verdict.allowed:
-            t.runtime.breaker.record(outcome, latency, now)
-        route_breaker = t.runtime.route_breakers.get(t.model.name)
-        if route_breaker is not None and t.route_verdict is not None and t.route_verdict.allowed:
-            route_breaker.record(outcome, latency, now)
+        t.report_outcome(outcome, latency, now)
         if t.hold is not None:
             hold, t.hold = t.hold, None
             t.runtime.release(hold, now)

@@ -70,11 +70,19 @@ def test_defaults_are_valid_and_bad_configs_refused() -> None:
             BreakerConfig(**bad)  # type: ignore[arg-type]
 
 
-def test_outcome_classification() -> None:
-    assert outcome_for_status(200) is Outcome.SUCCESS
-    assert outcome_for_status(404) is Outcome.CLIENT_ERROR
-    assert outcome_for_status(429) is Outcome.CLIENT_ERROR
-    assert outcome_for_status(503) is Outcome.FAILURE
+@pytest.mark.parametrize(("status", "outcome"), [
+    (200, Outcome.SUCCESS), (204, Outcome.SUCCESS), (304, Outcome.SUCCESS),
+    # Every 4xx is the client's: a bad body, a missing model, a backend 429 (load the slots
+    # and the watermark answer; counted, one tenant's burst would open the breaker).
+    (400, Outcome.CLIENT_ERROR), (404, Outcome.CLIENT_ERROR), (408, Outcome.CLIENT_ERROR),
+    (413, Outcome.CLIENT_ERROR), (422, Outcome.CLIENT_ERROR), (429, Outcome.CLIENT_ERROR),
+    (499, Outcome.CLIENT_ERROR),
+    # Every 5xx is the backend's (503 included: it says it cannot serve), then attributed by tenant.
+    (500, Outcome.FAILURE), (502, Outcome.FAILURE), (503, Outcome.FAILURE), (504, Outcome.FAILURE),
+    (599, Outcome.FAILURE),
+])
+def test_outcome_classification(status: int, outcome: Outcome) -> None:
+    assert outcome_for_status(status) is outcome
 
 
 def test_error_ratio_trips_only_after_min_requests() -> None:
@@ -118,6 +126,7 @@ def test_client_errors_and_disconnects_do_not_count() -> None:
     for i in range(100):
         b.record(Outcome.CLIENT_ERROR, 0.1, i * 0.01)
         b.record(Outcome.CANCELLED, 99.0, i * 0.01)
+        b.record(Outcome.TENANT_FAILURE, 0.1, i * 0.01)  # blamed on its tenant alone
     assert b.state(1.0) is CLOSED
     assert b.snapshot(1.0)["window"]["requests"] == 0
 

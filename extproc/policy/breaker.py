@@ -18,10 +18,13 @@ any run), each step lasting ``ramp_step_s``; after the last, CLOSED. Any failure
 HALF_OPEN re-opens with the next, longer cooldown; with an SLO set, so does a slow
 probe, and a step whose slow share reaches ``latency_breach_ratio``.
 
-What counts: ``FAILURE`` (5xx, timeout, transport error, OOM) is the backend's fault.
-``CLIENT_ERROR`` (4xx; a backend 429 too, load the slot and watermark controls already
-answer) and ``CANCELLED`` (the client left) are ignored: they say nothing about the
-backend, and counting them would let one bad client open the breaker for everyone.
+What counts (``outcome_for_status``): ``FAILURE`` is any 5xx (503 included: the
+backend says it cannot serve), a timeout, a transport error or an OOM. Every 4xx is
+``CLIENT_ERROR`` and ignored, a backend 429 too: it is load, which the slot pool and
+the KV watermark already answer, and one tenant's burst must not open the breaker for
+everyone. ``CANCELLED`` (the client left) says nothing about the backend: ignored.
+``TENANT_FAILURE`` is a failure blamed on its tenant alone (``tenant_breakers``): the
+tenant's own breaker counts it, the backend's ignores it.
 Outcomes arriving while OPEN come from requests admitted before the trip: ignored. In
 HALF_OPEN every outcome, a straggler's too, is fresh evidence and counts.
 
@@ -74,10 +77,14 @@ class Outcome(StrEnum):
     FAILURE = "failure"  # 5xx, timeout, transport error, OOM
     CLIENT_ERROR = "client_error"  # 4xx: not counted
     CANCELLED = "cancelled"  # client disconnected: not counted
+    TENANT_FAILURE = "tenant_failure"  # a failure blamed on its tenant: not the backend's
 
 
 def outcome_for_status(status: int) -> Outcome:
-    """Classify an upstream HTTP status (timeouts and resets are ``FAILURE`` directly)."""
+    """Classify an upstream HTTP status (timeouts and resets are ``FAILURE`` directly).
+
+    5xx (503 included) is the backend's failure; 4xx (429 included) the client's.
+    """
     if status >= 500:
         return Outcome.FAILURE
     return Outcome.CLIENT_ERROR if status >= 400 else Outcome.SUCCESS
@@ -191,7 +198,7 @@ class Breaker:
         now = self._advance(now)
         outcome = Outcome(outcome)
         half_open = self._manual is None and self._state is BreakerState.HALF_OPEN
-        if outcome in (Outcome.CLIENT_ERROR, Outcome.CANCELLED):
+        if outcome in (Outcome.CLIENT_ERROR, Outcome.CANCELLED, Outcome.TENANT_FAILURE):
             if half_open and self._step < 0:
                 self._probe_since = None  # the probe proved nothing; let another go
             return

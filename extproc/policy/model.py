@@ -66,6 +66,17 @@ class BreakerSettings:
     ramp_step_s: float = 10.0
     trip_on_preemption: bool = True
     preemption_threshold: float = 1.0
+    # Failure attribution (extproc.policy.tenant_breakers): a failure counts for this
+    # breaker once this many tenants fail (1: always), else for its tenant's own breaker;
+    # at most max_tenant_breakers tenants tracked here.
+    min_failing_tenants: int = 2
+    max_tenant_breakers: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.min_failing_tenants < 1:
+            raise ValueError("min_failing_tenants must be >= 1")
+        if self.max_tenant_breakers < 1:
+            raise ValueError("max_tenant_breakers must be >= 1")
 
 
 @dataclass(frozen=True)
