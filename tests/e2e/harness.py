@@ -126,8 +126,9 @@ class Stack:
                             **gateway_options(gw))  # type: ignore[arg-type]
         routes = [BackendRoute("sim", "127.0.0.1", self.sim_port)]
         cfg = write_config(self.workdir / "envoy.yaml", routes, opts)
+        # access-log lines reach envoy.log within 0.25 s (the default flush interval is 10 s)
         p = Proc("envoy", [envoy_binary(), "-c", str(cfg), "--disable-hot-restart", "-l", "warning",
-                           "--concurrency", "1"], self.workdir / "envoy.log")
+                           "--concurrency", "1", "--file-flush-interval-msec", "250"], self.workdir / "envoy.log")
         self.procs["envoy"] = p.start()
         wait_http(f"http://127.0.0.1:{self.envoy_admin_port}/ready", proc=p.popen)
 
