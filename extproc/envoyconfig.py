@@ -9,13 +9,17 @@ replies).
 
 Shape of the generated config::
 
+    overload manager: at most max_connections downstream connections
     listener listen_host:listen_port  (per-connection buffer > the policy's body cap)
-      http_connection_manager  codec AUTO, JSON access log to stdout
+      http_connection_manager  codec AUTO, edge (use_remote_address), request and
+                               header timeouts, JSON access log to stdout (no query)
         envoy.filters.http.ext_proc -> cluster sluice_extproc (HTTP/2)
         envoy.filters.http.router
+          route  content-length > cap        -> cluster sluice_drain, filters off
           route  x-sluice-backend == <name>  -> cluster <name>   (one per backend)
           route  catch-all                   -> first backend
-    clusters: sluice_extproc, one HTTP/1.1 cluster per backend
+    clusters: sluice_extproc, one HTTP/1.1 cluster per backend, sluice_drain
+              (extproc's admin port, /drain)
 
 What the ext_proc server can rely on (each observed with Envoy 1.40):
 - Routing: set ``x-sluice-backend`` in the header mutation of the request-body response
@@ -26,9 +30,12 @@ What the ext_proc server can rely on (each observed with Envoy 1.40):
   the new length in the same body response, or Envoy answers status_on_error.
 - Header values must go in ``raw_value``; a mutation with only ``value`` sets "".
 - status_on_error covers an unreachable or failing server; a message_timeout expiry
-  answers 504. Envoy's own replies (413 over the buffer, ext_proc failures) get
-  Sluice's error JSON and ``x-sluice-reason`` here, and still pass through the
-  response phases of ext_proc. The response body is STREAMED, so clients get chunked
+  answers 504, which the local-reply mapper turns into the same 503. Envoy's own
+  replies (413 over the buffer, ext_proc failures, 408 timeouts) get Sluice's error
+  JSON and ``x-sluice-reason`` there, and still pass through the response phases of
+  ext_proc.
+- The server may rewrite ``:path`` in its request-headers answer (the mutation rules
+  allow it; Sluice drops credential query parameters that way). The response body is STREAMED, so clients get chunked
   responses (Envoy drops the upstream content-length).
 """
 

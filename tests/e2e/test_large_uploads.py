@@ -125,6 +125,25 @@ def test_http2_client_gets_413(stack: Stack) -> None:
     assert drained(stack) == before + 1
 
 
+def test_http2_upload_without_content_length_gets_envoys_413(stack: Stack) -> None:
+    # No content-length, so no drain route: Envoy's buffer overflows and it answers 413
+    # itself; on HTTP/2 that ends one stream (RST_STREAM), and the client reads the reply.
+    body = chat_bytes(6 * MB)
+    before = drained(stack)
+
+    def chunks() -> Iterator[bytes]:
+        for i in range(0, len(body), MB):
+            yield body[i:i + MB]
+
+    with httpx.Client(http1=False, http2=True, timeout=30) as client:
+        r = client.post(stack.url + CHAT, content=chunks(), headers=auth())
+    assert r.status_code == 413, r.text
+    assert r.headers["x-sluice-reason"] == "body_too_large"
+    err = r.json()["error"]
+    assert set(err) == ERROR_KEYS and err["param"] is None and err["type"] == "invalid_request_error"
+    assert drained(stack) == before
+
+
 def test_under_the_cap_is_judged_by_extproc_not_the_drain(stack: Stack) -> None:
     before = drained(stack)
     r = httpx.post(stack.url + CHAT, content=chat_bytes(CAP - 1024), headers=auth(), timeout=30)
