@@ -15,7 +15,7 @@ Shape of the generated config::
                                header timeouts, JSON access log to stdout (no query)
         envoy.filters.http.ext_proc -> cluster sluice_extproc (HTTP/2)
         envoy.filters.http.router
-          route  content-length > cap        -> cluster sluice_drain, filters off
+          route  OpenAI endpoint, content-length > cap -> sluice_drain, filters off
           route  x-sluice-backend == <name>  -> cluster <name>   (one per backend)
           route  catch-all                   -> first backend
     clusters: sluice_extproc, one HTTP/1.1 cluster per backend, sluice_drain
@@ -42,6 +42,7 @@ What the ext_proc server can rely on (each observed with Envoy 1.40):
 from __future__ import annotations
 
 import datetime
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,7 @@ from extproc.drain import DRAIN_PATH, LIMIT_HEADER
 from extproc.envoy_clusters import backend_cluster, extproc_cluster, socket_address
 from extproc.envoy_replies import local_reply_config
 from extproc.messages import METADATA_NAMESPACE, RESPONSE_HEADERS_FROM_METADATA
+from extproc.openai_body import ENDPOINTS
 from extproc.policy.model import Gateway
 
 __all__ = [
@@ -296,14 +298,16 @@ def _drain_route(opts: EnvoyOptions, filters: Sequence[str]) -> Route:
     connection with the body unread, and the RST destroys the 413 (see extproc/drain.py).
     Here Envoy streams the body to the drain, which discards it and answers 413 once the
     request is complete. A request ext_proc has rerouted (x-sluice-backend set, route
-    re-matched after a body rewrite) never lands here.
+    re-matched after a body rewrite) never lands here. Only the endpoints Sluice reads
+    are capped: pass-through paths (``unknown_paths: passthrough``) stream as before.
     """
+    endpoints = "|".join(re.escape(p) for p in ENDPOINTS)
     over_cap = HeaderMatcher(name="content-length",
                              range_match=Int64Range(start=opts.max_body_bytes + 1, end=1 << 62))
     not_rerouted = HeaderMatcher(name=BACKEND_HEADER, present_match=True, invert_match=True)
     return Route(
         name="drain_oversized_upload",
-        match=RouteMatch(prefix="/", headers=[over_cap, not_rerouted]),
+        match=RouteMatch(safe_regex=RegexMatcher(regex=f"^({endpoints})$"), headers=[over_cap, not_rerouted]),
         route=RouteAction(
             cluster=DRAIN_CLUSTER,
             regex_rewrite=RegexMatchAndSubstitute(pattern=RegexMatcher(regex="^/.*"), substitution=DRAIN_PATH),

@@ -221,6 +221,8 @@ def test_drain_route() -> None:
     # a request ext_proc rerouted after rewriting its body is never re-matched here
     assert not_rerouted == {"name": BACKEND_HEADER, "present_match": True, "invert_match": True}
     assert drain["route"]["cluster"] == DRAIN_CLUSTER
+    # only the endpoints Sluice reads; pass-through paths keep streaming any size
+    assert drain["match"]["safe_regex"]["regex"] == r"^(/v1/chat/completions|/v1/completions|/v1/embeddings)$"
     assert drain["route"]["regex_rewrite"]["substitution"] == DRAIN_PATH
     # every filter but the router is off: ext_proc never sees the upload
     filters = [f["name"] for f in manager["http_filters"]]

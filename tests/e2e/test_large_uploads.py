@@ -153,6 +153,18 @@ def test_under_the_cap_is_judged_by_extproc_not_the_drain(stack: Stack) -> None:
     assert drained(stack) == before
 
 
+def test_only_the_endpoints_sluice_reads_are_drained(stack: Stack) -> None:
+    before = drained(stack)
+    for path in ("/v1/completions", "/v1/embeddings"):
+        r = httpx.post(stack.url + path, content=chat_bytes(2 * MB), headers=auth(), timeout=30)
+        assert r.status_code == 413 and r.headers["x-sluice-reason"] == "body_too_large"
+    assert drained(stack) == before + 2
+    # any other path is extproc's to judge (404 here; streamed when unknown_paths is passthrough)
+    r = httpx.post(stack.url + "/v1/files?x=1", content=b"a" * (CAP + 1024), headers=auth(), timeout=30)
+    assert r.status_code == 404 and r.headers["x-sluice-reason"] == "unknown_path"
+    assert drained(stack) == before + 2
+
+
 def test_oversized_uploads_never_reach_the_backend_or_extproc(stack: Stack) -> None:
     stack.clear_sim_requests()
     text = stack.metrics_text()
