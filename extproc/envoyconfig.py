@@ -444,7 +444,8 @@ def render_bootstrap(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> di
     _check(backends, opts)
     bootstrap = Bootstrap(
         node=Node(id="sluice", cluster="sluice"),
-        admin=Admin(address=socket_address("127.0.0.1", opts.admin_port)),
+        # /ready and /stats stay reachable while clients hold every allowed connection
+        admin=Admin(address=socket_address("127.0.0.1", opts.admin_port), ignore_global_conn_limit=True),
         overload_manager=_overload_manager(opts),
         static_resources=BootstrapStaticResources(
             listeners=[_listener(backends, opts)],

@@ -252,6 +252,7 @@ def test_edge_settings_come_from_the_gateway_policy() -> None:
     (monitor,) = config["overload_manager"]["resource_monitors"]
     assert monitor["name"] == "envoy.resource_monitors.global_downstream_max_connections"
     assert monitor["typed_config"]["max_active_downstream_connections"] == "77"
+    assert config["admin"]["ignore_global_conn_limit"] is True  # health checks still answer
     # the access log never records a query string (API keys travel there)
     assert ACCESS_LOG_FORMAT["path"].startswith("%REQ_WITHOUT_QUERY(")
     log_format = manager["access_log"][0]["typed_config"]["log_format"]

@@ -179,6 +179,13 @@ def test_connections_beyond_the_limit_are_refused(stack: Stack) -> None:
             held.append(c)
         with pytest.raises(httpx.TransportError):
             httpx.post(stack.url + CHAT, headers=auth(), json=chat(), timeout=5)
+        # Envoy's admin port is not counted: health checks and stats still answer
+        ready = httpx.get(f"http://127.0.0.1:{stack.envoy_admin_port}/ready", timeout=5)
+        assert ready.status_code == 200
+        stats = httpx.get(f"http://127.0.0.1:{stack.envoy_admin_port}/stats?filter=global_cx_overflow",
+                          timeout=5).text
+        refused = [line for line in stats.splitlines() if line.startswith(f"listener.127.0.0.1_{stack.envoy_port}.")]
+        assert refused and int(refused[0].rsplit(" ", 1)[1]) >= 1, stats  # counted as the limit's doing
     finally:
         for c in held:
             c.close()
