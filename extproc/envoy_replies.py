@@ -24,6 +24,8 @@ from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v
 )
 from envoy_data_plane.google.protobuf import Any, Struct
 
+from extproc.envoy_clusters import DRAIN_CLUSTER
+
 __all__ = ["ENVOY_REPLIES", "EnvoyReply", "local_reply_config"]
 
 
@@ -50,7 +52,10 @@ ENVOY_REPLIES: tuple[EnvoyReply, ...] = (
     EnvoyReply(
         "gateway_unavailable", "server_error", "admission control is unavailable",
         "response.code_details.startsWith('ext_proc_error')"
-        " || response.code_details.startsWith('mismatch_between_content_length')",
+        " || response.code_details.startsWith('mismatch_between_content_length')"
+        # the drain (extproc's admin port) unreachable: extproc is down
+        f" || (xds.cluster_name == '{DRAIN_CLUSTER}'"
+        " && response.code_details.startsWith('upstream_reset_before_response_started'))",
         status=503, headers=(("retry-after", "1"),),
     ),
     # request_headers_timeout / request_timeout (408): a client too slow to send its request.

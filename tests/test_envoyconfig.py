@@ -375,6 +375,11 @@ def test_envoy_fails_closed_without_ext_proc(tmp_path: Path) -> None:
         error = json.loads(body)["error"]
         assert set(error) == ERROR_KEYS and error["param"] is None
         assert error["code"] == "gateway_unavailable"
+        # an upload over the cap goes to the drain, on extproc's admin port: down as well
+        status, headers, body = post(opts.listen_port, b"x" * (opts.max_body_bytes + 1), {})
+        assert status == 503, body
+        assert headers["x-sluice-reason"] == "gateway_unavailable"
+        assert set(json.loads(body)["error"]) == ERROR_KEYS
 
 
 class SilentProcessor(ext_grpc.ExternalProcessorServicer):
