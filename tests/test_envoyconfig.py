@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -40,6 +41,7 @@ from extproc.envoyconfig import (
     render_yaml,
     write_config,
 )
+from extproc.openai_body import ENDPOINTS
 
 BACKENDS = (
     BackendRoute("sim", "127.0.0.1", 8000, ("llama-3-8b",)),
@@ -222,7 +224,9 @@ def test_drain_route() -> None:
     assert not_rerouted == {"name": BACKEND_HEADER, "present_match": True, "invert_match": True}
     assert drain["route"]["cluster"] == DRAIN_CLUSTER
     # only the endpoints Sluice reads; pass-through paths keep streaming any size
-    assert drain["match"]["safe_regex"]["regex"] == r"^(/v1/chat/completions|/v1/completions|/v1/embeddings)$"
+    regex = re.compile(drain["match"]["safe_regex"]["regex"])
+    assert all(regex.fullmatch(path) for path in ENDPOINTS)
+    assert not any(regex.fullmatch(p) for p in ("/v1/files", "/v1/chat/completions/x", "/v1/embeddingsx"))
     assert drain["route"]["regex_rewrite"]["substitution"] == DRAIN_PATH
     # every filter but the router is off: ext_proc never sees the upload
     filters = [f["name"] for f in manager["http_filters"]]
