@@ -193,6 +193,7 @@ class Gateway:
 def envoy_options(ports: Ports, policy_doc: dict[str, Any] | None = None) -> EnvoyOptions:
     gw = (policy_doc or {}).get("gateway", {})
     return EnvoyOptions(listen_port=ports.envoy, admin_port=ports.envoy_admin, extproc_port=ports.grpc,
+                        drain_port=ports.admin,
                         max_body_bytes=gw.get("max_body_bytes", 1 << 20),
                         message_timeout_ms=gw.get("message_timeout_ms", 5000),
                         failure_mode_allow=gw.get("failure_mode_allow", False), access_log=False)

@@ -81,16 +81,15 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
-    from extproc.envoyconfig import BackendRoute, EnvoyOptions, write_config
+    from extproc.envoyconfig import BackendRoute, EnvoyOptions, gateway_options, write_config
 
     policy = load_policy(args.policy)
     lhost, lport = _hostport(args.listen)
     ehost, eport = _hostport(args.extproc)
+    dhost, dport = _hostport(args.extproc_admin)
     opts = EnvoyOptions(listen_host=lhost, listen_port=lport, admin_port=args.admin_port,
-                        extproc_host=ehost, extproc_port=eport,
-                        failure_mode_allow=policy.gateway.failure_mode_allow,
-                        message_timeout_ms=policy.gateway.message_timeout_ms,
-                        max_body_bytes=policy.gateway.max_body_bytes)
+                        extproc_host=ehost, extproc_port=eport, drain_host=dhost, drain_port=dport,
+                        **gateway_options(policy.gateway))  # type: ignore[arg-type]
     routes = [BackendRoute(b.name, b.host, b.port, tuple(m.name for m in b.models)) for b in policy.backends]
     write_config(args.output, routes, opts)
     print(f"wrote {args.output}")
@@ -120,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--listen", default="127.0.0.1:10000")
     e.add_argument("--admin-port", type=int, default=9901)
     e.add_argument("--extproc", default="127.0.0.1:50051")
+    e.add_argument("--extproc-admin", default="127.0.0.1:9100",
+                   help="extproc's --admin address, where Envoy drains oversized uploads")
     k = sub.add_parser("hash-key", help="print the sha256 form of an API key for the policy")
     k.add_argument("key")
     args = ap.parse_args(argv)

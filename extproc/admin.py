@@ -1,10 +1,12 @@
-"""The admin HTTP port: /metrics for Prometheus, /healthz, and /debug/state for tests."""
+"""The admin HTTP port: /metrics for Prometheus, /healthz, /debug/state for tests, and /drain
+(where Envoy streams oversized uploads to be discarded and answered 413)."""
 
 from __future__ import annotations
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from extproc.drain import DRAIN_PATH, drain_handler
 from extproc.runtime import Runtime
 
 
@@ -22,6 +24,8 @@ def admin_app(runtime: Runtime) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/debug/state", state)
+    # Envoy sends oversized uploads here (the drain route); see extproc/drain.py.
+    app.router.add_route("*", DRAIN_PATH, drain_handler(runtime))
     return app
 
 

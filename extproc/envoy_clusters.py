@@ -36,7 +36,9 @@ from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
 )
 from envoy_data_plane.google.protobuf import Any
 
-__all__ = ["backend_cluster", "extproc_cluster", "socket_address"]
+__all__ = ["DRAIN_CLUSTER", "backend_cluster", "extproc_cluster", "socket_address"]
+
+DRAIN_CLUSTER = "sluice_drain"  # extproc's admin port, where oversized uploads are drained
 
 _HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 _BACKEND_CIRCUIT_LIMIT = 10000

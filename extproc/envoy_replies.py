@@ -1,4 +1,4 @@
-"""Envoy's own replies (413 over the buffer, ext_proc failures) in Sluice's error shape.
+"""Envoy's own replies (413 over the buffer, ext_proc failures, timeouts) in Sluice's error shape.
 
 Envoy answers some requests itself, before or instead of asking ext_proc; the
 local-reply mappers below give those the OpenAI error JSON and an ``x-sluice-reason``
@@ -6,6 +6,8 @@ so clients and dashboards see one vocabulary for every rejection.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 # Every module whose messages are packed into an Any must be imported before to_dict().
 from envoy_data_plane.envoy.config.accesslog.v3 import AccessLogFilter, ExtensionFilter
@@ -22,51 +24,76 @@ from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v
 )
 from envoy_data_plane.google.protobuf import Any, Struct
 
-__all__ = ["local_reply_config"]
+from extproc.envoy_clusters import DRAIN_CLUSTER
+
+__all__ = ["ENVOY_REPLIES", "EnvoyReply", "local_reply_config"]
 
 
 # Replies Envoy makes itself (not Sluice's immediate responses, whose details differ),
-# rewritten to the OpenAI error shape with an x-sluice-reason like every other rejection:
-# (reason, error type, message, CEL over the reply's response code details).
-_ENVOY_REPLIES: tuple[tuple[str, str, str, str], ...] = (
-    (
-        "body_too_large",
-        "invalid_request_error",
-        "request body exceeds the gateway's buffer",
+# rewritten to the OpenAI error shape with an x-sluice-reason like every other rejection.
+@dataclass(frozen=True)
+class EnvoyReply:
+    reason: str
+    kind: str  # the OpenAI error type
+    message: str
+    expression: str  # CEL over the reply's response code details
+    status: int | None = None  # rewrite the status Envoy chose
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+ENVOY_REPLIES: tuple[EnvoyReply, ...] = (
+    EnvoyReply(
+        "body_too_large", "invalid_request_error", "request body exceeds the gateway's buffer",
         "response.code_details == 'request_payload_too_large'",
     ),
-    (
-        "gateway_unavailable",
-        "server_error",
-        "admission control is unavailable",
+    # ext_proc unreachable or failing answers status_on_error (503); a message_timeout
+    # expiry answers 504 (details ext_proc_error_...timeout). Both mean the same thing to a
+    # client, admission control did not answer, so both become 503 with Retry-After.
+    EnvoyReply(
+        "gateway_unavailable", "server_error", "admission control is unavailable",
         "response.code_details.startsWith('ext_proc_error')"
-        " || response.code_details.startsWith('mismatch_between_content_length')",
+        " || response.code_details.startsWith('mismatch_between_content_length')"
+        # the drain (extproc's admin port) unreachable: extproc is down
+        f" || (xds.cluster_name == '{DRAIN_CLUSTER}'"
+        " && response.code_details.startsWith('upstream_reset_before_response_started'))",
+        status=503, headers=(("retry-after", "1"),),
+    ),
+    # request_headers_timeout / request_timeout (408): a client too slow to send its request.
+    EnvoyReply(
+        "request_timeout", "invalid_request_error", "the request was not received in time",
+        "response.code_details == 'request_overall_timeout'"
+        " || response.code_details == 'request_header_timeout'",
     ),
 )
 
 
+def _header(key: str, value: str) -> HeaderValueOption:
+    return HeaderValueOption(
+        header=HeaderValue(key=key, value=value),
+        append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
 def local_reply_config() -> LocalReplyConfig:
     mappers = []
-    for reason, kind, message, expression in _ENVOY_REPLIES:
-        error = {"message": message, "type": kind, "code": reason}
-        mappers.append(
-            ResponseMapper(
-                filter=AccessLogFilter(
-                    extension_filter=ExtensionFilter(
-                        name="envoy.access_loggers.extension_filters.cel",
-                        typed_config=Any.pack(ExpressionFilter(expression=expression)),
-                    )
-                ),
-                headers_to_add=[
-                    HeaderValueOption(
-                        header=HeaderValue(key="x-sluice-reason", value=reason),
-                        append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
-                    )
-                ],
-                body_format_override=SubstitutionFormatString(
-                    json_format=Struct.from_dict({"error": error}),
-                    content_type="application/json",
-                ),
-            )
+    for reply in ENVOY_REPLIES:
+        # The same four keys as every other error body (extproc.errors.error_body).
+        error = {"message": reply.message, "type": reply.kind, "param": None, "code": reply.reason}
+        mapper = ResponseMapper(
+            filter=AccessLogFilter(
+                extension_filter=ExtensionFilter(
+                    name="envoy.access_loggers.extension_filters.cel",
+                    typed_config=Any.pack(ExpressionFilter(expression=reply.expression)),
+                )
+            ),
+            headers_to_add=[_header("x-sluice-reason", reply.reason),
+                            *(_header(k, v) for k, v in reply.headers)],
+            body_format_override=SubstitutionFormatString(
+                json_format=Struct.from_dict({"error": error}),
+                content_type="application/json",
+            ),
         )
+        if reply.status is not None:
+            mapper.status_code = reply.status
+        mappers.append(mapper)
     return LocalReplyConfig(mappers=mappers)

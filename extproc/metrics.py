@@ -65,6 +65,11 @@ class Metrics:
                                 registry=r)
         self.shadow = Counter("sluice_shadow_decisions", "Rejections a shadowed rule would have made.",
                               ["rule", "tier"], registry=r)
+        # Oversized uploads read and discarded so the client sees its 413 (extproc/drain.py)
+        self.drained = Counter("sluice_drained_uploads", "Oversized uploads answered 413 by the drain, by outcome.",
+                               ["outcome"], registry=r)
+        self.drained_bytes = Counter("sluice_drained_bytes", "Bytes of oversized uploads read and discarded.",
+                                     registry=r)
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, cached: labels() costs ~3 us, a dict lookup ~0.1 us.

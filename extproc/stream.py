@@ -24,6 +24,7 @@ from extproc.peer import PeerStream
 from extproc.policy.breaker import Outcome, outcome_for_status
 from extproc.policy.gate import RateView
 from extproc.policy.schema import Limits, Model, Tenant
+from extproc.redact import redact_query
 from extproc.response import JSONTracker, SSETracker
 from extproc.runtime import Runtime
 
@@ -140,11 +141,14 @@ class StreamProcessor:
         if served is not None:
             return self._serve_models(served, headers.get(":method", "GET"))
         self.kind = path_kind(path)
+        # A key in the query string never goes upstream (extproc/redact.py).
+        clean = redact_query(path)
+        new_path = {":path": clean} if clean != path else {}
         if self.kind is None:
             if gw.unknown_paths == "reject":
                 raise Reject("unknown_path", f"Unknown path {path.split('?', 1)[0]!r}.", code="not_found")
             self.rt.metrics.child(self.rt.metrics.requests, tenant.name, "passthrough").inc()
-            return msg.headers_response("request_headers", self._identity_headers(),
+            return msg.headers_response("request_headers", {**self._identity_headers(), **new_path},
                                         KEY_HEADERS if gw.strip_api_key else (), mode_override=msg.SKIP_REST)
         if headers.get(":method", "POST") != "POST":
             raise Reject("bad_request", f"{path} takes POST.", code="method_not_allowed")
@@ -153,7 +157,7 @@ class StreamProcessor:
             raise Reject("body_too_large", f"Request body is {int(length)} bytes; the limit is {gw.max_body_bytes}.")
         if h.end_of_stream:
             raise Reject("bad_request", "Request body is required.", code="missing_body")
-        return msg.headers_response("request_headers")
+        return msg.headers_response("request_headers", new_path)
 
     def _serve_models(self, served: tuple[bool, str | None], method: str) -> pb.ProcessingResponse:
         """The model list (or one model) from the policy, answered here: no backend, no charge."""

@@ -192,6 +192,10 @@ def test_envoy_reaches_extproc_and_the_backends_by_service_name(compose_policy_d
     grpc_host, grpc_port = hostport(flag(command("extproc"), "--grpc"))
     assert grpc_host == "0.0.0.0"
     assert found.pop("sluice_extproc") == ("extproc", grpc_port)
+    # oversized uploads are drained on extproc's admin port, which must listen beyond loopback
+    admin_host, admin_port = hostport(flag(command("extproc"), "--admin"))
+    assert admin_host == "0.0.0.0"
+    assert found.pop("sluice_drain") == ("extproc", admin_port)
     policy = load_policy(compose_policy_dir)
     assert found == {b.name: (b.host, b.port) for b in policy.backends}
     for backend in policy.backends:

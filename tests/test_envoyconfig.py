@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -23,23 +24,31 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
+from extproc.drain import DRAIN_PATH, LIMIT_HEADER
+from extproc.envoy_replies import ENVOY_REPLIES
 from extproc.envoyconfig import (
+    ACCESS_LOG_FORMAT,
     BACKEND_HEADER,
+    DRAIN_CLUSTER,
     EXTPROC_CLUSTER,
+    EXTPROC_FILTER,
     HEADER,
     BackendRoute,
     EnvoyOptions,
     buffer_limit_bytes,
+    gateway_options,
     render_bootstrap,
     render_yaml,
     write_config,
 )
+from extproc.openai_body import ENDPOINTS
 
 BACKENDS = (
     BackendRoute("sim", "127.0.0.1", 8000, ("llama-3-8b",)),
     BackendRoute("big", "localhost", 8001),
 )
 HCM_TYPE = "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+ERROR_KEYS = {"message", "type", "param", "code"}
 
 
 def envoy_binary() -> str:
@@ -140,7 +149,8 @@ def test_listener_admin_and_hcm() -> None:
     manager = hcm(config)
     assert manager.get("codec_type", "AUTO") == "AUTO"  # the enum default is omitted
     assert manager["stream_idle_timeout"] == "300s"
-    assert manager["request_timeout"] == "0s"
+    assert manager["request_timeout"] == "120s"
+    assert manager["request_headers_timeout"] == "10s"
     (log,) = manager["access_log"]
     fields = log["typed_config"]["log_format"]["json_format"]
     for operator in ("%RESPONSE_CODE%", "%RESPONSE_FLAGS%", "%DURATION%", "%UPSTREAM_CLUSTER%"):
@@ -153,7 +163,8 @@ def test_routes_one_per_backend_header_then_catch_all() -> None:
     route_config = hcm(render_bootstrap(BACKENDS, EnvoyOptions()))["route_config"]
     (vhost,) = route_config["virtual_hosts"]
     routes = vhost["routes"]
-    assert len(routes) == len(BACKENDS) + 1
+    assert len(routes) == len(BACKENDS) + 2
+    assert routes.pop(0)["name"] == "drain_oversized_upload"  # first: see test_drain_route
     for backend, route in zip(BACKENDS, routes, strict=False):
         assert route["match"]["headers"] == [
             {"name": BACKEND_HEADER, "string_match": {"exact": backend.name}}
@@ -166,14 +177,14 @@ def test_routes_one_per_backend_header_then_catch_all() -> None:
         assert route["route"]["timeout"] == "0s"
         assert route["route"]["idle_timeout"] == "300s"
     # clients cannot choose a backend, and the choice is not sent upstream
-    assert route_config["internal_only_headers"] == [BACKEND_HEADER]
+    assert route_config["internal_only_headers"] == [BACKEND_HEADER, LIMIT_HEADER]
     assert route_config["request_headers_to_remove"] == [BACKEND_HEADER]
 
 
 def test_clusters() -> None:
     opts = EnvoyOptions(extproc_host="extproc", extproc_port=50052)
     by_name = clusters(render_bootstrap(BACKENDS, opts))
-    assert list(by_name) == [EXTPROC_CLUSTER, "sim", "big"]
+    assert list(by_name) == [EXTPROC_CLUSTER, "sim", "big", DRAIN_CLUSTER]
 
     ext = by_name[EXTPROC_CLUSTER]
     assert ext["type"] == "STRICT_DNS"  # a host name, not an IP
@@ -200,12 +211,77 @@ def test_clusters() -> None:
         assert limits["max_requests"] > 1024
 
 
+def test_drain_route() -> None:
+    cap = 64 * 1024
+    opts = EnvoyOptions(max_body_bytes=cap, drain_host="extproc", drain_port=9200)
+    config = render_bootstrap(BACKENDS, opts)
+    manager = hcm(config)
+    drain = manager["route_config"]["virtual_hosts"][0]["routes"][0]
+    over_cap, not_rerouted = drain["match"]["headers"]
+    # a declared body over the cap (an Int64Range: start inclusive, end exclusive)
+    assert over_cap == {"name": "content-length", "range_match": {"start": str(cap + 1), "end": str(1 << 62)}}
+    # a request ext_proc rerouted after rewriting its body is never re-matched here
+    assert not_rerouted == {"name": BACKEND_HEADER, "present_match": True, "invert_match": True}
+    assert drain["route"]["cluster"] == DRAIN_CLUSTER
+    # only the endpoints Sluice reads; pass-through paths keep streaming any size
+    regex = re.compile(drain["match"]["safe_regex"]["regex"])
+    assert all(regex.fullmatch(path) for path in ENDPOINTS)
+    assert not any(regex.fullmatch(p) for p in ("/v1/files", "/v1/chat/completions/x", "/v1/embeddingsx"))
+    assert drain["route"]["regex_rewrite"]["substitution"] == DRAIN_PATH
+    # every filter but the router is off: ext_proc never sees the upload
+    filters = [f["name"] for f in manager["http_filters"]]
+    assert set(drain["typed_per_filter_config"]) == set(filters) - {"envoy.filters.http.router"}
+    assert EXTPROC_FILTER in drain["typed_per_filter_config"]
+    for per_filter in drain["typed_per_filter_config"].values():
+        assert per_filter == {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": True}
+    (limit,) = drain["request_headers_to_add"]
+    assert limit["header"] == {"key": LIMIT_HEADER, "value": str(cap)}
+    address = clusters(config)[DRAIN_CLUSTER]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+    assert address["endpoint"]["address"]["socket_address"] == {"address": "extproc", "port_value": 9200}
+
+
+def test_edge_settings_come_from_the_gateway_policy() -> None:
+    from extproc.policy.model import Gateway
+
+    gw = Gateway(request_timeout_s=45, request_headers_timeout_s=3, max_connections=77, trusted_proxy_hops=2,
+                 drain_timeout_s=9, max_body_bytes=4096)
+    config = render_bootstrap(BACKENDS, EnvoyOptions(**gateway_options(gw)))
+    manager = hcm(config)
+    assert manager["use_remote_address"] is True
+    assert manager["xff_num_trusted_hops"] == 2
+    assert not manager.get("preserve_external_request_id", False)
+    assert manager["generate_request_id"] is True
+    assert manager["request_timeout"] == "45s"
+    assert manager["request_headers_timeout"] == "3s"
+    (monitor,) = config["overload_manager"]["resource_monitors"]
+    assert monitor["name"] == "envoy.resource_monitors.global_downstream_max_connections"
+    assert monitor["typed_config"]["max_active_downstream_connections"] == "77"
+    assert config["admin"]["ignore_global_conn_limit"] is True  # health checks still answer
+    # the access log never records a query string (API keys travel there)
+    assert ACCESS_LOG_FORMAT["path"].startswith("%REQ_WITHOUT_QUERY(")
+    log_format = manager["access_log"][0]["typed_config"]["log_format"]
+    assert log_format["formatters"][0]["name"] == "envoy.formatter.req_without_query"
+
+
+def test_envoy_replies_speak_the_error_shape() -> None:
+    mappers = hcm(render_bootstrap(BACKENDS, EnvoyOptions()))["local_reply_config"]["mappers"]
+    assert len(mappers) == len(ENVOY_REPLIES)
+    for reply, mapper in zip(ENVOY_REPLIES, mappers, strict=True):
+        error = mapper["body_format_override"]["json_format"]["error"]
+        assert set(error) == ERROR_KEYS and error["param"] is None and error["code"] == reply.reason
+        assert {"key": "x-sluice-reason", "value": reply.reason} in [h["header"] for h in mapper["headers_to_add"]]
+    unavailable = mappers[[r.reason for r in ENVOY_REPLIES].index("gateway_unavailable")]
+    assert unavailable["status_code"] == 503  # also when Envoy would answer 504 (message timeout)
+    assert {"key": "retry-after", "value": "1"} in [h["header"] for h in unavailable["headers_to_add"]]
+
+
 @pytest.mark.parametrize(
     "backends",
     [
         (),
         (BackendRoute("a", "127.0.0.1", 1), BackendRoute("a", "127.0.0.1", 2)),
         (BackendRoute(EXTPROC_CLUSTER, "127.0.0.1", 1),),
+        (BackendRoute(DRAIN_CLUSTER, "127.0.0.1", 1),),
     ],
 )
 def test_bad_backend_lists_are_refused(backends: tuple[BackendRoute, ...]) -> None:
@@ -270,10 +346,15 @@ def running_envoy(tmp_path: Path, backends, opts: EnvoyOptions) -> Iterator[Path
             proc.wait()
 
 
-def post(port: int, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+def post(port: int, body: bytes, headers: dict[str, str], chunked: bool = False
+         ) -> tuple[int, dict[str, str], bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     try:
-        conn.request("POST", "/v1/chat/completions", body=body, headers=headers)
+        if chunked:
+            conn.request("POST", "/v1/chat/completions", body=iter([body]), headers=headers,
+                         encode_chunked=True)
+        else:
+            conn.request("POST", "/v1/chat/completions", body=body, headers=headers)
         resp = conn.getresponse()
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
     finally:
@@ -292,9 +373,53 @@ def test_envoy_fails_closed_without_ext_proc(tmp_path: Path) -> None:
     backends = [BackendRoute("sim", "127.0.0.1", free_port())]
     with running_envoy(tmp_path, backends, opts):
         status, headers, body = post(opts.listen_port, b'{"model":"m"}', {})
-        assert status == opts.status_on_error
+        assert status == 503 == opts.status_on_error
         assert headers["x-sluice-reason"] == "gateway_unavailable"
-        assert json.loads(body)["error"]["code"] == "gateway_unavailable"
+        assert headers["retry-after"] == "1"
+        error = json.loads(body)["error"]
+        assert set(error) == ERROR_KEYS and error["param"] is None
+        assert error["code"] == "gateway_unavailable"
+        # an upload over the cap goes to the drain, on extproc's admin port: down as well
+        status, headers, body = post(opts.listen_port, b"x" * (opts.max_body_bytes + 1), {})
+        assert status == 503, body
+        assert headers["x-sluice-reason"] == "gateway_unavailable"
+        assert set(json.loads(body)["error"]) == ERROR_KEYS
+
+
+class SilentProcessor(ext_grpc.ExternalProcessorServicer):
+    """Reads the request headers and never answers: Envoy's message_timeout expires."""
+
+    def Process(self, request_iterator, context):  # noqa: N802 (gRPC method name)
+        for _ in request_iterator:
+            time.sleep(2)
+        return iter(())
+
+
+@pytest.mark.e2e
+def test_ext_proc_message_timeout_is_503_with_retry_after(tmp_path: Path) -> None:
+    # Envoy answers an expired message_timeout with 504; clients must see what the README
+    # promises for "admission control did not answer": 503, Retry-After, gateway_unavailable.
+    opts = local_opts(message_timeout_ms=300)
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    ext_grpc.add_ExternalProcessorServicer_to_server(SilentProcessor(), grpc_server)
+    grpc_server.add_insecure_port(f"127.0.0.1:{opts.extproc_port}")
+    grpc_server.start()
+    backends = [BackendRoute("sim", "127.0.0.1", free_port())]
+    try:
+        with running_envoy(tmp_path, backends, opts) as log:
+            status, headers, body = post(opts.listen_port, b'{"model":"m"}', {})
+            assert status == 503, body
+            assert headers["x-sluice-reason"] == "gateway_unavailable"
+            assert headers["retry-after"] == "1"
+            error = json.loads(body)["error"]
+            assert set(error) == ERROR_KEYS and error["param"] is None
+            assert error["type"] == "server_error"
+            deadline = time.monotonic() + 5
+            while '"status":503' not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert "timeout" in log.read_text()  # it was the message timeout that fired
+    finally:
+        grpc_server.stop(grace=None)
 
 
 # A stub ext_proc server and echoing backends: checks the config lets a server reroute a
@@ -394,11 +519,14 @@ def test_ext_proc_reroutes_and_rewrites_body(tmp_path: Path) -> None:
             assert "authorization" not in upstream
             assert BACKEND_HEADER not in upstream
 
+            # Chunked, so no content-length sends it to the drain: Envoy's own buffer 413.
             too_big = b"x" * (buffer_limit_bytes(opts.max_body_bytes) + 1)
-            status, headers, body = post(opts.listen_port, too_big, {})
+            status, headers, body = post(opts.listen_port, too_big, {}, chunked=True)
             assert status == 413
             assert headers["x-sluice-reason"] == "body_too_large"
-            assert json.loads(body)["error"]["type"] == "invalid_request_error"
+            error = json.loads(body)["error"]
+            assert set(error) == ERROR_KEYS and error["param"] is None
+            assert error["type"] == "invalid_request_error"
     finally:
         grpc_server.stop(grace=None)
         small.shutdown()

@@ -29,6 +29,15 @@ class Gateway:
     message_timeout_ms: int = 5000
     image_token_estimate: int = 765
     shadow: tuple[str, ...] = ()
+    # Oversized uploads (content-length over max_body_bytes) are read and discarded by the
+    # drain so the client can read its 413; these bound what one upload may cost.
+    drain_max_bytes: int = 64 << 20
+    drain_timeout_s: float = 30.0
+    # Edge hygiene in the generated Envoy config.
+    request_headers_timeout_s: float = 10.0  # time to receive all request headers
+    request_timeout_s: float = 120.0  # time to receive the whole request (not the response)
+    max_connections: int = 1024  # open downstream connections on the listener
+    trusted_proxy_hops: int = 0  # proxies in front of Envoy whose X-Forwarded-For is trusted
 
 
 @dataclass(frozen=True)

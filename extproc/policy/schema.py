@@ -59,7 +59,7 @@ def build_policy(doc: Mapping[str, Any], locate: Locator | None = None) -> Polic
     tiers = _tiers(r, doc.get("tiers", {}))
     tenants, by_key = _tenants(r, doc.get("tenants", []), tiers)
     breakers = _breakers(r, doc.get("breakers"), {b.name: {m.name for m in b.models} for b in backends})
-    by_model = _cross_checks(r, backends, tiers)
+    by_model = _cross_checks(r, backends, tiers, gateway)
     if r.problems:
         raise PolicyError(r.problems)
     return Policy(gateway=gateway, backends=backends, tiers=tiers, tenants=tenants,

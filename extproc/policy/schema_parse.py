@@ -50,6 +50,14 @@ def _gateway(r: Reader, doc: Any) -> Gateway:
         message_timeout_ms=r.get(m, path, "message_timeout_ms", int, d.message_timeout_ms, minimum=100),
         image_token_estimate=r.get(m, path, "image_token_estimate", int, d.image_token_estimate, minimum=0),
         shadow=_shadow(r, m, path),
+        drain_max_bytes=r.get(m, path, "drain_max_bytes", int, d.drain_max_bytes, minimum=0),
+        drain_timeout_s=float(r.get(m, path, "drain_timeout_s", (int, float), d.drain_timeout_s, minimum=0.1)),
+        request_headers_timeout_s=float(r.get(m, path, "request_headers_timeout_s", (int, float),
+                                              d.request_headers_timeout_s, minimum=0.1)),
+        request_timeout_s=float(r.get(m, path, "request_timeout_s", (int, float), d.request_timeout_s,
+                                      minimum=1)),
+        max_connections=r.get(m, path, "max_connections", int, d.max_connections, minimum=1),
+        trusted_proxy_hops=r.get(m, path, "trusted_proxy_hops", int, d.trusted_proxy_hops, minimum=0),
     )
 
 
@@ -234,9 +242,23 @@ def _breakers(r: Reader, doc: Any, backends: Mapping[str, set[str]]) -> tuple[Br
     return tuple(out)
 
 
-def _cross_checks(r: Reader, backends: tuple[Backend, ...], tiers: Mapping[str, Tier]
-                  ) -> dict[str, tuple[Backend, Model]]:
+# Envoy's request_timeout runs until the request goes upstream, so it includes the time a
+# request waits in Sluice's queue: it must leave room for the longest wait plus an upload.
+REQUEST_TIMEOUT_MARGIN_S = 10.0
+
+
+def _cross_checks(r: Reader, backends: tuple[Backend, ...], tiers: Mapping[str, Tier],
+                  gateway: Gateway | None = None) -> dict[str, tuple[Backend, Model]]:
     by_model: dict[str, tuple[Backend, Model]] = {}
+    if gateway is not None:
+        for name, t in tiers.items():
+            if not t.max_queue_wait_ms:
+                continue
+            need = t.max_queue_wait_ms / 1000 + REQUEST_TIMEOUT_MARGIN_S
+            if gateway.request_timeout_s < need:
+                r.fail(("gateway", "request_timeout_s"),
+                       f"must be at least {need:g} s: tier {name!r} queues requests for up to "
+                       f"{t.max_queue_wait_ms / 1000:g} s, and Envoy counts that wait in the request's time")
     seen_backends: set[str] = set()
     guaranteed = sum(t.guaranteed_slots for t in tiers.values())
     for i, b in enumerate(backends):

@@ -17,8 +17,8 @@ from typing import Any
 import yaml
 
 from bench.procs import ROOT, Proc, envoy_binary, free_port, get_json, tails, wait_http, wait_idle
-from extproc.envoyconfig import BackendRoute, EnvoyOptions, write_config
-from extproc.policy.schema import hash_key
+from extproc.envoyconfig import BackendRoute, EnvoyOptions, gateway_options, write_config
+from extproc.policy.schema import build_policy, hash_key
 
 __all__ = ["ROOT", "TEST_KEYS", "Proc", "Stack", "envoy_binary", "free_port", "get_json", "running",
            "test_policy", "wait_http"]
@@ -120,14 +120,15 @@ class Stack:
 
     def start_envoy(self) -> None:
         assert self.policy_doc is not None
-        gw = self.policy_doc["gateway"]
+        gw = build_policy(self.policy_doc).gateway
         opts = EnvoyOptions(listen_port=self.envoy_port, admin_port=self.envoy_admin_port,
-                            extproc_port=self.grpc_port, max_body_bytes=gw.get("max_body_bytes", 1 << 20),
-                            message_timeout_ms=gw.get("message_timeout_ms", 5000))
+                            extproc_port=self.grpc_port, drain_port=self.admin_port,
+                            **gateway_options(gw))  # type: ignore[arg-type]
         routes = [BackendRoute("sim", "127.0.0.1", self.sim_port)]
         cfg = write_config(self.workdir / "envoy.yaml", routes, opts)
+        # access-log lines reach envoy.log within 0.25 s (the default flush interval is 10 s)
         p = Proc("envoy", [envoy_binary(), "-c", str(cfg), "--disable-hot-restart", "-l", "warning",
-                           "--concurrency", "1"], self.workdir / "envoy.log")
+                           "--concurrency", "1", "--file-flush-interval-msec", "250"], self.workdir / "envoy.log")
         self.procs["envoy"] = p.start()
         wait_http(f"http://127.0.0.1:{self.envoy_admin_port}/ready", proc=p.popen)
 
