@@ -153,7 +153,8 @@ def test_one_tenants_failures_do_not_degrade_the_others(stack: TwoBackends) -> N
     assert CONSECUTIVE <= sent <= 6, codes
     assert codes[-3:] == [(503, "tenant_breaker_open")] * 3, "after the trip the bad tenant is refused"
     refusal = bad[-1]
-    assert 30 <= int(refusal.headers["retry-after"]) <= 60
+    # The cooldown (up to 60 s) plus the advertised jitter (at most 1 s, rounded up).
+    assert 30 <= int(refusal.headers["retry-after"]) <= 61
     err = refusal.json()["error"]
     assert err["code"] == "service_unavailable" and err["type"] == "server_error" and "param" in err
     assert primary_requests(stack, "free") == sent, "refused requests never reached the backend"
@@ -199,6 +200,6 @@ def test_a_backend_failing_for_everyone_still_trips_the_shared_breaker(stack: Tw
         assert r.status_code == 200 and r.headers["x-sluice-degraded"] == "fallback", r.text
         r = chat(stack, t, model="sim-nofb")  # a model without a fallback: refused
         assert r.status_code == 503 and r.headers["x-sluice-reason"] == "breaker_open"
-        assert 30 <= int(r.headers["retry-after"]) <= 60
+        assert 30 <= int(r.headers["retry-after"]) <= 61
     # (Recovery after the cooldown is tests/e2e/test_backpressure.py's; this breaker stays
     # open to the end of the module, so this test runs last.)
