@@ -133,7 +133,8 @@ class Admission:
         if v.admitted:
             return None
         assert v.reason is not None
-        if self._shadow("rpm" if v.reason == "rpm" else "tpm"):
+        # Shadowed: let it through unrecorded; charge() decides and records it once.
+        if self.policy.shadowed(self.tier.name, "rpm" if v.reason == "rpm" else "tpm"):
             return None
         return v
 

@@ -153,6 +153,8 @@ class StreamProcessor:
             raise Reject("body_too_large", f"Request body is {int(length)} bytes; the limit is {gw.max_body_bytes}.")
         if h.end_of_stream:
             raise Reject("bad_request", "Request body is required.", code="missing_body")
+        # A key that cannot pay for one token is refused before its body is even sent here.
+        self._precheck_budget(Admission(self.rt, self.policy, tenant, self.limits, self.peer))
         return msg.headers_response("request_headers")
 
     def _identity_headers(self) -> dict[str, str]:
@@ -166,8 +168,6 @@ class StreamProcessor:
         # Chunked uploads carry no content-length: the buffered body is the last check.
         if len(raw) > gw.max_body_bytes:
             raise Reject("body_too_large", f"Request body is {len(raw)} bytes; the limit is {gw.max_body_bytes}.")
-        adm = Admission(self.rt, self.policy, self.tenant, self.limits, self.peer)
-        self._precheck_budget(adm)
         try:
             req = parse_request(self.kind, raw, gw.image_token_estimate)
         except BadRequest as exc:
@@ -182,6 +182,7 @@ class StreamProcessor:
         self.prompt_tokens = prompt
         completion = self._completion_budget(req, model, prompt)
 
+        adm = Admission(self.rt, self.policy, self.tenant, self.limits, self.peer)
         now = self.rt.clock()
         ticket = adm.route(backend, model, completion, now)
         self.ticket = ticket
@@ -215,7 +216,7 @@ class StreamProcessor:
                                 metadata={msg.METADATA_NAMESPACE: out_headers})
 
     def _precheck_budget(self, adm: Admission) -> None:
-        """A tenant that cannot pay for one token is refused before its body is parsed or tokenized."""
+        """A tenant that cannot pay for one token is refused before its body is read or tokenized."""
         assert self.limits is not None
         v = adm.precheck(self.rt.clock())
         if v is None:
@@ -231,7 +232,7 @@ class StreamProcessor:
 
     async def _count_prompt(self, req: ParsedRequest, model: Model) -> int:
         """Prompt tokens, counted fairly across tenants; stops past the context window."""
-        assert self.tenant is not None
+        assert self.tenant is not None and self.limits is not None
         # Past the window the request is refused whatever the exact number, so the
         # count stops there: the work per request is bounded by the window.
         limit = max(0, model.context_window - req.fixed_tokens)
