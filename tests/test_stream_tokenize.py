@@ -78,7 +78,9 @@ def test_junk_is_refused_charged_and_then_refused_before_it_is_tokenized(rt: Run
     for _ in range(2):
         asyncio.run(exchange(rt, HDR, chat(junk)))
     n = len(calls)
-    out = asyncio.run(exchange(rt, HDR, chat(junk)))[-1]
+    answers = asyncio.run(exchange(rt, HDR, chat(junk)))
+    assert len(answers) == 1, "refused at the request headers: the body is never sent to extproc"
+    out = answers[-1]
     status, reason, err = reason_of(out)
     assert (status, reason) == (429, "tpm")
     assert "budget is spent" in err["message"]

@@ -1,8 +1,8 @@
 """Per-tenant TPM/RPM admission with pre-charge and settle: the state seam.
 
 ``LocalState`` keeps every tenant's buckets in this process. A shared store for
-many replicas implements the same four methods (``admit``, ``settle``, ``view``,
-``reconfigure``) atomically on its side; nothing above this seam changes.
+many replicas implements the same methods (``admit``, ``peek``, ``spend``, ``settle``,
+``view``, ``reconfigure``) atomically on its side; nothing above this seam changes.
 Pure: callers pass ``now``.
 """
 

@@ -84,19 +84,37 @@ class Client:
             self.conn = None
 
 
-def premium_latencies(stack: Stack, n: int) -> list[float]:
-    c = Client(stack, KEYS["premium"])
+def premium_latencies(stack: Stack, n: int, clients: int = 1) -> list[float]:
+    """``n`` requests on each of ``clients`` connections; every one must succeed."""
     raw = body("sim-long", LONG_PROMPT, max_tokens=8)
-    out = []
-    try:
-        for _ in range(n):
-            t0 = time.perf_counter()
-            status, reason, _, data = c.post(raw)
-            out.append(time.perf_counter() - t0)
-            assert status == 200, (status, reason, data[:300])
-    finally:
-        c.close()
+    out: list[float] = []
+    failures: list[object] = []
+
+    def one_client() -> None:
+        c = Client(stack, KEYS["premium"])
+        try:
+            for _ in range(n):
+                t0 = time.perf_counter()
+                status, reason, _, data = c.post(raw)
+                out.append(time.perf_counter() - t0)
+                if status != 200:
+                    failures.append((status, reason, data[:300]))
+        except Exception as exc:  # noqa: BLE001 - reported by the assert below
+            failures.append(exc)
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=one_client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures[:3]
     return out
+
+
+def p50(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
 
 
 def p99(xs: list[float]) -> float:
@@ -115,7 +133,8 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 def test_a_junk_flood_does_not_slow_another_tenants_long_prompts(stack: Stack) -> None:
     premium_latencies(stack, 3)  # warm up: connections, encodings, the backend
-    alone = premium_latencies(stack, 40)
+    # 2 connections x 50: 100 samples, so p99 is not just the slowest one.
+    alone = premium_latencies(stack, 50, clients=2)
 
     stop = threading.Event()
     statuses: Counter[tuple[int, str]] = Counter()
@@ -137,14 +156,14 @@ def test_a_junk_flood_does_not_slow_another_tenants_long_prompts(stack: Stack) -
         t.start()
     try:
         time.sleep(1.0)  # the flood is under way: the free key's bucket is spent by now
-        under_flood = premium_latencies(stack, 40)
+        under_flood = premium_latencies(stack, 50, clients=2)
     finally:
         stop.set()
         for t in threads:
             t.join(timeout=30)
 
-    summary = (f"alone p50 {sorted(alone)[20] * 1000:.0f} ms p99 {p99(alone) * 1000:.0f} ms; under flood "
-               f"p50 {sorted(under_flood)[20] * 1000:.0f} ms p99 {p99(under_flood) * 1000:.0f} ms; junk {dict(statuses)}")
+    summary = (f"alone p50 {p50(alone) * 1000:.0f} ms p99 {p99(alone) * 1000:.0f} ms; under flood "
+               f"p50 {p50(under_flood) * 1000:.0f} ms p99 {p99(under_flood) * 1000:.0f} ms; junk {dict(statuses)}")
     print(summary)
     assert p99(under_flood) <= 2 * p99(alone), summary
     # The flooding key gets 400 (refused after counting, charged) and then 429 (refused
