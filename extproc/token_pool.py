@@ -64,6 +64,13 @@ class FairQueue(Generic[J]):
         q = self._queues.get(tenant)
         return len(q) if q else 0
 
+    def clear(self) -> list[J]:
+        """Remove and return every queued job."""
+        jobs = [j for q in self._queues.values() for j in q]
+        self._queues.clear()
+        self._ring.clear()
+        return jobs
+
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
@@ -121,5 +128,9 @@ class TokenPool:
             await asyncio.sleep(0)
 
     def close(self) -> None:
+        """Stop the scheduler; waiters still queued are cancelled, not left hanging."""
         if self._task is not None and not self._task.done():
             self._task.cancel()
+        for entry in self.queue.clear():
+            if not entry.future.done() and not entry.future.get_loop().is_closed():
+                entry.future.cancel()

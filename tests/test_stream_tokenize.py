@@ -115,3 +115,13 @@ def test_a_prompt_that_fits_is_charged_exactly_as_before(rt: Runtime) -> None:
     # Forwarded: the prompt (exact count + chat overhead) + max_tokens was pre-charged.
     prompt = rt.encodings["cl100k_base"].count(["user", "hello " * 3000]).tokens + 3 + 3
     assert rt.metrics.child(rt.metrics.tokens_precharged, "a")._value.get() == prompt + 10
+
+
+def test_a_key_with_max_concurrency_prompts_waiting_to_be_counted_gets_429(rt: Runtime) -> None:
+    cap = rt.policy.limits(rt.policy.tenants["a"]).max_concurrency
+    for _ in range(cap):  # counts of this key already waiting in the fair scheduler
+        rt.token_pool.queue.push("a", object())  # type: ignore[arg-type]
+    status, reason, err = reason_of(asyncio.run(exchange(rt, HDR, chat("word " * 5000)))[-1])
+    assert (status, reason) == (429, "slots") and f"limit {cap}" in err["message"]
+    assert remaining(rt) == 12_000  # refused before counting: nothing charged
+    rt.token_pool.queue.clear()  # the stand-ins are not real waiters

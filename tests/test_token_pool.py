@@ -129,3 +129,21 @@ def test_the_pool_restarts_on_a_new_event_loop(n: int) -> None:
         got = asyncio.run(pool.count("a", counter.job(["word " * 5000])))
         assert got.tokens == counter.count(["word " * 5000]).tokens
     pool.close()
+
+
+def test_closing_the_pool_cancels_waiters_instead_of_leaving_them_hanging() -> None:
+    counter = Counter("cl100k_base")
+
+    async def scenario() -> None:
+        pool = TokenPool()
+        waiters = [asyncio.ensure_future(pool.count(t, counter.job([" " * (1 << 20)]))) for t in "abc"]
+        await asyncio.sleep(0)
+        pool.close()
+        done, pending = await asyncio.wait(waiters, timeout=5)
+        assert not pending and all(w.cancelled() for w in done)
+        q: FairQueue[int] = FairQueue()
+        q.push("x", 1)
+        q.push("y", 2)
+        assert q.clear() == [1, 2] and q.head() is None and len(q) == 0
+
+    asyncio.run(scenario())
