@@ -36,6 +36,7 @@ RESPONSE_HEADERS = frozenset({":status", "content-type"})
 # the counting is charged to the tenant's TPM budget (see _charge_refused).
 CHARGED_REFUSALS = frozenset({"context_length", "too_large_for_backend", "tpm_request_too_large",
                               "tokenizer_failed"})
+PROMPT_PARAM = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
 
 
 def api_key(headers: dict[str, str]) -> str | None:
@@ -244,7 +245,7 @@ class StreamProcessor:
         except TokenizerFailed as exc:
             self.prompt_tokens = min(req.fixed_tokens + estimate(req.texts), model.context_window + 1)
             raise Reject("tokenizer_failed", f"The prompt could not be tokenized: {exc}", code="tokenizer_failed",
-                         param="messages" if req.kind == "chat" else None) from None
+                         param=PROMPT_PARAM.get(req.kind)) from None
         self.prompt_exact = count.complete
         return count.tokens
 
