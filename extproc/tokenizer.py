@@ -180,42 +180,53 @@ class Counter:
 
 
 class CountJob:
-    """A count done one slice per ``step()``, so a scheduler can interleave jobs.
+    """A count done a slice at a time (``step()``), so a scheduler can interleave jobs.
 
-    Stops once the running total passes ``limit``: the result is then a lower bound
-    above the limit (``complete`` False), which is all a context-window check needs.
+    One step counts one slice, or several short texts (chat messages) together up to
+    ``SLICE_CHARS`` characters. Stops once the running total passes ``limit``: the
+    result is then a lower bound above the limit (``complete`` False), which is all a
+    context-window check needs.
     """
 
-    __slots__ = ("counter", "limit", "counted", "hard_cuts", "chars_done", "seconds", "_slices", "_done",
-                 "_complete")
+    __slots__ = ("counter", "limit", "counted", "hard_cuts", "chars_done", "seconds", "_slices", "_next",
+                 "_done", "_complete")
 
     def __init__(self, counter: Counter, texts: list[str], limit: int | None) -> None:
         self.counter, self.limit = counter, limit
         self.counted = self.hard_cuts = self.chars_done = 0
         self.seconds = 0.0
         self._slices = (piece for t in texts if t for piece in slices(t))
-        self._done = False
-        self._complete = False
+        self._next = next(self._slices, None)
+        self._done = self._complete = self._next is None
 
     def step(self) -> bool:
-        """Count the next slice; True when the job is finished."""
+        """Count the next slice (or run of short texts); True when the job is finished."""
         if self._done:
             return True
-        piece = next(self._slices, None)
-        if piece is None:
-            self._done = self._complete = True
-            return True
-        text, hard = piece
+        budget = SLICE_CHARS
         t0 = time.perf_counter()
         try:
-            self.counted += self.counter.count_piece(text)
+            while self._next is not None:
+                text, hard = self._next
+                # Up to 4 UTF-8 bytes a character: a step stays near SLICE_CHARS bytes.
+                cost = len(text) if text.isascii() else 4 * len(text)
+                if budget < SLICE_CHARS and cost > budget:
+                    break  # does not fit in what is left of this step: the next one
+                self.counted += self.counter.count_piece(text)
+                self.hard_cuts += hard
+                self.chars_done += len(text)
+                budget -= cost
+                self._next = next(self._slices, None)
+                if self.limit is not None and self.counted > self.limit:
+                    self._done = True
+                    self._complete = self._next is None
+                    return True
+                if budget <= 0:
+                    break
         finally:
             self.seconds += time.perf_counter() - t0
-        self.hard_cuts += hard
-        self.chars_done += len(text)
-        if self.limit is not None and self.counted > self.limit:
-            self._done = True
-            self._complete = next(self._slices, None) is None
+        if self._next is None:
+            self._done = self._complete = True
         return self._done
 
     def result(self) -> Count:

@@ -147,3 +147,15 @@ def test_closing_the_pool_cancels_waiters_instead_of_leaving_them_hanging() -> N
         assert q.clear() == [1, 2] and q.head() is None and len(q) == 0
 
     asyncio.run(scenario())
+
+
+def test_many_short_messages_are_counted_a_slice_per_step_not_one_each() -> None:
+    counter = Counter("cl100k_base")
+    texts = ["user", "a short message of a chat"] * 500  # 1,000 texts, ~14 KB
+    job = counter.job(texts)
+    steps = 1
+    while not job.step():
+        steps += 1
+    assert steps <= 3
+    assert job.result().tokens == sum(counter.count([t]).tokens for t in texts)
+    assert counter.job([]).step() and counter.job([""]).result().tokens == 0
