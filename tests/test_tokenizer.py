@@ -154,3 +154,18 @@ def test_special_tokens_are_counted_as_text() -> None:
 def test_estimate_for_failures() -> None:
     assert tokenizer.estimate(["abcd", "e"]) == 2
     assert tokenizer.estimate([]) == 0
+
+
+@pytest.mark.parametrize("name", ENCODINGS)
+def test_the_startup_probe_counts_are_tiktokens(name: str) -> None:
+    enc = tokens.get_encoding(name)
+    assert tokenizer.PROBE_COUNTS[name] == tuple(len(enc.encode_ordinary(p)) for p in tokenizer.PROBES)
+
+
+def test_a_fast_counter_that_disagrees_with_tiktoken_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(tokenizer.PROBE_COUNTS, "cl100k_base", (1, 2, 3, 4))
+    counter = Counter("cl100k_base")
+    assert counter.backend == "tiktoken"
+    assert counter.count(["hello world"]).tokens == 2
+    with pytest.raises(RuntimeError, match="bpe-openai cannot count"):
+        Counter("cl100k_base", backend="bpe")
