@@ -3,7 +3,7 @@
 
     python -m bench.run                      # everything, ~7 minutes on 2 cores
     python -m bench.run --quick              # shorter phases and runs, ~3 minutes
-    python -m bench.run --only headline      # or tpm, soak, overhead
+    python -m bench.run --only headline      # or tpm, soak, overhead, tokenizer
     python -m bench.run --only headline --configs ad
 
 Progress goes to stderr. The first run installs LiteLLM into ``bench/.litellm-venv``
@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-PARTS = ("headline", "tpm", "soak", "overhead")
+PARTS = ("headline", "tpm", "soak", "overhead", "tokenizer")
 
 
 def log(msg: str) -> None:
@@ -143,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
             timed("litellm latency", lat)
         else:
             sections.append(litellm_part(latency))
+    if "tokenizer" in parts:
+        def tokenizer_part() -> str:
+            from bench import tokenizer
+            from extproc.tokenizer import Counter
+            return tokenizer.markdown(tokenizer.run(reps=2 if args.quick else 3), Counter("cl100k_base").backend)
+        timed("tokenizer", tokenizer_part)
     total = time.monotonic() - started
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     head = [

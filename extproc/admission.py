@@ -162,6 +162,17 @@ class Admission:
         ticket.report_outcome(Outcome.CANCELLED, None, now)
 
     # -- budgets -------------------------------------------------------------------
+    def precheck(self, now: float) -> Verdict | None:
+        """The refusal, if the tenant cannot pay for even one token now: before any parsing or tokenizing."""
+        v = self.rt.state.peek(self.tenant.name, self.limits, 1, now)
+        if v.admitted:
+            return None
+        assert v.reason is not None
+        # Shadowed: let it through unrecorded; charge() decides and records it once.
+        if self.policy.shadowed(self.tier.name, "rpm" if v.reason == "rpm" else "tpm"):
+            return None
+        return v
+
     def charge(self, ticket: Ticket, cost: int, now: float) -> Verdict:
         scale = ticket.runtime.scale(now)
         v = self.rt.state.admit(self.tenant.name, self.limits, cost, now, scale=scale)

@@ -15,6 +15,7 @@ REASONS: dict[str, tuple[int, str]] = {
     "bad_request": (400, "invalid_request_error"),
     "context_length": (400, "invalid_request_error"),
     "too_large_for_backend": (400, "invalid_request_error"),
+    "tokenizer_failed": (400, "invalid_request_error"),
     "tpm": (429, "rate_limit_exceeded"),
     "tpm_request_too_large": (429, "rate_limit_exceeded"),
     "rpm": (429, "rate_limit_exceeded"),

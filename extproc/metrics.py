@@ -26,6 +26,11 @@ class Metrics:
                                        ["tenant"], registry=r)
         self.tokens_excess = Counter("sluice_tokens_excess", "Usage above the reservation, charged at settle.",
                                      ["tenant"], registry=r)
+        self.tokens_refused = Counter("sluice_tokens_charged_refused",
+                                      "Prompt tokens charged for requests refused after counting them.",
+                                      ["tenant", "reason"], registry=r)
+        self.tokenize_seconds = Counter("sluice_tokenize_seconds", "Time spent counting prompt tokens.",
+                                        ["tenant"], registry=r)
         self.bucket_tokens = Gauge("sluice_bucket_tokens_remaining", "Tokens left in a tenant's TPM bucket.",
                                    ["tenant"], registry=r)
         self.in_flight = Gauge("sluice_in_flight_requests", "Admitted requests not yet settled.", registry=r)

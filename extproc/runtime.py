@@ -7,40 +7,34 @@ mid-request never changes the rules a request was admitted under, and accounting
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import tiktoken
-
-from extproc import tokens
+from extproc import tokenizer
 from extproc.backends import BackendRuntime
 from extproc.metrics import Metrics
 from extproc.policy.gate import LocalState
 from extproc.policy.schema import Policy
 from extproc.policy.state import TokenState
+from extproc.token_pool import TokenPool
 
 log = logging.getLogger("sluice.runtime")
 
-# Below this many characters tokenizing costs less than a hop to a thread.
-OFFLOAD_CHARS = 16 * 1024
-SHORT_TEXT = 24
-SHORT_CACHE_ENTRIES = 4096
+# A prompt that fits in one slice is counted at once: it costs no more than one slice
+# of the fair scheduler, which is the most any stream waits for another's count.
+OFFLOAD_CHARS = tokenizer.SLICE_CHARS
 
 
 class Runtime:
-    def __init__(self, policy: Policy, *, clock: Callable[[], float] = time.monotonic,
-                 tokenize_threads: int = 2) -> None:
+    def __init__(self, policy: Policy, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.metrics = Metrics()
         self.state: TokenState = LocalState()
-        self.executor = ThreadPoolExecutor(tokenize_threads, thread_name_prefix="sluice-tokenize")
-        self.encodings: dict[str, tiktoken.Encoding] = {}
-        self._short_counts: dict[str, dict[str, int]] = {}
+        self.token_pool = TokenPool()
+        self.encodings: dict[str, tokenizer.Counter] = {}
         self.policy = policy
         self.etag = ""
         self.backends: dict[str, BackendRuntime] = {}
@@ -54,7 +48,7 @@ class Runtime:
     def _load_encodings(self, policy: Policy) -> None:
         for _, model in policy.by_model.values():
             if model.encoding not in self.encodings:
-                self.encodings[model.encoding] = tokens.get_encoding(model.encoding)
+                self.encodings[model.encoding] = tokenizer.Counter(model.encoding)
 
     def _sync_backends(self, policy: Policy) -> None:
         now = self.clock()
@@ -88,32 +82,33 @@ class Runtime:
         self.degradations[tenant][kind] += 1
 
     # -- tokenizing ------------------------------------------------------------------
+    async def count_prompt(self, encoding: str, texts: list[str], *, tenant: str = "-",
+                           limit: int | None = None) -> tokenizer.Count:
+        """Count ``texts``, stopping once past ``limit``; raises ``TokenizerFailed``.
+
+        Large prompts go through the fair scheduler, slice by slice, so one tenant's
+        flood of long prompts waits behind itself; the time is metered per tenant.
+        """
+        job = self.encodings[encoding].job(texts, limit)
+        try:
+            if sum(len(t) for t in texts) <= OFFLOAD_CHARS:
+                while not job.step():
+                    pass
+                return job.result()
+            return await self.token_pool.count(tenant, job)
+        finally:
+            self.metrics.child(self.metrics.tokenize_seconds, tenant).inc(job.seconds)
+
     async def count_tokens(self, encoding: str, texts: list[str]) -> int:
-        size = sum(len(t) for t in texts)
-        if size < OFFLOAD_CHARS:
-            return self.count_tokens_now(encoding, texts)
-        # tiktoken releases the GIL: a 128 KiB prompt costs ~7-30 ms, which other
-        # streams on the event loop must not wait for.
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self.count_tokens_now, encoding, texts)
+        return (await self.count_prompt(encoding, texts)).tokens
 
     def count_tokens_now(self, encoding: str, texts: list[str]) -> int:
         """For settle paths that cannot await (a stream being torn down)."""
-        enc = self.encodings[encoding]
-        short = self._short_counts.setdefault(encoding, {})
-        total = 0
-        for t in texts:
-            if len(t) <= SHORT_TEXT:
-                # Roles, names and tiny messages repeat on every request.
-                n = short.get(t)
-                if n is None:
-                    n = len(enc.encode_ordinary(t))
-                    if len(short) < SHORT_CACHE_ENTRIES:
-                        short[t] = n
-                total += n
-            else:
-                total += len(enc.encode_ordinary(t))
-        return total
+        try:
+            return self.encodings[encoding].count(texts).tokens
+        except tokenizer.TokenizerFailed as exc:
+            log.warning("counting a completion failed (%s); estimating 1 token per 4 characters", exc)
+            return tokenizer.estimate(texts)
 
     # -- status -----------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -136,7 +131,7 @@ class Runtime:
         return out
 
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.token_pool.close()
 
 
 def backend_status(be: BackendRuntime, now: float) -> dict[str, Any]:

@@ -27,12 +27,18 @@ from extproc.policy.schema import Limits, Model, Tenant
 from extproc.redact import redact_query
 from extproc.response import JSONTracker, SSETracker
 from extproc.runtime import Runtime
+from extproc.tokenizer import TokenizerFailed, estimate
 
 log = logging.getLogger("sluice.stream")
 
 KEY_HEADERS = ("authorization", "x-api-key")
 REQUEST_HEADERS = frozenset({":path", ":method", "content-length", *KEY_HEADERS})
 RESPONSE_HEADERS = frozenset({":status", "content-type"})
+# Refusals that come after the prompt was counted, for a reason retrying cannot fix:
+# the counting is charged to the tenant's TPM budget (see _charge_refused).
+CHARGED_REFUSALS = frozenset({"context_length", "too_large_for_backend", "tpm_request_too_large",
+                              "tokenizer_failed"})
+PROMPT_PARAM = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
 
 
 def api_key(headers: dict[str, str]) -> str | None:
@@ -64,6 +70,7 @@ class StreamProcessor:
         self.req: ParsedRequest | None = None
         self.ticket: Ticket | None = None
         self.prompt_tokens = 0
+        self.prompt_exact = True  # False: the count stopped past the context window
         self.reserved = 0
         self.admitted = False  # tokens are pre-charged and must be settled
         self.settled = False
@@ -111,6 +118,7 @@ class StreamProcessor:
     def reject(self, rej: Reject) -> pb.ProcessingResponse:
         # Anything held by a request refused after its pre-charge goes back first.
         self.settle("rejected")
+        self._charge_refused(rej.reason)
         status, etype = REASONS.get(rej.reason, (400, "invalid_request_error"))
         tenant = self.tenant.name if self.tenant else "-"
         m = self.rt.metrics
@@ -157,6 +165,8 @@ class StreamProcessor:
             raise Reject("body_too_large", f"Request body is {int(length)} bytes; the limit is {gw.max_body_bytes}.")
         if h.end_of_stream:
             raise Reject("bad_request", "Request body is required.", code="missing_body")
+        # A key that cannot pay for one token is refused before its body is even sent here.
+        self._precheck_budget(Admission(self.rt, self.policy, tenant, self.limits, self.peer))
         return msg.headers_response("request_headers", new_path)
 
     def _serve_models(self, served: tuple[bool, str | None], method: str) -> pb.ProcessingResponse:
@@ -204,7 +214,7 @@ class StreamProcessor:
                          param="model")
         backend, model = found
         self.req = req
-        prompt = req.fixed_tokens + await self.rt.count_tokens(model.encoding, req.texts)
+        prompt = req.fixed_tokens + await self._count_prompt(req, model)
         self.prompt_tokens = prompt
         completion = self._completion_budget(req, model, prompt)
 
@@ -241,6 +251,48 @@ class StreamProcessor:
         yield msg.body_response("request_body", new_body, set_headers, remove, clear_route_cache=True,
                                 metadata={msg.METADATA_NAMESPACE: out_headers})
 
+    def _precheck_budget(self, adm: Admission) -> None:
+        """A tenant that cannot pay for one token is refused before its body is read or tokenized."""
+        assert self.limits is not None
+        v = adm.precheck(self.rt.clock())
+        if v is None:
+            return
+        assert v.reason is not None
+        extra = ratelimit_headers(v.tokens, v.requests)
+        if math.isfinite(v.retry_after_s):
+            extra.update(retry_after_headers(v.retry_after_s))
+        message = v.message if v.reason == "rpm" else (
+            f"Rate limit reached: {self.limits.tpm} tokens per minute, and this key's token budget is spent "
+            "(prompts refused after counting are charged too).")
+        raise Reject(v.reason, message, code="rate_limit_exceeded", headers=extra)
+
+    async def _count_prompt(self, req: ParsedRequest, model: Model) -> int:
+        """Prompt tokens, counted fairly across tenants; stops past the context window."""
+        assert self.tenant is not None and self.limits is not None
+        # Past the window the request is refused whatever the exact number, so the
+        # count stops there: the work per request is bounded by the window.
+        limit = max(0, model.context_window - req.fixed_tokens)
+        if self.rt.token_pool.pending(self.tenant.name) >= self.limits.max_concurrency:
+            raise Reject("slots", f"Too many concurrent requests for this key (limit {self.limits.max_concurrency}).",
+                         code="rate_limit_exceeded", headers=retry_after_headers(1))
+        try:
+            count = await self.rt.count_prompt(model.encoding, req.texts, tenant=self.tenant.name, limit=limit)
+        except TokenizerFailed as exc:
+            self.prompt_tokens = min(req.fixed_tokens + estimate(req.texts), model.context_window + 1)
+            raise Reject("tokenizer_failed", f"The prompt could not be tokenized: {exc}", code="tokenizer_failed",
+                         param=PROMPT_PARAM.get(req.kind)) from None
+        self.prompt_exact = count.complete
+        return count.tokens
+
+    def _charge_refused(self, reason: str) -> None:
+        """A prompt refused after it was counted is paid for: its counted tokens, as spent."""
+        if reason not in CHARGED_REFUSALS or self.prompt_tokens <= 0 or self.tenant is None or self.limits is None:
+            return
+        tokens, self.prompt_tokens = self.prompt_tokens, 0
+        self.rt.state.spend(self.tenant.name, self.limits, tokens, self.rt.clock())
+        m = self.rt.metrics
+        m.child(m.tokens_refused, self.tenant.name, reason).inc(tokens)
+
     def _count_admission(self, ticket: Ticket, cost: int) -> None:
         assert self.tenant is not None and ticket.verdict is not None
         m = self.rt.metrics
@@ -262,16 +314,18 @@ class StreamProcessor:
         param = "input" if req.kind == "responses" else "messages"
         if req.max_tokens is not None:
             if prompt + req.max_tokens > window:
+                more = "" if self.prompt_exact else "more than "
                 raise Reject("context_length",
                              f"This model's maximum context length is {window} tokens. However, you requested "
-                             f"{prompt + req.max_tokens} tokens ({prompt} in the messages, {req.max_tokens} in "
+                             f"{more}{prompt + req.max_tokens} tokens ({more}{prompt} in the messages, {req.max_tokens} in "
                              "the completion). Please reduce the length of the messages or completion.",
                              code="context_length_exceeded", param=param)
             return req.max_tokens
         if prompt >= window:
             raise Reject("context_length",
                          f"This model's maximum context length is {window} tokens. However, your messages "
-                         f"resulted in {prompt} tokens. Please reduce the length of the messages.",
+                         f"resulted in {'more than ' if not self.prompt_exact else ''}{prompt if self.prompt_exact else window} "
+                         "tokens. Please reduce the length of the messages.",
                          code="context_length_exceeded", param=param)
         default = model.default_max_tokens or self.policy.gateway.default_max_tokens
         # The client asked for no particular length: reserve what fits, never reject for it.

@@ -198,3 +198,28 @@ def test_ledger_balanced_after_any_sequence(make_state: type[TokenState], seq: l
         s.settle(tenant, reserved, reserved, now)
     assert s.in_flight == 0 and s.ledger.outstanding == 0
     assert s.ledger.precharged + s.ledger.excess == s.ledger.charged + s.ledger.refunded
+
+
+def test_peek_says_what_admit_would_and_charges_nothing(make_state: type[TokenState]) -> None:
+    s = make_state()
+    assert s.peek("a", LIM, 1, now=0.0).admitted
+    assert s.admit("a", LIM, 600, now=0.0).admitted
+    v = s.peek("a", LIM, 1, now=0.0)
+    assert not v.admitted and v.reason == "tpm"
+    assert math.isclose(v.retry_after_s, 0.1)  # 1 token at 10/s
+    assert s.peek("a", LIM, 1, now=0.1).admitted
+    tokens, requests = s.view("a", LIM, now=0.1)
+    assert (tokens.remaining, requests.remaining) == (1, 59)  # peeks used neither bucket
+    assert s.in_flight == 1 and s.ledger.precharged == 600
+
+
+def test_spend_charges_work_on_a_refused_prompt_into_debt(make_state: type[TokenState]) -> None:
+    s = make_state()
+    s.spend("a", LIM, 4100, now=0.0)
+    tokens, requests = s.view("a", LIM, now=0.0)
+    assert tokens.remaining == 0 and requests.remaining == 60  # no request used
+    v = s.peek("a", LIM, 1, now=0.0)
+    assert not v.admitted and v.reason == "tpm"
+    assert math.isclose(v.retry_after_s, (4100 - 600 + 1) / 10)  # the debt is repaid first
+    assert s.in_flight == 0
+    assert s.ledger.charged == 4100 and s.ledger.outstanding == 0 and s.ledger.balanced()

@@ -1,8 +1,8 @@
 """Per-tenant TPM/RPM admission with pre-charge and settle: the state seam.
 
 ``LocalState`` keeps every tenant's buckets in this process. A shared store for
-many replicas implements the same four methods (``admit``, ``settle``, ``view``,
-``reconfigure``) atomically on its side; nothing above this seam changes.
+many replicas implements the same methods (``admit``, ``peek``, ``spend``, ``settle``,
+``view``, ``reconfigure``) atomically on its side; nothing above this seam changes.
 Pure: callers pass ``now``.
 """
 
@@ -94,6 +94,32 @@ class LocalState:
             b.rpm.settle(0, 1, now)
             b.tpm.settle(0, cost, now)
             return self._admitted(b, limits, cost, now)
+        refused = self._refusal(b, limits, cost, now)
+        if refused is not None:
+            return refused
+        b.rpm.try_charge(1, now)
+        b.tpm.try_charge(cost, now)
+        return self._admitted(b, limits, cost, now)
+
+    def peek(self, tenant: str, limits: Limits, cost: int, now: float) -> Verdict:
+        """What ``admit`` would say for ``cost``, charging nothing (a refusal before any work)."""
+        b = self._buckets(tenant, limits, now)
+        refused = self._refusal(b, limits, cost, now)
+        if refused is not None:
+            return refused
+        return Verdict(True, _view(b.tpm, limits.tpm, now), _view(b.rpm, limits.rpm, now))
+
+    def spend(self, tenant: str, limits: Limits, tokens: int, now: float) -> None:
+        """Charge ``tokens`` as used, without a request: the work done on a refused prompt.
+
+        May leave the bucket in debt. In the ledger it is a pre-charge settled at once.
+        """
+        b = self._buckets(tenant, limits, now)
+        b.tpm.settle(0, tokens, now)
+        self.ledger.record_precharge(tokens)
+        self.ledger.record_settle(tokens, tokens)
+
+    def _refusal(self, b: _TenantBuckets, limits: Limits, cost: int, now: float) -> Verdict | None:
         if cost > b.tpm.capacity:
             tv, rv = _view(b.tpm, limits.tpm, now), _view(b.rpm, limits.rpm, now)
             return Verdict(False, tv, rv, "tpm_request_too_large",
@@ -111,9 +137,7 @@ class LocalState:
             return Verdict(False, tv, rv, "tpm",
                            f"Rate limit reached: {limits.tpm} tokens per minute; this request needs {cost}.",
                            tpm_wait)
-        b.rpm.try_charge(1, now)
-        b.tpm.try_charge(cost, now)
-        return self._admitted(b, limits, cost, now)
+        return None
 
     def _admitted(self, b: _TenantBuckets, limits: Limits, cost: int, now: float) -> Verdict:
         self.ledger.record_precharge(cost)
