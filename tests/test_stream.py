@@ -240,5 +240,8 @@ def test_a_responses_api_prompt_over_the_window_names_input() -> None:
     assert out.immediate_response.status.code == 400
     err = json.loads(out.immediate_response.body)["error"]
     assert (err["code"], err["param"]) == ("context_length_exceeded", "input")
-    assert rt.status()["ledger"]["precharged"] == 0
+    # A refused prompt pays for its counting (the prompt's tokens, spent), and holds nothing.
+    ledger = rt.status()["ledger"]
+    assert ledger["outstanding"] == 0 and ledger["balanced"], ledger
+    assert ledger["charged"] == ledger["precharged"] > 0, ledger
     rt.close()
