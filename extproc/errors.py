@@ -22,6 +22,7 @@ REASONS: dict[str, tuple[int, str]] = {
     "queue_timeout": (503, "server_error"),
     "breaker_open": (503, "server_error"),
     "overloaded": (503, "server_error"),
+    "state_store_down": (503, "server_error"),
     "internal": (500, "server_error"),
 }
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -20,9 +22,9 @@ import tiktoken
 from extproc import tokens
 from extproc.backends import BackendRuntime
 from extproc.metrics import Metrics
-from extproc.policy.gate import LocalState
 from extproc.policy.schema import Policy
 from extproc.policy.state import TokenState
+from extproc.store import open_state, state_url
 
 log = logging.getLogger("sluice.runtime")
 
@@ -34,10 +36,13 @@ SHORT_CACHE_ENTRIES = 4096
 
 class Runtime:
     def __init__(self, policy: Policy, *, clock: Callable[[], float] = time.monotonic,
-                 tokenize_threads: int = 2) -> None:
+                 tokenize_threads: int = 2, replica_id: str | None = None) -> None:
         self.clock = clock
         self.metrics = Metrics()
-        self.state: TokenState = LocalState()
+        self.replica_id = replica_id or f"{socket.gethostname()}-{os.getpid()}"
+        # gateway.state (or $SLUICE_REDIS_URL) is read once: a store is not swapped live.
+        self.state_url = state_url(policy.gateway)
+        self.state: TokenState = open_state(policy.gateway, self.replica_id, self.metrics.state_store_up.set)
         self.executor = ThreadPoolExecutor(tokenize_threads, thread_name_prefix="sluice-tokenize")
         self.encodings: dict[str, tiktoken.Encoding] = {}
         self._short_counts: dict[str, dict[str, int]] = {}
@@ -69,7 +74,14 @@ class Runtime:
         for name in [n for n in self.backends if n not in {b.name for b in policy.backends}]:
             del self.backends[name]
 
+    @property
+    def shared_state(self) -> bool:
+        """True when limits are kept in a store shared by every replica (not in this process)."""
+        return bool(getattr(self.state, "shared", False))
+
     def swap(self, policy: Policy, etag: str = "") -> None:
+        if state_url(policy.gateway) != self.state_url:
+            log.warning("gateway.state changed to %r: restart extproc to move state there", policy.gateway.state)
         self._load_encodings(policy)
         self._sync_backends(policy)
         self.policy = policy
@@ -137,6 +149,9 @@ class Runtime:
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        closer = getattr(self.state, "close", None)
+        if closer is not None:
+            closer()  # a shared store gets its leases back
 
 
 def backend_status(be: BackendRuntime, now: float) -> dict[str, Any]:

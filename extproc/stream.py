@@ -21,7 +21,7 @@ from extproc.errors import REASONS, error_body, format_duration, retry_after_hea
 from extproc.openai_body import BadRequest, ParsedRequest, parse_request, path_kind, upstream_body
 from extproc.peer import PeerStream
 from extproc.policy.breaker import outcome_for_status
-from extproc.policy.gate import RateView
+from extproc.policy.gate import RateView, Verdict
 from extproc.policy.schema import Limits, Model, Tenant
 from extproc.response import JSONTracker, SSETracker
 from extproc.runtime import Runtime
@@ -179,6 +179,8 @@ class StreamProcessor:
         self.ticket = ticket
         cost = prompt + req.n * ticket.completion
         verdict = adm.charge(ticket, cost, now)
+        if not isinstance(verdict, Verdict):
+            verdict = await verdict  # a shared store's lease was short: one round trip
         if not verdict.admitted:
             assert verdict.reason is not None
             extra = ratelimit_headers(verdict.tokens, verdict.requests)

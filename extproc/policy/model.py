@@ -29,6 +29,10 @@ class Gateway:
     message_timeout_ms: int = 5000
     image_token_estimate: int = 765
     shadow: tuple[str, ...] = ()
+    # Where TPM/RPM buckets live: "memory" (this process) or a Redis URL shared by
+    # every replica. $SLUICE_REDIS_URL, when set, wins (a deployment detail).
+    state: str = "memory"
+    state_fail_closed: bool = False  # Redis unreachable: refuse instead of a local share
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,20 @@ def _gateway(r: Reader, doc: Any) -> Gateway:
         message_timeout_ms=r.get(m, path, "message_timeout_ms", int, d.message_timeout_ms, minimum=100),
         image_token_estimate=r.get(m, path, "image_token_estimate", int, d.image_token_estimate, minimum=0),
         shadow=_shadow(r, m, path),
+        state=_state(r, m, path),
+        state_fail_closed=r.get(m, path, "state_fail_closed", bool, d.state_fail_closed),
     )
+
+
+STATE_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def _state(r: Reader, m: Mapping[str, Any], path: Path) -> str:
+    v = r.get(m, path, "state", str, "memory")
+    if v != "memory" and not v.startswith(STATE_SCHEMES):
+        r.fail((*path, "state"), f"expected memory or a Redis URL ({', '.join(STATE_SCHEMES)}), got {v!r}")
+        return "memory"
+    return v
 
 
 def _metric_names(r: Reader, m: Mapping[str, Any], path: Path) -> dict[str, tuple[str, ...]]:
