@@ -1,6 +1,7 @@
 """A real ``redis-server`` (Debian package) per test module, on a random port.
 
-Import the fixture where it is used: ``from tests.redis_server import redis_server``.
+Import the fixtures where they are used (``from tests.redis_server import
+redis_server_fixture``); the fixture's name is ``redis_server``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from extproc.policy.model import Limits
 from extproc.store.redis_state import RedisState, connect
 
 
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+@pytest.fixture(scope="module", name="redis_server")
+def redis_server_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     try:
         yield server
@@ -86,8 +87,8 @@ class SyncRedisState:
         return self.inner.snapshot(now)
 
 
-@pytest.fixture(scope="module")
-def redis_state_factory(redis_server: RedisServer) -> Iterator[Callable[[], SyncRedisState]]:
+@pytest.fixture(scope="module", name="redis_state_factory")
+def redis_state_factory_fixture(redis_server: RedisServer) -> Iterator[Callable[[], SyncRedisState]]:
     """Makes SyncRedisStates on one server, each under its own key prefix (its own buckets)."""
     loop = asyncio.new_event_loop()
     client = connect(redis_server.url, socket_timeout_s=5.0)

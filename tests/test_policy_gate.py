@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from extproc.policy.schema import Limits
 from extproc.policy.state import STATE_IMPLEMENTATIONS, TokenState
-from tests.redis_server import redis_server, redis_state_factory  # noqa: F401 - fixtures
+from tests.redis_server import redis_server_fixture, redis_state_factory_fixture  # noqa: F401 - fixtures
 
 # Every implementation of the state seam passes the same suite: the in-process ones,
 # and the Redis one (it does I/O, so extproc.policy cannot list it).

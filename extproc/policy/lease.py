@@ -111,14 +111,13 @@ class TenantLease:
 def local_share(lease: TenantLease, limits: Limits, replicas: int, now: float) -> tuple[TokenBucket, TokenBucket]:
     """This replica's buckets while the store is unreachable: 1/replicas of the contract.
 
-    They start from the last level the store reported (outside every lease, so other
-    replicas' unspent leases are already taken out), split the same way, and refill at
-    1/replicas of the rate: together the replicas stay within the one bucket. A tenant
-    this replica never saw in the store starts empty.
+    They start empty and refill at 1/replicas of the rate, so the replicas together
+    stay within the rate whatever the bucket held; the burst is what each still holds
+    in its unexpired lease (already taken out of the shared bucket). Starting empty also
+    bounds what a false alarm (a slow answer, the others still on Redis) can add: the
+    rate / replicas for as long as it lasts.
     """
     n = max(1, replicas)
-    t0 = max(0.0, lease.estimate_t(now)) / n if lease.level_t is not None else 0.0
-    r0 = max(0.0, lease.estimate_r(now)) / n if lease.level_r is not None else 0.0
-    tb = TokenBucket(limits.burst_tokens / n, limits.tpm * lease.scale / 60.0 / n, now, level=t0)
-    rb = TokenBucket(limits.rpm / n, limits.rpm / 60.0 / n, now, level=r0)
+    tb = TokenBucket(limits.burst_tokens / n, limits.tpm * lease.scale / 60.0 / n, now, level=0.0)
+    rb = TokenBucket(limits.rpm / n, limits.rpm / 60.0 / n, now, level=0.0)
     return tb, rb

@@ -64,7 +64,7 @@ class RedisState:
     def __init__(self, url: str | None = None, *, client: aioredis.Redis | None = None, replica_id: str,
                  prefix: str = "sluice", caller_clock: bool = False, background: bool = True,
                  lease_ttl_s: float = 5.0, flush_s: float = 0.05, registry_ttl_s: float = 10.0,
-                 admit_wait_s: float = 0.008, socket_timeout_s: float = 0.1, probe_s: float = 0.2,
+                 admit_wait_s: float = 0.008, socket_timeout_s: float = 0.1, probe_s: float = 0.05,
                  slice_fraction: float = 0.1, holder_grace_s: float = 3600.0, fail_closed: bool = False,
                  on_store_up: Callable[[bool], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -76,7 +76,7 @@ class RedisState:
         self.caller_clock, self.background = caller_clock, background
         self.lease_ttl_s, self.flush_s, self.admit_wait_s = lease_ttl_s, flush_s, admit_wait_s
         self.probe_s, self.slice_fraction, self.holder_grace_s = probe_s, slice_fraction, holder_grace_s
-        self.fail_closed, self.clock = fail_closed, clock
+        self.fail_closed, self.clock, self.socket_timeout_s = fail_closed, clock, socket_timeout_s
         self._on_store_up = on_store_up or (lambda up: None)
         self.ledger = Ledger()
         self.in_flight = 0
@@ -233,7 +233,7 @@ class RedisState:
                 repr(ls.credit), repr(ls.debit), repr(ls.debit_r), repr(c0), repr(d0), repr(r0),
                 repr(ls.headroom(lim, scale)), repr(self.lease_ttl_s), str(self.registry.live),
                 str(cap_t), str(cap_r), "1" if want else "0", repr(self.holder_grace_s),
-                *(str(c) for c in costs)]
+                repr(ls.estimate_t(now)), repr(ls.estimate_r(now)), *(str(c) for c in costs)]
 
     def _begin(self, tenant: str, ls: TenantLease, now: float) -> None:
         """Send one exchange carrying every request of this tenant waiting now."""
@@ -249,20 +249,26 @@ class RedisState:
         loop = asyncio.get_running_loop()
         task = loop.create_task(self._exchange(tenant, ls, args, waiters, sent, now))
         ls.inflight = task
-        watchdog = loop.call_later(self.admit_wait_s, self._overdue, ls, task, waiters)
+        self._arm(loop, ls, task, waiters, loop.time() + self.admit_wait_s)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, ls: TenantLease, task: asyncio.Task[None],
+             waiters: list[tuple[int, Any]], due: float) -> None:
+        watchdog = loop.call_at(due, self._overdue, loop, ls, task, waiters, due)
         task.add_done_callback(lambda _: watchdog.cancel())
 
     async def _exchange(self, tenant: str, ls: TenantLease, args: list[str], waiters: list[tuple[int, Any]],
                         sent: tuple[float, float, float], now: float) -> None:
         try:
-            reply = await self._script(keys=[f"{self.prefix}:tb:{tenant}"], args=args)
+            reply = await self._script(keys=[f"{self.prefix}:tb:{tenant}", self.registry.keys[0]], args=args)
         except STORE_ERRORS as exc:
             ls.inflight = None
             self._trip(f"{type(exc).__name__}: {exc}")
             self._release(ls, waiters)
             return
         ls.inflight = None
+        self._answered()
         tl, rl, g, q = (_f(x) for x in reply[:4])
+        self.registry.observe(int(_f(reply[4])), self.clock())
         ls.level_t, ls.level_r, ls.seen_at = tl, rl, now
         ls.granted_t, ls.granted_r = g, q
         ls.sent = sent
@@ -271,21 +277,40 @@ class RedisState:
         for i, (cost, fut) in enumerate(waiters):
             tw, rw = _f(reply[5 + 2 * i]), _f(reply[6 + 2 * i])
             if tw == 0 and rw == 0:
-                if fut.done():
-                    continue  # the request left (or fell back): its grant stays in the lease
+                # Redis counts what it admitted as spent at once (only the slice is a lease).
                 ls.spent_t += cost
                 ls.spent_r += 1
-                fut.set_result(ADMITTED)
+                if fut.done():
+                    ls.credit += cost  # the request left (or fell back): its tokens go back as a refund
+                else:
+                    fut.set_result(ADMITTED)
             elif not fut.done():
                 fut.set_result((tw, rw))
         ls.last_slice = ls.lease_t
         if ls.waiters and self.up:
             self._begin(tenant, ls, self.clock() if not self.caller_clock else now)
 
-    def _overdue(self, ls: TenantLease, task: asyncio.Task[None], waiters: list[tuple[int, Any]]) -> None:
-        if not task.done():
-            self._trip(f"no answer within {self.admit_wait_s * 1000:.0f} ms")
-            self._release(ls, waiters)
+    def _overdue(self, loop: asyncio.AbstractEventLoop, ls: TenantLease, task: asyncio.Task[None],
+                 waiters: list[tuple[int, Any]], due: float, rechecks: int = 0) -> None:
+        if task.done():
+            return
+        lag = loop.time() - due
+        if lag > self.admit_wait_s / 4 and rechecks < 4:
+            # This loop was busy, not Redis slow: a reply may be read and not yet handled.
+            self._arm_recheck(loop, ls, task, waiters, rechecks)
+            return
+        if rechecks == 0:
+            # One more turn of the loop: a reply read in this turn wakes its task in the next.
+            loop.call_soon(self._overdue, loop, ls, task, waiters, loop.time(), 4)
+            return
+        self._trip(f"no answer within {self.admit_wait_s * 1000:.0f} ms")
+        self._release(ls, waiters)
+
+    def _arm_recheck(self, loop: asyncio.AbstractEventLoop, ls: TenantLease, task: asyncio.Task[None],
+                     waiters: list[tuple[int, Any]], rechecks: int) -> None:
+        due = loop.time() + self.admit_wait_s / 4
+        watchdog = loop.call_at(due, self._overdue, loop, ls, task, waiters, due, rechecks + 1)
+        task.add_done_callback(lambda _: watchdog.cancel())
 
     def _release(self, ls: TenantLease, carried: list[tuple[int, Any]]) -> None:
         waiting, ls.waiters = ls.waiters, []
@@ -302,16 +327,29 @@ class RedisState:
         for ls in self._tenants.values():
             self._release(ls, [])
 
+    def _answered(self) -> None:
+        """Redis answered: close the store's breaker (a slow answer ends a false alarm at once)."""
+        if not self.up:
+            self.up = True
+            log.warning("state store reachable again: reconciling local charges")
+            self._on_store_up(True)
+            self._poke()
+
     async def _beat(self, now: float) -> None:
         fenced = await self.registry.beat(self.client, repr(now) if self.caller_clock else "", self.clock())
         if fenced:
             for ls in self._tenants.values():  # what the old member held is gone
                 ls.granted_t, ls.granted_r = ls.spent_t, ls.spent_r
 
+    async def _first_contact(self, now: float) -> None:
+        await self._beat(now)
+        await self.client.script_load(EXCHANGE)  # so no exchange pays for compiling it
+
     async def _registered(self, now: float) -> bool:
         if self._register is None or self._register.done():
-            self._register = asyncio.get_running_loop().create_task(self._beat(now))
-        done, _ = await asyncio.wait({self._register}, timeout=self.admit_wait_s)
+            self._register = asyncio.get_running_loop().create_task(self._first_contact(now))
+        # The first contact connects and loads the script: allow it the socket timeout.
+        done, _ = await asyncio.wait({self._register}, timeout=max(self.admit_wait_s, 3 * self.socket_timeout_s))
         if not done or self._register.exception() is not None:
             self._trip("registration failed" if done else "registration timed out")
             return False
@@ -336,16 +374,15 @@ class RedisState:
         assert self._wake is not None
         while not self._closing:
             now = self.clock()
-            if self.up and self.registry.due(now) or not self.up and now >= self._probe_at:
+            if not self.registry.member:
+                await self._registered(now)  # shared with a request that may be registering too
+            elif self.up and self.registry.due(now) or not self.up and now >= self._probe_at:
                 try:
                     await asyncio.wait_for(self._beat(now), timeout=max(self.probe_s, 0.05))
                 except STORE_ERRORS as exc:
                     self._trip(f"heartbeat: {type(exc).__name__}: {exc}")
                 else:
-                    if not self.up:
-                        self.up = True
-                        log.warning("state store reachable again: reconciling local charges")
-                        self._on_store_up(True)
+                    self._answered()
             if self.up:
                 await self.sync(self.clock(), only_due=True)
             self._wake.clear()
@@ -400,7 +437,8 @@ class RedisState:
             now = self.clock()
             for name, ls in self._tenants.items():
                 if ls.inflight is None and (ls.lease_t > 0 or ls.dirty()):
-                    script(keys=[f"{self.prefix}:tb:{name}"], args=self._args(ls, now, [], want=False))
+                    script(keys=[f"{self.prefix}:tb:{name}", self.registry.keys[0]],
+                           args=self._args(ls, now, [], want=False))
             c.zrem(self.registry.keys[0], self.registry.member)
             c.close()
         except (redis.RedisError, OSError) as exc:

@@ -40,13 +40,18 @@ class Registry:
         self.member = member.decode() if isinstance(member, bytes) else str(member)
         self.live = max(1, int(live))
         self.beat_at = now
+        self.observe(self.live, now)
+        if int(fenced):
+            log.warning("state store: replica %s was fenced (its registration expired or Redis lost it); "
+                        "registered again as %s", self.replica_id, self.member)
+        return bool(int(fenced))
+
+    def observe(self, live: int, now: float) -> None:
+        """A live count that came back with an exchange."""
+        self.live = max(1, live)
         self._seen.append((now, self.live))
         while self._seen and self._seen[0][0] < now - self.ttl_s:
             self._seen.popleft()
-        if int(fenced):
-            log.warning("state store: replica %s was fenced (heartbeat missed for %.0fs); registered again as %s",
-                        self.replica_id, self.ttl_s, self.member)
-        return bool(int(fenced))
 
     def most_seen(self, now: float) -> int | None:
         """The largest replica count seen in the last ttl (None before the first heartbeat)."""

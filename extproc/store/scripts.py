@@ -8,11 +8,13 @@ Redis is truncated to an integer.
 
 from __future__ import annotations
 
-# KEYS[1]: the tenant's bucket hash. Bucket fields: tl/rl (token/request level),
+# KEYS[1]: the tenant's bucket hash, KEYS[2]: the replica registry (its live count
+# comes back with every answer, so slices and local shares use a fresh one). Bucket fields: tl/rl (token/request level),
 # ts (time of the levels), tc/tr and rc/rr (capacity and refill rate per second).
 # Per holder h (replica id and epoch): g/q (tokens/requests granted, cumulative),
 # s/u (spent from those, as h last reported), c/d/v (credit, token debit, request
-# debit applied, cumulative), e (lease deadline), x (last seen).
+# debit applied, cumulative), e (lease deadline), x (last seen). What an exchange
+# admits is spent by the holder at once (s/u include it); only the slice is a lease.
 #
 # Cumulative counters make a retry harmless: a reply lost to a timeout leaves Redis
 # ahead of the holder, and the next exchange, sent with the same counters, applies
@@ -29,26 +31,34 @@ local cred, deb, debr = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11]
 local cbase, dbase, rbase = tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14])
 local headroom, ttl, live = tonumber(ARGV[15]), tonumber(ARGV[16]), math.max(1, tonumber(ARGV[17]))
 local cap_t, cap_r, want, grace = tonumber(ARGV[18]), tonumber(ARGV[19]), ARGV[20] == '1', tonumber(ARGV[21])
-local FIRST_COST = 22
+-- A bucket Redis does not have starts from the caller's estimate: full for a new
+-- tenant, the last level it saw (refilled since) when Redis restarted empty.
+local init_t, init_r = tonumber(ARGV[22]), tonumber(ARGV[23])
+local FIRST_COST = 24
 
 local raw = redis.call('HGETALL', KEYS[1])
 local f = {}
 for i = 1, #raw, 2 do f[raw[i]] = raw[i + 1] end
 local function num(k, d) local v = f[k]; if v == nil then return d end; return tonumber(v) end
 
--- Other holders' live leases are tokens already taken out of the level: the level
--- may refill only up to capacity minus them. Expired leases count as spent.
-local out_t, out_r = 0, 0
+-- Leases are tokens already taken out of the level: level + every live lease <=
+-- capacity. Unspent is what each holder last reported; expired leases count as spent.
+-- The refill since ts is capped by the room as it was then (leases live at ts, spent
+-- as last reported): what a holder spent since, Redis learns now, so the room it
+-- frees refills from now on, never retroactively.
+local ts = num('ts', now)
+local out_t, out_r, held_t, held_r = 0, 0, 0, 0
 for k, v in pairs(f) do
   if string.sub(k, 1, 2) == 'x:' then
     local o = string.sub(k, 3)
-    if o ~= h then
-      if tonumber(v) + grace < now then
-        redis.call('HDEL', KEYS[1], 'g:'..o, 'q:'..o, 's:'..o, 'u:'..o, 'c:'..o, 'd:'..o, 'v:'..o, 'e:'..o, 'x:'..o)
-      elseif num('e:'..o, 0) > now then
-        out_t = out_t + math.max(0, num('g:'..o, 0) - num('s:'..o, 0))
-        out_r = out_r + math.max(0, num('q:'..o, 0) - num('u:'..o, 0))
-      end
+    local e = num('e:'..o, 0)
+    if o ~= h and tonumber(v) + grace < now then
+      redis.call('HDEL', KEYS[1], 'g:'..o, 'q:'..o, 's:'..o, 'u:'..o, 'c:'..o, 'd:'..o, 'v:'..o, 'e:'..o, 'x:'..o)
+    elseif e > ts then
+      local ut = math.max(0, num('g:'..o, 0) - num('s:'..o, 0))
+      local ur = math.max(0, num('q:'..o, 0) - num('u:'..o, 0))
+      held_t, held_r = held_t + ut, held_r + ur
+      if o ~= h and e > now then out_t, out_r = out_t + ut, out_r + ur end
     end
   end
 end
@@ -59,15 +69,15 @@ if num('e:'..h, 0) > now then
 end
 
 -- Refill at the stored rate up to now, then take the new capacity and rate.
-local tl, rl = num('tl', tc), num('rl', rc)
-local dt = math.max(0, now - num('ts', now))
+local tl, rl = num('tl', math.min(tc, init_t)), num('rl', math.min(rc, init_r))
+local dt = math.max(0, now - ts)
 local function refill(level, cap, rate, held)
   local room = cap - held
   if level >= room then return level end
   return math.min(room, level + rate * dt)
 end
-tl = refill(tl, num('tc', tc), num('tr', trate), out_t + mine_t)
-rl = refill(rl, num('rc', rc), num('rr', rrate), out_r + mine_r)
+tl = refill(tl, num('tc', tc), num('tr', trate), held_t)
+rl = refill(rl, num('rc', rc), num('rr', rrate), held_r)
 -- This holder's unspent lease comes back; the level is clamped to the (new) room.
 tl = math.min(tc - out_t, tl + mine_t)
 rl = math.min(rc - out_r, rl + mine_r)
@@ -105,13 +115,14 @@ end
 local function fmt(x) return string.format('%.17g', x) end
 redis.call('HSET', KEYS[1], 'tl', fmt(tl), 'rl', fmt(rl), 'ts', fmt(math.max(num('ts', now), now)),
   'tc', fmt(tc), 'tr', fmt(trate), 'rc', fmt(rc), 'rr', fmt(rrate),
-  'g:'..h, fmt(st + gt + slt), 'q:'..h, fmt(sr + gr + slr), 's:'..h, fmt(st), 'u:'..h, fmt(sr),
+  'g:'..h, fmt(st + gt + slt), 'q:'..h, fmt(sr + gr + slr), 's:'..h, fmt(st + gt), 'u:'..h, fmt(sr + gr),
   'c:'..h, fmt(cred), 'd:'..h, fmt(deb), 'v:'..h, fmt(debr), 'e:'..h, fmt(now + ttl), 'x:'..h, fmt(now))
 local full = ttl
 if tl < tc then full = math.max(full, (tc - tl) / math.max(trate, 1e-6)) end
 if rl < rc then full = math.max(full, (rc - rl) / math.max(rrate, 1e-6)) end
 redis.call('PEXPIRE', KEYS[1], math.ceil(math.min(full + 60, 604800) * 1000))
-local out = {fmt(tl), fmt(rl), fmt(st + gt + slt), fmt(sr + gr + slr), fmt(now)}
+local alive = redis.call('ZCOUNT', KEYS[2], '(' .. fmt(now), '+inf')
+local out = {fmt(tl), fmt(rl), fmt(st + gt + slt), fmt(sr + gr + slr), tostring(alive)}
 for i = 1, #res do out[#out + 1] = res[i] end
 return out
 """

@@ -1,0 +1,276 @@
+"""RedisState across replicas on a real redis-server: leases, accuracy, outages, config.
+
+Time here is real (Redis ``TIME``), scaled down: small budgets, windows of seconds.
+Several RedisState instances in one process are the replicas (each its own
+connection, replica id and lease); tests/test_policy_gate.py runs the bucket rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from bench.redis_server import RedisServer
+from extproc.policy.gate import LocalState, Verdict
+from extproc.policy.schema import Limits, PolicyError, build_policy
+from extproc.runtime import Runtime
+from extproc.store import ENV_URL
+from extproc.store.redis_state import RedisState
+from tests.redis_server import redis_server_fixture  # noqa: F401 - the redis_server fixture
+
+BURST, TPM = 1000, 60_000  # 1000 tokens/s, a bucket of one second
+LIM = Limits(tpm=TPM, rpm=1_000_000, burst_tokens=BURST, max_concurrency=100)
+RATE = TPM / 60.0
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A server of this test's own: outage tests freeze and kill it."""
+    s = RedisServer(tmp_path / "redis").start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def replicas(url: str, n: int, prefix: str, **kw: object) -> list[RedisState]:
+    return [RedisState(url, replica_id=f"r{i}", prefix=prefix, **kw) for i in range(n)]  # type: ignore[arg-type]
+
+
+async def admit(state: RedisState, cost: int, limits: Limits = LIM, tenant: str = "t") -> Verdict:
+    v = state.admit(tenant, limits, cost, time.monotonic())
+    if not isinstance(v, Verdict):
+        v = await v
+    return v
+
+
+@dataclass
+class Load:
+    """Concurrent clients on every replica: admit, hold ~5 ms, settle exactly; retry when refused."""
+
+    states: list[RedisState]
+    workers_per_state: int
+    events: list[tuple[float, int, int, float]] = field(default_factory=list)  # (t, cost, replica, latency)
+    refused: int = 0
+    not_rate: list[str] = field(default_factory=list)
+
+    async def run(self, seconds: float, seed: int = 1) -> None:
+        end = time.monotonic() + seconds
+        rng = random.Random(seed)
+        await asyncio.gather(*(self._worker(i, s, end, random.Random(rng.random()))
+                               for i, s in enumerate(self.states) for _ in range(self.workers_per_state)))
+
+    async def _worker(self, idx: int, state: RedisState, end: float, rng: random.Random) -> None:
+        while time.monotonic() < end:
+            cost = rng.randint(5, 25)
+            t0 = time.monotonic()
+            v = await admit(state, cost)
+            t1 = time.monotonic()
+            if v.admitted:
+                self.events.append((t1, cost, idx, t1 - t0))
+                await asyncio.sleep(0.005)
+                state.settle("t", cost, cost, time.monotonic())
+            else:
+                if v.reason not in ("tpm", "rpm"):
+                    self.not_rate.append(str(v.reason))
+                self.refused += 1
+                await asyncio.sleep(min(max(v.retry_after_s, 0.002), 0.05))
+
+    def worst_window(self, w: float) -> float:
+        """The most tokens admitted in any window of ``w`` seconds, over the contract for it.
+
+        An admission was decided somewhere between the call and its return; a window
+        counts those certainly decided inside it, so a busy event loop (late returns)
+        cannot make the test fail or pass by itself.
+        """
+        ev = sorted((t1 - lat, t1, cost) for t1, cost, _, lat in self.events)
+        worst = 0.0
+        for i, (start, _, _) in enumerate(ev):
+            total = 0
+            for k in range(i, len(ev)):
+                if ev[k][0] > start + w:
+                    break
+                if ev[k][1] <= start + w:
+                    total += ev[k][2]
+            worst = max(worst, total / (BURST + RATE * w))
+        return worst
+
+    def tokens(self, t0: float, t1: float, replica: int | None = None) -> int:
+        return sum(c for t, c, r, _ in self.events if t0 <= t < t1 and (replica is None or r == replica))
+
+
+async def close_all(states: list[RedisState]) -> None:
+    for s in states:
+        await s.aclose()
+        await s.client.aclose()
+
+
+def test_far_from_the_limit_admissions_stay_local_near_it_each_asks_redis(redis_server: RedisServer) -> None:
+    async def main() -> tuple[int, int]:
+        (s,) = replicas(redis_server.url, 1, "lease1")
+        lim = Limits(tpm=600_000, rpm=1_000_000, burst_tokens=100_000, max_concurrency=10)
+        for _ in range(200):  # 2,000 of 100,000 tokens: the lease covers almost all
+            assert (await admit(s, 10, lim)).admitted
+        far = s.exchanges
+        tight = Limits(tpm=60, rpm=1_000_000, burst_tokens=200, max_concurrency=10)
+        for _ in range(19):  # 190 of 200 tokens: the slice shrinks to nothing
+            assert (await admit(s, 10, tight, tenant="u")).admitted
+        near_before = s.exchanges
+        for _ in range(5):
+            await admit(s, 10, tight, tenant="u")
+        near = s.exchanges - near_before
+        await close_all([s])
+        return far, near
+
+    far, near = asyncio.run(main())
+    assert far <= 10, f"{far} round trips for 200 admissions far from the limit"
+    assert near == 5, "near the limit every admission is decided by Redis"
+
+
+def test_three_replicas_share_one_budget_under_concurrent_load(redis_server: RedisServer) -> None:
+    async def main() -> Load:
+        states = replicas(redis_server.url, 3, "acc3")
+        for s in states:  # register, so each knows the others
+            await admit(s, 1)
+        await asyncio.sleep(0.3)
+        load = Load(states, workers_per_state=21)  # 63 concurrent clients
+        await load.run(6.0)
+        await close_all(states)
+        return load
+
+    load = asyncio.run(main())
+    assert not load.not_rate
+    t_start = min(t for t, *_ in load.events)
+    for w in (0.5, 1.0, 2.0, 6.0):
+        assert load.worst_window(w) <= 1.02, f"window {w}s: {load.worst_window(w):.3f} x the contract"
+    steady = load.tokens(t_start + 1.5, t_start + 5.5) / (RATE * 4.0)
+    assert steady >= 0.95, f"steady consumption {steady:.3f} x TPM"
+    assert {r for _, _, r, _ in load.events} == {0, 1, 2}  # every replica got a share
+
+
+def test_lost_replies_are_resent_without_double_counting(redis_server: RedisServer) -> None:
+    """An exchange that reached Redis but whose reply was lost: the next one carries the same counters."""
+    async def main() -> tuple[float, float]:
+        (s,) = replicas(redis_server.url, 1, "lost")
+        assert (await admit(s, 100)).admitted
+        s.settle("t", 100, 40, time.monotonic())  # refund 60
+        ls = s._tenants["t"]
+        args = s._args(ls, time.monotonic(), [50], want=True)
+        key = "lost:tb:t"
+        keys = [key, s.registry.keys[0]]
+        await s._script(keys=keys, args=args)  # applied; the reply "lost"
+        await s._script(keys=keys, args=args)  # sent again unchanged
+        await s.sync(time.monotonic(), only_due=False)
+        await s.aclose()
+        level = float(await s.client.hget(key, "tl"))
+        await s.client.aclose()
+        return level, ls.lease_t
+
+    level, lease = asyncio.run(main())
+    # 1000 - 100 + 60 refunded; the twice-sent grant of 50 came back; the lease returned at close.
+    assert lease == 0
+    assert 960 <= level <= 1000, level  # (plus refill since, capped at the bucket)
+
+
+def test_redis_frozen_then_killed_admission_stays_within_the_local_share(server: RedisServer) -> None:
+    n = 2
+
+    async def main() -> tuple[Load, dict[str, tuple[float, float]], list[float], list[bool]]:
+        states = replicas(server.url, n, "out", probe_s=0.1)
+        ups: list[bool] = []
+        states[0]._on_store_up = ups.append
+        for s in states:
+            await admit(s, 1)
+        await asyncio.sleep(0.3)
+        load = Load(states, workers_per_state=16)
+        marks: dict[str, tuple[float, float]] = {}
+
+        async def chaos() -> None:
+            await asyncio.sleep(1.5)
+            t = time.monotonic()
+            server.pause()
+            await asyncio.sleep(1.5)
+            server.resume()
+            marks["frozen"] = (t, time.monotonic())
+            await asyncio.sleep(1.5)
+            t = time.monotonic()
+            server.kill()
+            await asyncio.sleep(1.5)
+            await asyncio.to_thread(server.start)
+            marks["killed"] = (t, time.monotonic())
+
+        t0 = time.monotonic()
+        await asyncio.gather(load.run(9.0), chaos())
+        marks["all"] = (t0, time.monotonic())
+        await close_all(states)
+        return load, marks, [], ups
+
+    load, marks, _, ups = asyncio.run(main())
+    assert not load.not_rate
+    assert False in ups and ups[-1] is True  # sluice_state_store_up went 0, then back to 1
+    for w in (0.5, 1.0, 2.0, 9.0):
+        assert load.worst_window(w) <= 1.02, f"window {w}s: {load.worst_window(w):.3f} x the contract"
+    for what, (a, b) in (("frozen", marks["frozen"]), ("killed", marks["killed"])):
+        during = [e for e in load.events if a <= e[0] < b]
+        assert len(during) > 20, f"admission stopped while Redis was {what}"
+        # Within ~10 ms of the outage admissions continue: no admit waited for Redis longer.
+        lat = sorted(e[3] for e in during)
+        assert lat[len(lat) // 2] < 0.005 and lat[-1] < 0.1, f"{what}: p50 {lat[len(lat) // 2]:.4f}s max {lat[-1]:.4f}s"
+        first = min(e[0] for e in during)
+        assert first - a < 0.1, f"{what}: first admission {first - a:.3f}s after the outage began"
+        for r in range(n):
+            share = (BURST + RATE * (b - a)) / n
+            lease_cap = 0.1 * BURST + 25
+            got = load.tokens(a, b, r)
+            assert got <= share + lease_cap, f"{what}: replica {r} admitted {got} > its share {share:.0f}"
+
+
+def test_fail_closed_refuses_while_redis_is_down(server: RedisServer) -> None:
+    async def main() -> tuple[Verdict, Verdict]:
+        (s,) = replicas(server.url, 1, "closed", fail_closed=True)
+        lim = Limits(tpm=60, rpm=60, burst_tokens=40, max_concurrency=10)
+        assert (await admit(s, 10, lim)).admitted
+        server.kill()
+        down = await admit(s, 30, lim)  # more than the lease holds
+        await asyncio.to_thread(server.start)
+        await asyncio.sleep(0.6)
+        back = await admit(s, 20, lim)  # the restarted Redis starts from the level this replica last saw
+        await s.aclose()
+        await s.client.aclose()
+        return down, back
+
+    down, back = asyncio.run(main())
+    assert not down.admitted and down.reason == "state_store_down"
+    assert back.admitted
+
+
+def _policy(state: str | None) -> dict[str, object]:
+    gw: dict[str, object] = {} if state is None else {"state": state}
+    return {"gateway": gw,
+            "backends": [{"name": "b", "address": "127.0.0.1:1", "max_concurrency": 4,
+                          "models": [{"name": "m", "context_window": 4096}]}],
+            "tiers": {"t": {"priority": 1, "tpm": 1000, "rpm": 10, "max_concurrency": 2}},
+            "tenants": [{"name": "a", "tier": "t", "keys": ["sha256:" + "0" * 64]}]}
+
+
+def test_runtime_picks_the_store_from_the_policy_or_the_environment(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_URL, raising=False)
+    rt = Runtime(build_policy(_policy(None)))
+    assert isinstance(rt.state, LocalState) and not rt.shared_state
+    rt.close()
+    rt = Runtime(build_policy(_policy(redis_server.url)), replica_id="cfg")
+    assert isinstance(rt.state, RedisState) and rt.shared_state
+    rt.close()
+    monkeypatch.setenv(ENV_URL, redis_server.url)
+    rt = Runtime(build_policy(_policy("memory")))
+    assert isinstance(rt.state, RedisState)
+    rt.close()
+    with pytest.raises(PolicyError, match="state"):
+        build_policy(_policy("postgres://x"))
