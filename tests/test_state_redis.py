@@ -8,20 +8,24 @@ connection, replica id and lease); tests/test_policy_gate.py runs the bucket rul
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bench.redis_server import RedisServer
 from extproc.policy.gate import LocalState, Verdict
 from extproc.policy.schema import Limits, PolicyError, build_policy
 from extproc.runtime import Runtime
 from extproc.store import ENV_URL
-from extproc.store.redis_state import RedisState
+from extproc.store.redis_state import RedisState, connect
 from tests.redis_server import redis_server_fixture  # noqa: F401 - the redis_server fixture
 
 BURST, TPM = 1000, 60_000  # 1000 tokens/s, a bucket of one second
@@ -154,6 +158,77 @@ def test_three_replicas_share_one_budget_under_concurrent_load(redis_server: Red
     assert {r for _, _, r, _ in load.events} == {0, 1, 2}  # every replica got a share
 
 
+@pytest.fixture(scope="module")
+def loop_and_client(redis_server: RedisServer) -> Iterator[tuple[asyncio.AbstractEventLoop, Any]]:
+    loop = asyncio.new_event_loop()
+    client = connect(redis_server.url, socket_timeout_s=5.0)
+    yield loop, client
+    loop.run_until_complete(client.aclose())
+    loop.close()
+
+
+_bound_runs = itertools.count()
+SMALL = Limits(tpm=600, rpm=60_000, burst_tokens=100, max_concurrency=10)  # 10 tokens/s, a bucket of 100
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.sampled_from([1, 3, 8]),
+       ops=st.lists(st.tuples(st.integers(0, 7), st.sampled_from(["admit", "admit", "admit", "sync"]),
+                              st.integers(1, 40), st.sampled_from([0.0, 0.0, 0.01, 0.1, 0.4, 3.0])),
+                    min_size=1, max_size=80))
+def test_overshoot_bound_holds_exactly_for_any_replica_count(
+        loop_and_client: tuple[asyncio.AbstractEventLoop, Any], n: int, ops: list[tuple[int, str, int, float]]) -> None:
+    """The README's bound with exact settles: admitted(W) <= B + r*W in every window, for any N.
+
+    Replicas interleave admissions and lease refreshes at times the test chooses (the
+    scripts take the caller's clock), so every window is checked without tolerance.
+    """
+    loop, client = loop_and_client
+    prefix = f"bound{next(_bound_runs)}"
+    states = [RedisState(client=client, replica_id=f"f{i}", prefix=prefix, caller_clock=True, background=False,
+                         lease_ttl_s=2.0, admit_wait_s=5.0, slice_fraction=0.5) for i in range(n)]
+    now, admitted = 0.0, []
+    for who, op, cost, dt in ops:
+        now += dt
+        s = states[who % n]
+        if op == "sync":
+            loop.run_until_complete(s.sync(now, only_due=False))
+            continue
+        v = s.admit("t", SMALL, cost, now)
+        if not isinstance(v, Verdict):
+            v = loop.run_until_complete(v)  # type: ignore[arg-type]
+        if v.admitted:
+            admitted.append((now, cost))
+            s.settle("t", cost, cost, now)
+    rate = SMALL.tpm / 60.0
+    for i, (t0, _) in enumerate(admitted):
+        total = 0
+        for t1, cost in admitted[i:]:
+            total += cost
+            assert total <= SMALL.burst_tokens + rate * (t1 - t0) + 1e-6, (n, t0, t1, total)
+
+
+def test_a_spent_lease_frees_room_only_from_when_redis_learns_of_it(
+        loop_and_client: tuple[asyncio.AbstractEventLoop, Any]) -> None:
+    """Refill while the bucket (level + leases) was full is gone; spending the lease later does not bring it back."""
+    loop, client = loop_and_client
+    s = RedisState(client=client, replica_id="room", prefix="room", caller_clock=True, background=False,
+                   lease_ttl_s=100.0, admit_wait_s=5.0, slice_fraction=0.5)
+
+    def take(cost: int, now: float) -> bool:
+        v = s.admit("t", SMALL, cost, now)
+        if not isinstance(v, Verdict):
+            v = loop.run_until_complete(v)  # type: ignore[arg-type]
+        return v.admitted
+
+    assert take(1, 0.0)  # a lease of 49 is taken; the bucket stays full for 3 s
+    assert s._tenants["t"].lease_t == 49
+    spent = 0
+    while take(10, 3.0):  # spend the lease and then the rest of the bucket, all at t=3
+        spent += 10
+    assert 90 <= spent <= SMALL.burst_tokens
+
+
 def test_lost_replies_are_resent_without_double_counting(redis_server: RedisServer) -> None:
     """An exchange that reached Redis but whose reply was lost: the next one carries the same counters."""
     async def main() -> tuple[float, float]:
@@ -274,3 +349,40 @@ def test_runtime_picks_the_store_from_the_policy_or_the_environment(
     rt.close()
     with pytest.raises(PolicyError, match="state"):
         build_policy(_policy("postgres://x"))
+
+
+def test_two_runtimes_share_a_tenants_budget_through_the_stream_path(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through StreamProcessor (the awaited admit in stream.py): what one replica admits, the other cannot."""
+    from extproc.policy.schema import hash_key
+    from tests.test_stream import body, exchange, headers, response
+
+    monkeypatch.delenv(ENV_URL, raising=False)
+    doc = _policy(redis_server.url)
+    doc["tiers"] = {"t": {"priority": 1, "tpm": 1000, "rpm": 100}}
+    doc["tenants"] = [{"name": "a", "tier": "t", "keys": [hash_key("k")]}]
+    doc["gateway"] = {"state": redis_server.url}
+    hdr = headers(_path="/v1/chat/completions", _method="POST", authorization="Bearer k")
+
+    async def main() -> tuple[list[Any], list[Any], list[Any], list[Runtime]]:
+        rts = [Runtime(build_policy(doc), replica_id=f"stream{i}") for i in range(2)]
+        for rt in rts:
+            rt.backends["b"].has_metrics = False
+        first = await exchange(rts[0], hdr, body(10), response(200))
+        second = await exchange(rts[1], hdr, body(800), response(200))
+        third = await exchange(rts[0], hdr, body(800))
+        for rt in rts:
+            await rt.state.aclose()  # type: ignore[attr-defined]
+        return first, second, third, rts
+
+    first, second, third, rts = asyncio.run(main())
+    assert not first[-1].HasField("immediate_response")
+    assert not second[-1].HasField("immediate_response")
+    refused = third[-1].immediate_response
+    assert refused.status.code == 429
+    assert {h.header.key: h.header.raw_value for h in refused.headers.set_headers}["x-sluice-reason"] == b"tpm"
+    for rt in rts:
+        st = rt.status()
+        assert st["in_flight"] == 0 and st["ledger"]["balanced"] and st["store"]["up"]
+        assert rt.metrics.registry.get_sample_value("sluice_state_store_up") == 1
+        rt.close()
