@@ -63,6 +63,7 @@ class Load:
     events: list[tuple[float, int, int, float]] = field(default_factory=list)  # (t, cost, replica, latency)
     refused: int = 0
     not_rate: list[str] = field(default_factory=list)
+    decisions: list[tuple[float, float]] = field(default_factory=list)  # (called at, seconds to decide), all
 
     async def run(self, seconds: float, seed: int = 1) -> None:
         end = time.monotonic() + seconds
@@ -76,6 +77,7 @@ class Load:
             t0 = time.monotonic()
             v = await admit(state, cost)
             t1 = time.monotonic()
+            self.decisions.append((t0, t1 - t0))
             if v.admitted:
                 self.events.append((t1, cost, idx, t1 - t0))
                 await asyncio.sleep(0.005)
@@ -294,11 +296,13 @@ def test_redis_frozen_then_killed_admission_stays_within_the_local_share(server:
     for what, (a, b) in (("frozen", marks["frozen"]), ("killed", marks["killed"])):
         during = [e for e in load.events if a <= e[0] < b]
         assert len(during) > 20, f"admission stopped while Redis was {what}"
-        # Within ~10 ms of the outage admissions continue: no admit waited for Redis longer.
-        lat = sorted(e[3] for e in during)
-        assert lat[len(lat) // 2] < 0.005 and lat[-1] < 0.1, f"{what}: p50 {lat[len(lat) // 2]:.4f}s max {lat[-1]:.4f}s"
+        # Every decision (admitted or not) from the outage's start on is made within ~10 ms
+        # (8 ms for the first, unanswered exchange; at once after); generous for a loaded host.
+        lat = sorted(d for t, d in load.decisions if a <= t < b)
+        assert lat[len(lat) // 2] < 0.005 and lat[-1] < 0.05, f"{what}: p50 {lat[len(lat) // 2]:.4f}s max {lat[-1]:.4f}s"
         first = min(e[0] for e in during)
-        assert first - a < 0.1, f"{what}: first admission {first - a:.3f}s after the outage began"
+        # The local share starts empty and refills at r/N: the first ~15-token request fits after ~30 ms.
+        assert first - a < 0.15, f"{what}: first admission {first - a:.3f}s after the outage began"
         for r in range(n):
             share = (BURST + RATE * (b - a)) / n
             lease_cap = 0.1 * BURST + 25

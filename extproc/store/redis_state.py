@@ -227,13 +227,12 @@ class RedisState:
         cap_t = max(1, math.floor(self.slice_fraction * lim.burst_tokens))
         cap_r = max(1, math.floor(self.slice_fraction * lim.rpm))
         c0, d0, r0 = ls.sent
-        return [self.registry.member, repr(now) if self.caller_clock else "",
-                repr(float(lim.burst_tokens)), repr(lim.tpm * scale / 60.0), repr(float(lim.rpm)),
-                repr(lim.rpm / 60.0), repr(ls.spent_t), repr(ls.spent_r),
-                repr(ls.credit), repr(ls.debit), repr(ls.debit_r), repr(c0), repr(d0), repr(r0),
-                repr(ls.headroom(lim, scale)), repr(self.lease_ttl_s), str(self.registry.live),
-                str(cap_t), str(cap_r), "1" if want else "0", repr(self.holder_grace_s),
-                repr(ls.estimate_t(now)), repr(ls.estimate_r(now)), *(str(c) for c in costs)]
+        nums = (float(lim.burst_tokens), lim.tpm * scale / 60.0, float(lim.rpm), lim.rpm / 60.0,
+                ls.spent_t, ls.spent_r, ls.credit, ls.debit, ls.debit_r, c0, d0, r0,
+                ls.headroom(lim, scale), self.lease_ttl_s, self.registry.live, cap_t, cap_r, 1 if want else 0,
+                self.holder_grace_s, ls.estimate_t(now), ls.estimate_r(now))
+        return [self.registry.member, repr(now) if self.caller_clock else "", " ".join(map(repr, nums)),
+                " ".join(map(str, costs))]
 
     def _begin(self, tenant: str, ls: TenantLease, now: float) -> None:
         """Send one exchange carrying every request of this tenant waiting now."""
@@ -265,6 +264,10 @@ class RedisState:
             self._trip(f"{type(exc).__name__}: {exc}")
             self._release(ls, waiters)
             return
+        except asyncio.CancelledError:
+            ls.inflight = None
+            self._release(ls, waiters)  # nobody waits forever on an exchange that will not finish
+            raise
         ls.inflight = None
         self._answered()
         tl, rl, g, q = (_f(x) for x in reply[:4])

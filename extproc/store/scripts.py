@@ -20,21 +20,24 @@ from __future__ import annotations
 # ahead of the holder, and the next exchange, sent with the same counters, applies
 # only the difference and credits back the grant the holder never saw.
 EXCHANGE = r"""
+-- ARGV: holder, now ('' = Redis TIME), the numbers below space-separated (one
+-- argument: redis-py encodes each argument on its own, in Python), the costs.
 local h = ARGV[1]
+local A = {ARGV[1], ARGV[2]}
+for x in string.gmatch(ARGV[3], '%S+') do A[#A + 1] = x end
 local now
 if ARGV[2] ~= '' then now = tonumber(ARGV[2]) else
   local t = redis.call('TIME'); now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
-local tc, trate, rc, rrate = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local st, sr = tonumber(ARGV[7]), tonumber(ARGV[8])
-local cred, deb, debr = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
-local cbase, dbase, rbase = tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14])
-local headroom, ttl, live = tonumber(ARGV[15]), tonumber(ARGV[16]), math.max(1, tonumber(ARGV[17]))
-local cap_t, cap_r, want, grace = tonumber(ARGV[18]), tonumber(ARGV[19]), ARGV[20] == '1', tonumber(ARGV[21])
+local tc, trate, rc, rrate = tonumber(A[3]), tonumber(A[4]), tonumber(A[5]), tonumber(A[6])
+local st, sr = tonumber(A[7]), tonumber(A[8])
+local cred, deb, debr = tonumber(A[9]), tonumber(A[10]), tonumber(A[11])
+local cbase, dbase, rbase = tonumber(A[12]), tonumber(A[13]), tonumber(A[14])
+local headroom, ttl, live = tonumber(A[15]), tonumber(A[16]), math.max(1, tonumber(A[17]))
+local cap_t, cap_r, want, grace = tonumber(A[18]), tonumber(A[19]), A[20] == '1', tonumber(A[21])
 -- A bucket Redis does not have starts from the caller's estimate: full for a new
 -- tenant, the last level it saw (refilled since) when Redis restarted empty.
-local init_t, init_r = tonumber(ARGV[22]), tonumber(ARGV[23])
-local FIRST_COST = 24
+local init_t, init_r = tonumber(A[22]), tonumber(A[23])
 
 local raw = redis.call('HGETALL', KEYS[1])
 local f = {}
@@ -90,8 +93,8 @@ rl = rl - owed_r
 
 local res = {}
 local gt, gr = 0, 0
-for i = FIRST_COST, #ARGV do
-  local cost = tonumber(ARGV[i])
+for x in string.gmatch(ARGV[4], '%S+') do
+  local cost = tonumber(x)
   local need = math.min(tc, cost + headroom)
   local tw, rw = 0, 0
   -- 1e-9: levels round-trip through strings; a hair of rounding must not refuse
