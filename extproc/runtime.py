@@ -43,6 +43,9 @@ class Runtime:
         # gateway.state (or $SLUICE_REDIS_URL) is read once: a store is not swapped live.
         self.state_url = state_url(policy.gateway)
         self.state: TokenState = open_state(policy.gateway, self.replica_id, self.metrics.state_store_up.set)
+        starter = getattr(self.state, "start", None)
+        if starter is not None:
+            starter()  # a shared store registers this replica before the first request
         self.executor = ThreadPoolExecutor(tokenize_threads, thread_name_prefix="sluice-tokenize")
         self.encodings: dict[str, tiktoken.Encoding] = {}
         self._short_counts: dict[str, dict[str, int]] = {}

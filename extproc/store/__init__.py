@@ -19,7 +19,7 @@ ENV_URL = "SLUICE_REDIS_URL"
 
 
 def state_url(gateway: Gateway) -> str:
-    """The configured store: ``memory`` or a Redis URL."""
+    """The configured store: ``memory`` or a Redis URL (anything else: shared by replicas)."""
     return os.environ.get(ENV_URL) or gateway.state
 
 

@@ -359,6 +359,10 @@ class RedisState:
         return True
 
     # -- the background task ----------------------------------------------------------
+    def start(self) -> None:
+        """Register and start the background task now, if an event loop runs (else at first use)."""
+        self._ensure_started()
+
     def _ensure_started(self) -> None:
         if self._task is not None or not self.background or self._closing:
             return
