@@ -390,3 +390,57 @@ def test_two_runtimes_share_a_tenants_budget_through_the_stream_path(
         assert st["in_flight"] == 0 and st["ledger"]["balanced"] and st["store"]["up"]
         assert rt.metrics.registry.get_sample_value("sluice_state_store_up") == 1
         rt.close()
+
+
+def test_three_replica_processes_share_one_budget(redis_server: RedisServer) -> None:
+    """Real processes (spawned, each its own connection and event loop), 64 clients in all."""
+    from bench.state_store import accuracy
+
+    worst, steady = accuracy(redis_server.url, 3, seconds=4.0)
+    assert worst <= 1.02, f"worst window {worst:.3f} x the contract"
+    assert steady >= 0.95, f"steady consumption {steady:.3f} x TPM"
+
+
+def test_a_replica_paused_past_the_registry_ttl_is_fenced_and_registers_again(
+        loop_and_client: tuple[asyncio.AbstractEventLoop, Any]) -> None:
+    loop, client = loop_and_client
+    a, b = (RedisState(client=client, replica_id=name, prefix="fence", caller_clock=True, background=False,
+                       lease_ttl_s=5.0, admit_wait_s=5.0, registry_ttl_s=10.0) for name in ("a", "b"))
+
+    def take(s: RedisState, cost: int, now: float) -> bool:
+        v = s.admit("t", SMALL, cost, now)
+        if not isinstance(v, Verdict):
+            v = loop.run_until_complete(v)  # type: ignore[arg-type]
+        return v.admitted
+
+    assert take(a, 1, 0.0) and a._tenants["t"].lease_t > 0
+    first = a.registry.member
+    loop.run_until_complete(b._beat(11.0))  # a missed every heartbeat for 11 s; b's heartbeat drops it
+    assert b.registry.live == 1
+    loop.run_until_complete(a._beat(12.0))
+    assert a.registry.member != first and a.registry.member.startswith("a#")
+    assert a._tenants["t"].lease_t == 0  # what the old member held is no longer a's
+    assert take(a, 1, 12.0)
+    loop.run_until_complete(b._beat(12.5))
+    assert b.registry.live == 2
+
+
+def test_shutdown_gives_the_lease_back(redis_server: RedisServer) -> None:
+    async def main() -> RedisState:
+        (s,) = replicas(redis_server.url, 1, "shut")
+        assert (await admit(s, 10)).admitted
+        assert s._tenants["t"].lease_t > 0
+        return s
+
+    s = asyncio.run(main())
+    member = s.registry.member
+    level_before = float(s._tenants["t"].level_t or 0)
+    s.close()  # Runtime.close: blocking, the event loop may be gone
+    import redis
+
+    r = redis.Redis.from_url(redis_server.url)
+    h = {k.decode(): float(v) for k, v in r.hgetall("shut:tb:t").items() if not k.startswith(b"x:")}
+    assert h[f"g:{member}"] == h[f"s:{member}"]  # nothing leased any more
+    assert h["tl"] >= level_before + 90  # the unused lease is back in the level
+    assert r.zscore("shut:replicas", member) is None  # and the replica left the registry
+    r.close()
