@@ -444,3 +444,19 @@ def test_shutdown_gives_the_lease_back(redis_server: RedisServer) -> None:
     assert h["tl"] >= level_before + 90  # the unused lease is back in the level
     assert r.zscore("shut:replicas", member) is None  # and the replica left the registry
     r.close()
+
+
+def test_an_idle_tenants_lease_goes_back_and_is_not_renewed(
+        loop_and_client: tuple[asyncio.AbstractEventLoop, Any]) -> None:
+    loop, client = loop_and_client
+    s = RedisState(client=client, replica_id="idle", prefix="idle", caller_clock=True, background=False,
+                   lease_ttl_s=3.0, admit_wait_s=5.0)
+    v = s.admit("t", SMALL, 5, 0.0)
+    assert not isinstance(v, Verdict) and loop.run_until_complete(v).admitted  # type: ignore[arg-type]
+    assert s._tenants["t"].lease_t > 0
+    loop.run_until_complete(s.sync(1.0, only_due=True))  # not expiring yet: nothing sent
+    assert s._tenants["t"].lease_t > 0
+    loop.run_until_complete(s.sync(2.5, only_due=True))  # expiring, untouched: back, no new one
+    assert s._tenants["t"].lease_t == 0
+    loop.run_until_complete(s.sync(2.6, only_due=True))
+    assert s._tenants["t"].lease_t == 0 and not s._tenants["t"].dirty()

@@ -42,6 +42,7 @@ class TenantLease:
     sent: tuple[float, float, float] = (0.0, 0.0, 0.0)  # (credit, debit, debit_r) the store confirmed
     expires: float = -math.inf  # the lease may be spent before this (local clock)
     last_slice: float = 0.0
+    spent_at_grant: float = 0.0  # spent_t when the lease was granted: unchanged means idle
     # the store's last answer: levels outside every lease, when they were seen
     level_t: float | None = None
     level_r: float | None = None

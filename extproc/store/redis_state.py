@@ -234,10 +234,10 @@ class RedisState:
         return [self.registry.member, repr(now) if self.caller_clock else "", " ".join(map(repr, nums)),
                 " ".join(map(str, costs))]
 
-    def _begin(self, tenant: str, ls: TenantLease, now: float) -> None:
+    def _begin(self, tenant: str, ls: TenantLease, now: float, want: bool = True) -> None:
         """Send one exchange carrying every request of this tenant waiting now."""
         waiters, ls.waiters = ls.waiters, []
-        want = not ls.forgotten and not self._closing
+        want = want and not ls.forgotten and not self._closing
         args = self._args(ls, now, [c for c, _ in waiters], want)
         sent = (ls.credit, ls.debit, ls.debit_r)
         # The lease goes back with this exchange: nothing more is spent from it.
@@ -290,6 +290,7 @@ class RedisState:
             elif not fut.done():
                 fut.set_result((tw, rw))
         ls.last_slice = ls.lease_t
+        ls.spent_at_grant = ls.spent_t
         if ls.waiters and self.up:
             self._begin(tenant, ls, self.clock() if not self.caller_clock else now)
 
@@ -406,10 +407,13 @@ class RedisState:
             if ls is None:
                 continue
             if ls.inflight is None and self.up:
-                due = (ls.forgotten or ls.dirty() or ls.low() or ls.fallback is not None
-                       or ls.lease_t > 0 and now > ls.expires - self.lease_ttl_s / 3)
+                expiring = ls.lease_t > 0 and now > ls.expires - self.lease_ttl_s / 3
+                due = ls.forgotten or ls.dirty() or ls.low() or ls.fallback is not None or expiring
                 if due or not only_due:
-                    self._begin(name, ls, now)
+                    # A lease nobody touched since it was granted goes back without a new one:
+                    # idle tenants cost no round trips.
+                    idle = expiring and ls.spent_t == ls.spent_at_grant and not ls.dirty()
+                    self._begin(name, ls, now, want=not (only_due and idle))
             if ls.inflight is not None:
                 tasks.append(ls.inflight)
         if tasks:
