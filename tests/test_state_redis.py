@@ -299,7 +299,8 @@ def test_redis_frozen_then_killed_admission_stays_within_the_local_share(server:
         # Every decision (admitted or not) from the outage's start on is made within ~10 ms
         # (8 ms for the first, unanswered exchange; at once after); generous for a loaded host.
         lat = sorted(d for t, d in load.decisions if a <= t < b)
-        assert lat[len(lat) // 2] < 0.005 and lat[-1] < 0.05, f"{what}: p50 {lat[len(lat) // 2]:.4f}s max {lat[-1]:.4f}s"
+        p50, p99 = lat[len(lat) // 2], lat[int(len(lat) * 0.99)]
+        assert p50 < 0.005 and p99 < 0.02 and lat[-1] < 0.1, f"{what}: p50 {p50:.4f}s p99 {p99:.4f}s max {lat[-1]:.4f}s"
         first = min(e[0] for e in during)
         # The local share starts empty and refills at r/N: the first ~15-token request fits after ~30 ms.
         assert first - a < 0.15, f"{what}: first admission {first - a:.3f}s after the outage began"

@@ -43,6 +43,7 @@ log = logging.getLogger("sluice.store")
 ADMITTED = "admitted"
 FALLBACK = "fallback"
 STORE_ERRORS = (redis.RedisError, OSError, asyncio.TimeoutError)
+LOG_EVERY_S = 10.0
 
 
 def connect(url: str, socket_timeout_s: float) -> aioredis.Redis:
@@ -86,6 +87,8 @@ class RedisState:
         self.up = True
         self._probe_at = 0.0
         self.exchanges = 0  # round trips that carried at least one request (for the bench)
+        self.trips = 0  # times the store's breaker opened
+        self._trips_logged, self._logged_at, self._down_since = 0, -math.inf, 0.0
         self._task: asyncio.Task[None] | None = None
         self._register: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
@@ -159,7 +162,7 @@ class RedisState:
                        "outstanding": self.ledger.outstanding, "balanced": self.ledger.balanced()},
             "buckets": buckets,
             "store": {"kind": "redis", "up": self.up, "member": self.registry.member,
-                      "replicas": self.registry.live},
+                      "replicas": self.registry.live, "trips": self.trips},
         }
 
     # -- local pieces ---------------------------------------------------------------
@@ -323,11 +326,19 @@ class RedisState:
                 fut.set_result(FALLBACK)
 
     def _trip(self, why: str) -> None:
+        now = self.clock()
         if self.up:
             self.up = False
-            log.warning("state store unreachable (%s): admitting within the local share", why)
+            self.trips += 1
+            self._down_since = now
+            # A loaded host makes short false alarms (an answer over admit_wait_s): one line
+            # per LOG_EVERY_S for those, every real outage logged when it ends.
+            if now - self._logged_at >= LOG_EVERY_S:
+                log.warning("state store unreachable (%s): admitting within the local share "
+                            "(%d alarms since the last line)", why, self.trips - self._trips_logged)
+                self._logged_at, self._trips_logged = now, self.trips
             self._on_store_up(False)
-        self._probe_at = self.clock() + self.probe_s
+        self._probe_at = now + self.probe_s
         for ls in self._tenants.values():
             self._release(ls, [])
 
@@ -335,7 +346,9 @@ class RedisState:
         """Redis answered: close the store's breaker (a slow answer ends a false alarm at once)."""
         if not self.up:
             self.up = True
-            log.warning("state store reachable again: reconciling local charges")
+            down = self.clock() - self._down_since
+            if down >= 0.5:
+                log.warning("state store reachable again after %.1fs: reconciling local charges", down)
             self._on_store_up(True)
             self._poke()
 
