@@ -186,7 +186,8 @@ class StreamProcessor:
             extra = ratelimit_headers(verdict.tokens, verdict.requests)
             if math.isfinite(verdict.retry_after_s):
                 extra.update(retry_after_headers(verdict.retry_after_s))
-            raise Reject(verdict.reason, verdict.message, code="rate_limit_exceeded", headers=extra)
+            code = "service_unavailable" if verdict.reason == "state_store_down" else "rate_limit_exceeded"
+            raise Reject(verdict.reason, verdict.message, code=code, headers=extra)
         self.admitted, self.reserved = True, cost
         ticket.verdict = verdict
         for hint in adm.acquire_slot(ticket, cost, now):

@@ -461,3 +461,32 @@ def test_an_idle_tenants_lease_goes_back_and_is_not_renewed(
     assert s._tenants["t"].lease_t == 0
     loop.run_until_complete(s.sync(2.6, only_due=True))
     assert s._tenants["t"].lease_t == 0 and not s._tenants["t"].dirty()
+
+
+def test_fail_closed_answers_503_through_the_stream_path(server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from extproc.policy.schema import hash_key
+    from tests.test_stream import body, exchange, headers
+
+    monkeypatch.delenv(ENV_URL, raising=False)
+    doc = _policy(server.url)
+    doc["tenants"] = [{"name": "a", "tier": "t", "keys": [hash_key("k")]}]
+    doc["gateway"] = {"state": server.url, "state_fail_closed": True}
+    hdr = headers(_path="/v1/chat/completions", _method="POST", authorization="Bearer k")
+
+    async def main() -> tuple[Any, Runtime]:
+        rt = Runtime(build_policy(doc), replica_id="closed-stream")
+        rt.backends["b"].has_metrics = False
+        await asyncio.sleep(0.2)  # registered
+        server.kill()
+        out = await exchange(rt, hdr, body(10))
+        return out[-1].immediate_response, rt
+
+    resp, rt = asyncio.run(main())
+    assert resp.status.code == 503
+    err = json.loads(resp.body)["error"]
+    assert err["code"] == "service_unavailable" and "unreachable" in err["message"]
+    assert rt.metrics.registry.get_sample_value("sluice_state_store_up") == 0
+    assert rt.status()["in_flight"] == 0
+    rt.close()
