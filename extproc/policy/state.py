@@ -10,7 +10,7 @@ queue) do not change, and the test suite runs against every implementation
 replica). Its ``admit`` answers from the lease synchronously when it can and returns
 an awaitable otherwise (the request waits for one Redis round trip); callers await
 anything that is not a ``Verdict``. A ``force``d charge never waits. It lives outside
-this package (it does I/O), so the suite adds it to this list itself.
+this package (it does I/O), so the suite runs it besides this list.
 
 Slot, KV and breaker state are still held per process by ``extproc.backends``; moving
 them behind this seam is the next step toward many replicas.
