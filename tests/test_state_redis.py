@@ -261,7 +261,7 @@ def test_redis_frozen_then_killed_admission_stays_within_the_local_share(server:
     async def main() -> tuple[Load, dict[str, tuple[float, float]], list[float], list[bool]]:
         states = replicas(server.url, n, "out", probe_s=0.1)
         ups: list[bool] = []
-        states[0]._on_store_up = ups.append
+        states[0].breaker.on_change = ups.append
         for s in states:
             await admit(s, 1)
         await asyncio.sleep(0.3)

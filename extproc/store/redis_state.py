@@ -35,6 +35,7 @@ from extproc.policy.bucket import Ledger
 from extproc.policy.gate import RateView, Verdict
 from extproc.policy.lease import TenantLease, local_share
 from extproc.policy.model import Limits
+from extproc.store.breaker import StoreBreaker
 from extproc.store.registry import Registry
 from extproc.store.scripts import EXCHANGE
 
@@ -43,7 +44,6 @@ log = logging.getLogger("sluice.store")
 ADMITTED = "admitted"
 FALLBACK = "fallback"
 STORE_ERRORS = (redis.RedisError, OSError, asyncio.TimeoutError)
-LOG_EVERY_S = 10.0
 
 
 def connect(url: str, socket_timeout_s: float) -> aioredis.Redis:
@@ -78,22 +78,21 @@ class RedisState:
         self.lease_ttl_s, self.flush_s, self.admit_wait_s = lease_ttl_s, flush_s, admit_wait_s
         self.probe_s, self.slice_fraction, self.holder_grace_s = probe_s, slice_fraction, holder_grace_s
         self.fail_closed, self.clock, self.socket_timeout_s = fail_closed, clock, socket_timeout_s
-        self._on_store_up = on_store_up or (lambda up: None)
         self.ledger = Ledger()
         self.in_flight = 0
         self.registry = Registry(replica_id, prefix, registry_ttl_s)
         self._script = client.register_script(EXCHANGE)
         self._tenants: dict[str, TenantLease] = {}
-        self.up = True
-        self._probe_at = 0.0
+        self.breaker = StoreBreaker(probe_s, on_store_up, clock)
         self.exchanges = 0  # round trips that carried at least one request (for the bench)
-        self.trips = 0  # times the store's breaker opened
-        self._trips_logged, self._logged_at, self._down_since = 0, -math.inf, 0.0
         self._task: asyncio.Task[None] | None = None
         self._register: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._closing = False
-        self._on_store_up(True)
+
+    @property
+    def up(self) -> bool:
+        return self.breaker.up
 
     # -- the TokenState protocol ----------------------------------------------------
     def admit(self, tenant: str, limits: Limits, cost: int, now: float, scale: float | None = None,
@@ -162,7 +161,7 @@ class RedisState:
                        "outstanding": self.ledger.outstanding, "balanced": self.ledger.balanced()},
             "buckets": buckets,
             "store": {"kind": "redis", "up": self.up, "member": self.registry.member,
-                      "replicas": self.registry.live, "trips": self.trips},
+                      "replicas": self.registry.live, "trips": self.breaker.trips},
         }
 
     # -- local pieces ---------------------------------------------------------------
@@ -326,31 +325,13 @@ class RedisState:
                 fut.set_result(FALLBACK)
 
     def _trip(self, why: str) -> None:
-        now = self.clock()
-        if self.up:
-            self.up = False
-            self.trips += 1
-            self._down_since = now
-            # A loaded host makes short false alarms (an answer over admit_wait_s): one line
-            # per LOG_EVERY_S for those, every real outage logged when it ends.
-            if now - self._logged_at >= LOG_EVERY_S:
-                log.warning("state store unreachable (%s): admitting within the local share "
-                            "(%d alarms since the last line)", why, self.trips - self._trips_logged)
-                self._logged_at, self._trips_logged = now, self.trips
-            self._on_store_up(False)
-        self._probe_at = now + self.probe_s
+        self.breaker.trip(why)
         for ls in self._tenants.values():
             self._release(ls, [])
 
     def _answered(self) -> None:
-        """Redis answered: close the store's breaker (a slow answer ends a false alarm at once)."""
-        if not self.up:
-            self.up = True
-            down = self.clock() - self._down_since
-            if down >= 0.5:
-                log.warning("state store reachable again after %.1fs: reconciling local charges", down)
-            self._on_store_up(True)
-            self._poke()
+        if self.breaker.answered():
+            self._poke()  # reconcile every tenant that ran on its local share
 
     async def _beat(self, now: float) -> None:
         fenced = await self.registry.beat(self.client, repr(now) if self.caller_clock else "", self.clock())
@@ -397,7 +378,7 @@ class RedisState:
             now = self.clock()
             if not self.registry.member:
                 await self._registered(now)  # shared with a request that may be registering too
-            elif self.up and self.registry.due(now) or not self.up and now >= self._probe_at:
+            elif self.up and self.registry.due(now) or self.breaker.probe_due(now):
                 try:
                     await asyncio.wait_for(self._beat(now), timeout=max(self.probe_s, 0.05))
                 except STORE_ERRORS as exc:
