@@ -6,8 +6,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
 # Debian packages by what needs them: the browser test drives Debian's chromium (never a
-# downloaded browser) and needs a font to render text.
-TEST_SYSTEM_PACKAGES := chromium fonts-dejavu-core
+# downloaded browser) and needs a font to render text; the shared-state tests start redis-server.
+TEST_SYSTEM_PACKAGES := chromium fonts-dejavu-core redis-server
 DEMO_SYSTEM_PACKAGES :=
 
 .PHONY: install system-packages-test system-packages-demo demo test test-unit test-e2e bench lint envoy-config clean

@@ -9,6 +9,7 @@ the request through.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -173,15 +174,25 @@ class Admission:
             return None
         return v
 
-    def charge(self, ticket: Ticket, cost: int, now: float) -> Verdict:
+    def charge(self, ticket: Ticket, cost: int, now: float) -> Verdict | Awaitable[Verdict]:
+        """The verdict, or (a shared store whose local lease is short) an awaitable of it."""
         scale = ticket.runtime.scale(now)
         v = self.rt.state.admit(self.tenant.name, self.limits, cost, now, scale=scale)
-        if not v.admitted:
-            assert v.reason is not None
+        if isinstance(v, Verdict):
+            return self._unless_shadowed(v, cost, now, scale)
+        return self._charge_later(v, cost, now, scale)
+
+    async def _charge_later(self, pending: Awaitable[Verdict], cost: int, now: float, scale: float) -> Verdict:
+        return self._unless_shadowed(await pending, cost, now, scale)
+
+    def _unless_shadowed(self, v: Verdict, cost: int, now: float, scale: float) -> Verdict:
+        if not v.admitted and v.reason in ("rpm", "tpm", "tpm_request_too_large"):
             rule = "rpm" if v.reason == "rpm" else "tpm"
             if not self._shadow(rule):
                 return v
-            v = self.rt.state.admit(self.tenant.name, self.limits, cost, now, scale=scale, force=True)
+            forced = self.rt.state.admit(self.tenant.name, self.limits, cost, now, scale=scale, force=True)
+            assert isinstance(forced, Verdict)  # a forced charge never waits for a store
+            return forced
         return v
 
     # -- concurrency ---------------------------------------------------------------

@@ -25,6 +25,7 @@ REASONS: dict[str, tuple[int, str]] = {
     "breaker_open": (503, "server_error"),
     "tenant_breaker_open": (503, "server_error"),
     "overloaded": (503, "server_error"),
+    "state_store_down": (503, "server_error"),
     "internal": (500, "server_error"),
 }
 

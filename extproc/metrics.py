@@ -40,6 +40,8 @@ class Metrics:
         self.policy_reloads = Counter("sluice_policy_reloads", "Policy reload attempts by result.", ["result"],
                                       registry=r)
         self.policy_ok = Gauge("sluice_policy_valid", "1 when the last policy load succeeded.", registry=r)
+        self.state_store_up = Gauge("sluice_state_store_up", "1 while the TPM/RPM state store answers "
+                                    "(always 1 for in-process state).", registry=r)
         # Backpressure
         self.slots_in_use = Gauge("sluice_slots_in_use", "Concurrency slots held, by backend, pool and tier.",
                                   ["backend", "pool", "tier"], registry=r)

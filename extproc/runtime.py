@@ -8,6 +8,8 @@ mid-request never changes the rules a request was admitted under, and accounting
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -16,9 +18,9 @@ from typing import Any
 from extproc import tokenizer
 from extproc.backends import BackendRuntime
 from extproc.metrics import Metrics
-from extproc.policy.gate import LocalState
 from extproc.policy.schema import Policy
 from extproc.policy.state import TokenState
+from extproc.store import open_state, state_url
 from extproc.token_pool import TokenPool
 
 log = logging.getLogger("sluice.runtime")
@@ -29,10 +31,17 @@ OFFLOAD_CHARS = tokenizer.SLICE_CHARS
 
 
 class Runtime:
-    def __init__(self, policy: Policy, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, policy: Policy, *, clock: Callable[[], float] = time.monotonic,
+                 replica_id: str | None = None) -> None:
         self.clock = clock
         self.metrics = Metrics()
-        self.state: TokenState = LocalState()
+        self.replica_id = replica_id or f"{socket.gethostname()}-{os.getpid()}"
+        # gateway.state (or $SLUICE_REDIS_URL) is read once: a store is not swapped live.
+        self.state_url = state_url(policy.gateway)
+        self.state: TokenState = open_state(policy.gateway, self.replica_id, self.metrics.state_store_up.set)
+        starter = getattr(self.state, "start", None)
+        if starter is not None:
+            starter()  # a shared store registers this replica before the first request
         self.token_pool = TokenPool()
         self.encodings: dict[str, tokenizer.Counter] = {}
         self.policy = policy
@@ -63,7 +72,14 @@ class Runtime:
         for name in [n for n in self.backends if n not in {b.name for b in policy.backends}]:
             del self.backends[name]
 
+    @property
+    def shared_state(self) -> bool:
+        """True when limits are kept in a store shared by every replica (not in this process)."""
+        return bool(getattr(self.state, "shared", False))
+
     def swap(self, policy: Policy, etag: str = "") -> None:
+        if state_url(policy.gateway) != self.state_url:
+            log.warning("gateway.state changed to %r: restart extproc to move state there", policy.gateway.state)
         self._load_encodings(policy)
         self._sync_backends(policy)
         self.policy = policy
@@ -132,6 +148,9 @@ class Runtime:
 
     def close(self) -> None:
         self.token_pool.close()
+        closer = getattr(self.state, "close", None)
+        if closer is not None:
+            closer()  # a shared store gets its leases back
 
 
 def backend_status(be: BackendRuntime, now: float) -> dict[str, Any]:

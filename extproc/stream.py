@@ -22,7 +22,7 @@ from extproc.errors import REASONS, error_body, format_duration, retry_after_hea
 from extproc.openai_body import BadRequest, ParsedRequest, parse_request, path_kind, upstream_body
 from extproc.peer import PeerStream
 from extproc.policy.breaker import Outcome, outcome_for_status
-from extproc.policy.gate import RateView
+from extproc.policy.gate import RateView, Verdict
 from extproc.policy.schema import Limits, Model, Tenant
 from extproc.redact import redact_query
 from extproc.response import JSONTracker, SSETracker
@@ -224,12 +224,15 @@ class StreamProcessor:
         self.ticket = ticket
         cost = prompt + req.n * ticket.completion
         verdict = adm.charge(ticket, cost, now)
+        if not isinstance(verdict, Verdict):
+            verdict = await verdict  # a shared store's lease was short: one round trip
         if not verdict.admitted:
             assert verdict.reason is not None
             extra = ratelimit_headers(verdict.tokens, verdict.requests)
             if math.isfinite(verdict.retry_after_s):
                 extra.update(retry_after_headers(verdict.retry_after_s))
-            raise Reject(verdict.reason, verdict.message, code="rate_limit_exceeded", headers=extra)
+            code = "service_unavailable" if verdict.reason == "state_store_down" else "rate_limit_exceeded"
+            raise Reject(verdict.reason, verdict.message, code=code, headers=extra)
         self.admitted, self.reserved = True, cost
         ticket.verdict = verdict
         for hint in adm.acquire_slot(ticket, cost, now):

@@ -1,24 +1,37 @@
-"""LocalState: TPM and RPM charged together, settle, ledger and reconfiguration."""
+"""The state seam: TPM and RPM charged together, settle, ledger and reconfiguration.
+
+Runs against every implementation: LocalState, and RedisState on a real redis-server.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extproc.policy.schema import Limits
 from extproc.policy.state import STATE_IMPLEMENTATIONS, TokenState
+from tests.redis_server import redis_server_fixture, redis_state_factory_fixture  # noqa: F401 - fixtures
 
-# Every implementation of the state seam passes the same suite.
-pytestmark = pytest.mark.parametrize("make_state", STATE_IMPLEMENTATIONS, ids=lambda c: c.__name__)
+# Every implementation of the state seam passes the same suite: the in-process ones,
+# and the Redis one (it does I/O, so extproc.policy cannot list it).
+LOCAL = {c.__name__: c for c in STATE_IMPLEMENTATIONS}
+
+
+@pytest.fixture(params=[*LOCAL, "RedisState"])
+def make_state(request: pytest.FixtureRequest) -> Callable[[], TokenState]:
+    if request.param == "RedisState":
+        return request.getfixturevalue("redis_state_factory")  # type: ignore[no-any-return]
+    return LOCAL[request.param]
 
 # 600 tokens/min = 10 tokens/s, 60 requests/min = 1 request/s.
 LIM = Limits(tpm=600, rpm=60, burst_tokens=600, max_concurrency=10)
 
 
-def test_admit_charges_both_buckets(make_state: type[TokenState]) -> None:
+def test_admit_charges_both_buckets(make_state: Callable[[], TokenState]) -> None:
     s = make_state()
     v = s.admit("a", LIM, 100, now=0.0)
     assert v.admitted and v.reason is None and v.retry_after_s == 0
@@ -28,7 +41,7 @@ def test_admit_charges_both_buckets(make_state: type[TokenState]) -> None:
     assert s.ledger.precharged == 100 and s.ledger.outstanding == 100
 
 
-def test_refused_for_tokens_does_not_use_a_request(make_state: type[TokenState]) -> None:
+def test_refused_for_tokens_does_not_use_a_request(make_state: Callable[[], TokenState]) -> None:
     s = make_state()
     assert s.admit("a", LIM, 550, now=0.0).admitted
     v = s.admit("a", LIM, 100, now=0.0)
@@ -39,7 +52,7 @@ def test_refused_for_tokens_does_not_use_a_request(make_state: type[TokenState])
     assert s.in_flight == 1 and s.ledger.precharged == 550
 
 
-def test_refused_for_requests_does_not_use_tokens(make_state: type[TokenState]) -> None:
+def test_refused_for_requests_does_not_use_tokens(make_state: Callable[[], TokenState]) -> None:
     s = make_state()
     lim = Limits(tpm=600, rpm=2, burst_tokens=600, max_concurrency=10)
     assert s.admit("a", lim, 10, now=0.0).admitted
@@ -51,7 +64,7 @@ def test_refused_for_requests_does_not_use_tokens(make_state: type[TokenState]) 
     assert s.ledger.precharged == 20
 
 
-def test_tpm_request_too_large(make_state: type[TokenState]) -> None:
+def test_tpm_request_too_large(make_state: Callable[[], TokenState]) -> None:
     s = make_state()
     v = s.admit("a", LIM, 601, now=0.0)
     assert not v.admitted and v.reason == "tpm_request_too_large"
@@ -62,7 +75,7 @@ def test_tpm_request_too_large(make_state: type[TokenState]) -> None:
     assert s.admit("a", LIM, 600, now=0.0).admitted  # exactly the capacity fits
 
 
-def test_tpm_retry_after_is_deficit_over_rate(make_state: type[TokenState]) -> None:
+def test_tpm_retry_after_is_deficit_over_rate(make_state: Callable[[], TokenState]) -> None:
     s = make_state()
     assert s.admit("a", LIM, 400, now=0.0).admitted
     v = s.admit("a", LIM, 350, now=0.0)
@@ -73,7 +86,7 @@ def test_tpm_retry_after_is_deficit_over_rate(make_state: type[TokenState]) -> N
     assert s.admit("a", LIM, 350, now=v.retry_after_s).admitted
 
 
-def test_refund_raises_remaining(make_state: type[TokenState]) -> None:
+def test_refund_raises_remaining(make_state: Callable[[], TokenState]) -> None:
     s = make_state()
     s.admit("a", LIM, 300, now=0.0)
     s.settle("a", reserved=300, actual=120, now=0.0)
@@ -84,7 +97,7 @@ def test_refund_raises_remaining(make_state: type[TokenState]) -> None:
     assert s.ledger.balanced()
 
 
-def test_excess_puts_the_bucket_in_debt(make_state: type[TokenState]) -> None:
+def test_excess_puts_the_bucket_in_debt(make_state: Callable[[], TokenState]) -> None:
     s = make_state()
     s.admit("a", LIM, 500, now=0.0)
     s.settle("a", reserved=500, actual=1000, now=0.0)
@@ -96,7 +109,7 @@ def test_excess_puts_the_bucket_in_debt(make_state: type[TokenState]) -> None:
     assert s.ledger.excess == 500 and s.ledger.balanced()
 
 
-def test_settle_of_forgotten_tenant_only_touches_the_ledger(make_state: type[TokenState]) -> None:
+def test_settle_of_forgotten_tenant_only_touches_the_ledger(make_state: Callable[[], TokenState]) -> None:
     s = make_state()
     s.admit("a", LIM, 50, now=0.0)
     s.forget(set())
@@ -105,14 +118,14 @@ def test_settle_of_forgotten_tenant_only_touches_the_ledger(make_state: type[Tok
     assert "a" not in s.snapshot(1.0)["buckets"]  # type: ignore[operator]
 
 
-def test_tenants_are_independent(make_state: type[TokenState]) -> None:
+def test_tenants_are_independent(make_state: Callable[[], TokenState]) -> None:
     s = make_state()
     assert s.admit("a", LIM, 600, now=0.0).admitted
     assert s.admit("b", LIM, 600, now=0.0).admitted
     assert not s.admit("a", LIM, 1, now=0.0).admitted
 
 
-def test_reconfigure_keeps_the_level(make_state: type[TokenState]) -> None:
+def test_reconfigure_keeps_the_level(make_state: Callable[[], TokenState]) -> None:
     s = make_state()
     s.admit("a", LIM, 400, now=0.0)
     bigger = Limits(tpm=6000, rpm=600, burst_tokens=6000, max_concurrency=10)
@@ -127,7 +140,7 @@ def test_reconfigure_keeps_the_level(make_state: type[TokenState]) -> None:
     assert tokens.remaining == 60 and requests.remaining == 6  # clamped to the new capacity
 
 
-def test_scale_keeps_headroom_and_slows_refill(make_state: type[TokenState]) -> None:
+def test_scale_keeps_headroom_and_slows_refill(make_state: Callable[[], TokenState]) -> None:
     s = make_state()
     # At scale 0.5 the top half of the 600-token bucket is out of reach.
     assert s.admit("a", LIM, 300, now=0.0, scale=0.5).admitted
@@ -140,7 +153,7 @@ def test_scale_keeps_headroom_and_slows_refill(make_state: type[TokenState]) -> 
     assert s.admit("a", LIM, 300, now=0.0, scale=1.0).admitted
 
 
-def test_scale_slows_the_refill_rate(make_state: type[TokenState]) -> None:
+def test_scale_slows_the_refill_rate(make_state: Callable[[], TokenState]) -> None:
     full, half = make_state(), make_state()
     assert full.admit("a", LIM, 600, now=0.0, scale=1.0).admitted
     # A request may still use the whole bucket once it is full, even under pressure.
@@ -150,7 +163,7 @@ def test_scale_slows_the_refill_rate(make_state: type[TokenState]) -> None:
     assert half.view("a", LIM, 10.0)[0].remaining == 50
 
 
-def test_snapshot(make_state: type[TokenState]) -> None:
+def test_snapshot(make_state: Callable[[], TokenState]) -> None:
     s = make_state()
     s.admit("a", LIM, 100, now=0.0)
     snap = s.snapshot(0.0)
@@ -169,9 +182,9 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops)
-def test_ledger_balanced_after_any_sequence(make_state: type[TokenState], seq: list[tuple[str, object, int, float]]) -> None:
+def test_ledger_balanced_after_any_sequence(make_state: Callable[[], TokenState], seq: list[tuple[str, object, int, float]]) -> None:
     s = make_state()
     limits = dict.fromkeys("abc", LIM)
     held: list[tuple[str, int]] = []

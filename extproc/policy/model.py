@@ -38,6 +38,10 @@ class Gateway:
     request_timeout_s: float = 120.0  # time to receive the whole request (not the response)
     max_connections: int = 1024  # open downstream connections on the listener
     trusted_proxy_hops: int = 0  # proxies in front of Envoy whose X-Forwarded-For is trusted
+    # Where TPM/RPM buckets live: "memory" (this process) or a Redis URL shared by
+    # every replica. $SLUICE_REDIS_URL, when set, wins (a deployment detail).
+    state: str = "memory"
+    state_fail_closed: bool = False  # Redis unreachable: refuse instead of a local share
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,20 @@ def _gateway(r: Reader, doc: Any) -> Gateway:
                                       minimum=1)),
         max_connections=r.get(m, path, "max_connections", int, d.max_connections, minimum=1),
         trusted_proxy_hops=r.get(m, path, "trusted_proxy_hops", int, d.trusted_proxy_hops, minimum=0),
+        state=_state(r, m, path),
+        state_fail_closed=r.get(m, path, "state_fail_closed", bool, d.state_fail_closed),
     )
+
+
+STATE_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def _state(r: Reader, m: Mapping[str, Any], path: Path) -> str:
+    v = r.get(m, path, "state", str, "memory")
+    if v != "memory" and not v.startswith(STATE_SCHEMES):
+        r.fail((*path, "state"), f"expected memory or a Redis URL ({', '.join(STATE_SCHEMES)}), got {v!r}")
+        return "memory"
+    return v
 
 
 def _metric_names(r: Reader, m: Mapping[str, Any], path: Path) -> dict[str, tuple[str, ...]]:

@@ -6,12 +6,19 @@ same methods; the pure pieces in this package (buckets, slot pools, breakers, th
 queue) do not change, and the test suite runs against every implementation
 (``tests/test_policy_gate.py`` is parametrized over ``STATE_IMPLEMENTATIONS``).
 
+``extproc.store.RedisState`` is the shared one (buckets in Redis, a local lease per
+replica). Its ``admit`` answers from the lease synchronously when it can and returns
+an awaitable otherwise (the request waits for one Redis round trip); callers await
+anything that is not a ``Verdict``. A ``force``d charge never waits. It lives outside
+this package (it does I/O), so the suite runs it besides this list.
+
 Slot, KV and breaker state are still held per process by ``extproc.backends``; moving
 them behind this seam is the next step toward many replicas.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Any, Protocol
 
 from extproc.policy.bucket import Ledger
@@ -24,7 +31,7 @@ class TokenState(Protocol):
     in_flight: int
 
     def admit(self, tenant: str, limits: Limits, cost: int, now: float, scale: float | None = None,
-              force: bool = False) -> Verdict: ...
+              force: bool = False) -> Verdict | Awaitable[Verdict]: ...
 
     def peek(self, tenant: str, limits: Limits, cost: int, now: float) -> Verdict: ...
 

@@ -1,0 +1,124 @@
+"""One replica's share of a tenant's shared TPM/RPM bucket: the local lease.
+
+The bucket itself lives in a shared store (``extproc.store``) and is the truth. A
+replica takes a slice of it ahead of use (the lease) and spends the slice locally;
+the store computes the slice as ``min(C, (level - headroom) / (2 x live replicas))``,
+so it shrinks to nothing as the bucket nears empty. A lease is taken out of the
+bucket when granted, which keeps ``level + every live lease <= capacity``: leases add
+no overshoot, whatever the number of replicas.
+
+Everything here is counted cumulatively (granted, spent, credited, debited), so an
+exchange with the store whose reply was lost can be sent again unchanged.
+
+Pure: callers pass ``now``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from extproc.policy.bucket import TokenBucket
+from extproc.policy.gate import RateView
+from extproc.policy.model import Limits
+
+__all__ = ["TenantLease", "local_share"]
+
+
+@dataclass(slots=True)
+class TenantLease:
+    limits: Limits  # the tenant's limits and watermark scale as last seen
+    scale: float = 1.0
+    lease_limits: Limits | None = None  # what the lease was granted under
+    lease_scale: float = 1.0
+    # cumulative counters, shared with the store (see extproc/store/scripts.py)
+    granted_t: float = 0.0
+    granted_r: float = 0.0
+    spent_t: float = 0.0
+    spent_r: float = 0.0
+    credit: float = 0.0  # refunds owed to the bucket
+    debit: float = 0.0  # excess usage and charges the store has not seen
+    debit_r: float = 0.0  # requests admitted without the store
+    sent: tuple[float, float, float] = (0.0, 0.0, 0.0)  # (credit, debit, debit_r) the store confirmed
+    expires: float = -math.inf  # the lease may be spent before this (local clock)
+    last_slice: float = 0.0
+    spent_at_grant: float = 0.0  # spent_t when the lease was granted: unchanged means idle
+    # the store's last answer: levels outside every lease, when they were seen
+    level_t: float | None = None
+    level_r: float | None = None
+    seen_at: float = 0.0
+    # while the store is unreachable: this replica's share of the bucket
+    fallback: tuple[TokenBucket, TokenBucket] | None = None
+    forgotten: bool = False
+    waiters: list = field(default_factory=list)
+    inflight: object | None = None
+
+    @property
+    def lease_t(self) -> float:
+        return max(0.0, self.granted_t - self.spent_t)
+
+    @property
+    def lease_r(self) -> float:
+        return max(0.0, self.granted_r - self.spent_r)
+
+    def headroom(self, limits: Limits, scale: float) -> float:
+        return (1.0 - scale) * limits.burst_tokens
+
+    def try_spend(self, limits: Limits, cost: int, scale: float, now: float) -> bool:
+        """Admit from the lease, if it was granted under these limits and covers the request."""
+        if (now < self.expires and limits == self.lease_limits and scale >= self.lease_scale
+                and self.lease_t >= cost and self.lease_r >= 1):
+            self.spent_t += cost
+            self.spent_r += 1
+            return True
+        return False
+
+    def low(self) -> bool:
+        """The lease is running out: refill it ahead of need."""
+        return self.last_slice > 0 and self.lease_t < self.last_slice / 2
+
+    def dirty(self) -> bool:
+        return (self.credit, self.debit, self.debit_r) != self.sent
+
+    def estimate_t(self, now: float) -> float:
+        """The bucket's level outside every lease, extrapolated from the store's last answer."""
+        if self.level_t is None:
+            return float(self.limits.burst_tokens)
+        rate = self.limits.tpm * self.scale / 60.0
+        cap = self.limits.burst_tokens
+        lvl = self.level_t
+        return lvl if lvl >= cap else min(cap, lvl + rate * max(0.0, now - self.seen_at))
+
+    def estimate_r(self, now: float) -> float:
+        if self.level_r is None:
+            return float(self.limits.rpm)
+        cap = self.limits.rpm
+        lvl = self.level_r
+        return lvl if lvl >= cap else min(cap, lvl + cap / 60.0 * max(0.0, now - self.seen_at))
+
+    def view(self, now: float) -> tuple[RateView, RateView]:
+        lim = self.limits
+        if self.fallback is not None:
+            tb, rb = self.fallback
+            t, r = tb.remaining(now) + self.lease_t, rb.remaining(now) + self.lease_r
+        else:
+            t, r = self.estimate_t(now) + self.lease_t, self.estimate_r(now) + self.lease_r
+        rate_t = max(lim.tpm * self.scale / 60.0, 1e-9)
+        rate_r = max(lim.rpm / 60.0, 1e-9)
+        return (RateView(lim.tpm, max(0, math.floor(t)), max(0.0, lim.burst_tokens - t) / rate_t),
+                RateView(lim.rpm, max(0, math.floor(r)), max(0.0, lim.rpm - r) / rate_r))
+
+
+def local_share(lease: TenantLease, limits: Limits, replicas: int, now: float) -> tuple[TokenBucket, TokenBucket]:
+    """This replica's buckets while the store is unreachable: 1/replicas of the contract.
+
+    They start empty and refill at 1/replicas of the rate, so the replicas together
+    stay within the rate whatever the bucket held; the burst is what each still holds
+    in its unexpired lease (already taken out of the shared bucket). Starting empty also
+    bounds what a false alarm (a slow answer, the others still on Redis) can add: the
+    rate / replicas for as long as it lasts.
+    """
+    n = max(1, replicas)
+    tb = TokenBucket(limits.burst_tokens / n, limits.tpm * lease.scale / 60.0 / n, now, level=0.0)
+    rb = TokenBucket(limits.rpm / n, limits.rpm / 60.0 / n, now, level=0.0)
+    return tb, rb

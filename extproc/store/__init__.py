@@ -1,0 +1,34 @@
+"""Where admission state lives when it must be shared by many extproc replicas.
+
+``open_state`` picks the implementation of the TokenState seam
+(``extproc.policy.state``): ``LocalState`` for ``gateway.state: memory`` (the
+default), ``RedisState`` for a Redis URL (or ``$SLUICE_REDIS_URL``, which wins).
+Slot and KV leases will join the same store (one connection, one registry).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from extproc.policy.gate import LocalState
+from extproc.policy.model import Gateway
+from extproc.policy.state import TokenState
+
+ENV_URL = "SLUICE_REDIS_URL"
+
+
+def state_url(gateway: Gateway) -> str:
+    """The configured store: ``memory`` or a Redis URL (anything else: shared by replicas)."""
+    return os.environ.get(ENV_URL) or gateway.state
+
+
+def open_state(gateway: Gateway, replica_id: str, on_store_up: Callable[[bool], None] | None = None) -> TokenState:
+    url = state_url(gateway)
+    if url == "memory":
+        if on_store_up is not None:
+            on_store_up(True)
+        return LocalState()
+    from extproc.store.redis_state import RedisState
+
+    return RedisState(url, replica_id=replica_id, fail_closed=gateway.state_fail_closed, on_store_up=on_store_up)

@@ -1,0 +1,484 @@
+"""TPM/RPM shared by every replica: the bucket in Redis, a local lease per replica.
+
+The TokenState seam (``extproc.policy.state``) with the buckets in Redis: one Lua
+script per exchange (``scripts.EXCHANGE``, Redis ``TIME`` as the clock, debt allowed,
+settles exact). A replica admits from its local lease (``extproc.policy.lease``)
+synchronously, as fast as ``LocalState``; when the lease cannot cover a request,
+``admit`` returns an awaitable and the request waits for one exchange, which carries
+every request of that tenant waiting at that moment, the settles not yet sent, and
+brings back a new lease. A background task sends settles within ``flush_s``, refills
+leases running low ahead of need, renews expiring ones and heartbeats the registry.
+
+Redis unreachable (an error, or an exchange slower than ``admit_wait_s``): the store's
+breaker opens, ``sluice_state_store_up`` drops to 0, and admission continues from
+unexpired leases, then from a local share of the bucket (limit / the most replicas
+seen in the last registry ttl), or is refused (``fail_closed``). A probe every
+``probe_s`` closes the breaker; every charge made meanwhile reaches Redis in the
+tenant's next exchange, before Redis admits anything beyond the local share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+
+from extproc.policy.bucket import Ledger
+from extproc.policy.gate import RateView, Verdict
+from extproc.policy.lease import TenantLease, local_share
+from extproc.policy.model import Limits
+from extproc.store.breaker import StoreBreaker
+from extproc.store.registry import Registry
+from extproc.store.scripts import EXCHANGE
+
+log = logging.getLogger("sluice.store")
+
+ADMITTED = "admitted"
+FALLBACK = "fallback"
+STORE_ERRORS = (redis.RedisError, OSError, asyncio.TimeoutError)
+
+
+def connect(url: str, socket_timeout_s: float) -> aioredis.Redis:
+    from redis.asyncio.retry import Retry
+
+    return aioredis.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
+                             retry=Retry(NoBackoff(), 0), health_check_interval=0)
+
+
+def _f(x: Any) -> float:
+    return float(x.decode() if isinstance(x, bytes) else x)
+
+
+class RedisState:
+    """TokenState over Redis; see the module docstring."""
+
+    shared = True
+
+    def __init__(self, url: str | None = None, *, client: aioredis.Redis | None = None, replica_id: str,
+                 prefix: str = "sluice", caller_clock: bool = False, background: bool = True,
+                 lease_ttl_s: float = 5.0, flush_s: float = 0.05, registry_ttl_s: float = 10.0,
+                 admit_wait_s: float = 0.008, socket_timeout_s: float = 0.1, probe_s: float = 0.05,
+                 slice_fraction: float = 0.1, holder_grace_s: float = 3600.0, fail_closed: bool = False,
+                 on_store_up: Callable[[bool], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if client is None:
+            if url is None:
+                raise ValueError("RedisState needs a url or a client")
+            client = connect(url, socket_timeout_s)
+        self.url, self.client, self.prefix = url, client, prefix
+        self.caller_clock, self.background = caller_clock, background
+        self.lease_ttl_s, self.flush_s, self.admit_wait_s = lease_ttl_s, flush_s, admit_wait_s
+        self.probe_s, self.slice_fraction, self.holder_grace_s = probe_s, slice_fraction, holder_grace_s
+        self.fail_closed, self.clock, self.socket_timeout_s = fail_closed, clock, socket_timeout_s
+        self.ledger = Ledger()
+        self.in_flight = 0
+        self.registry = Registry(replica_id, prefix, registry_ttl_s)
+        self._script = client.register_script(EXCHANGE)
+        self._tenants: dict[str, TenantLease] = {}
+        self.breaker = StoreBreaker(probe_s, on_store_up, clock)
+        self.exchanges = 0  # round trips that carried at least one request (for the bench)
+        self._task: asyncio.Task[None] | None = None
+        self._register: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self._closing = False
+
+    @property
+    def up(self) -> bool:
+        return self.breaker.up
+
+    # -- the TokenState protocol ----------------------------------------------------
+    def admit(self, tenant: str, limits: Limits, cost: int, now: float, scale: float | None = None,
+              force: bool = False) -> Verdict | Awaitable[Verdict]:
+        self._ensure_started()
+        ls = self._lease(tenant, limits, scale)
+        if not force and cost > limits.burst_tokens:
+            tv, rv = ls.view(now)
+            return Verdict(False, tv, rv, "tpm_request_too_large",
+                           f"Request needs {cost} tokens, more than the {limits.burst_tokens} this key may use "
+                           "at once. Lower max_tokens or shorten the prompt.", math.inf)
+        if ls.try_spend(limits, cost, ls.scale, now):
+            if ls.low():
+                self._poke()
+            return self._admitted(ls, cost, now)
+        if force:
+            # Shadow mode keeps honest books: charged now, sent with the next exchange.
+            ls.debit += cost
+            ls.debit_r += 1
+            if ls.fallback is not None:
+                ls.fallback[0].settle(0, cost, now)
+                ls.fallback[1].settle(0, 1, now)
+            self._poke()
+            return self._admitted(ls, cost, now)
+        if not self.up:
+            return self._from_local_share(ls, cost, now)
+        return self._admit_remote(tenant, ls, cost, now)
+
+    def peek(self, tenant: str, limits: Limits, cost: int, now: float) -> Verdict:
+        """What ``admit`` would likely say, from the lease and the store's last answer: no round trip.
+
+        A refusal before any work (the body is not even read), so it refuses only on what
+        the store last said, less what this replica charged since; a tenant the store has
+        not answered for yet is let through for ``admit`` to decide.
+        """
+        ls = self._tenants.get(tenant)
+        if ls is None or ls.forgotten or ls.level_t is None:
+            return Verdict(True, *self.view(tenant, limits, now))
+        ls.limits = limits
+        tv, rv = ls.view(now)
+        # The raw level (the view floors debt at 0), less what the store has not heard yet.
+        level = ls.fallback[0].remaining(now) if ls.fallback is not None else ls.estimate_t(now)
+        pending = (ls.debit - ls.sent[1]) - (ls.credit - ls.sent[0])
+        room = level + ls.lease_t - pending
+        if room >= cost and rv.remaining >= 1:
+            return Verdict(True, tv, rv)
+        tpm_wait = max(0.0, cost - room) / max(limits.tpm * ls.scale / 60.0, 1e-9)
+        rpm_wait = 0.0 if rv.remaining >= 1 else 60.0 / max(limits.rpm, 1)
+        return self._refused(ls, cost, now, tpm_wait, rpm_wait)
+
+    def spend(self, tenant: str, limits: Limits, tokens: int, now: float) -> None:
+        """Charge a refused prompt's counting: a debit sent with the next exchange."""
+        self._ensure_started()
+        ls = self._lease(tenant, limits, None)
+        ls.debit += tokens
+        if ls.fallback is not None:
+            ls.fallback[0].settle(0, tokens, now)
+        self.ledger.record_precharge(tokens)
+        self.ledger.record_settle(tokens, tokens)
+        self._poke()
+
+    def settle(self, tenant: str, reserved: int, actual: int, now: float) -> None:
+        ls = self._tenants.get(tenant)
+        if ls is not None and not ls.forgotten:
+            if reserved >= actual:
+                ls.credit += reserved - actual
+            else:
+                ls.debit += actual - reserved
+            if ls.fallback is not None:
+                ls.fallback[0].settle(reserved, actual, now)
+        self.ledger.record_settle(reserved, actual)
+        self.in_flight -= 1
+
+    def view(self, tenant: str, limits: Limits, now: float) -> tuple[RateView, RateView]:
+        """The last level Redis reported, refilled since, plus this replica's lease (no round trip)."""
+        ls = self._tenants.get(tenant)
+        if ls is None or ls.forgotten:
+            return (RateView(limits.tpm, limits.burst_tokens, 0.0), RateView(limits.rpm, limits.rpm, 0.0))
+        ls.limits = limits
+        return ls.view(now)
+
+    def forget(self, keep: set[str]) -> None:
+        """Tenants gone from the policy: their leases go back with a last exchange."""
+        for name, ls in self._tenants.items():
+            if name not in keep:
+                ls.forgotten = True
+        self._poke()
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        buckets = {}
+        for name, ls in self._tenants.items():
+            if not ls.forgotten:
+                tv, rv = ls.view(now)
+                buckets[name] = {"tokens": tv.remaining, "requests": rv.remaining}
+        return {
+            "in_flight": self.in_flight,
+            "ledger": {"precharged": self.ledger.precharged, "charged": self.ledger.charged,
+                       "refunded": self.ledger.refunded, "excess": self.ledger.excess,
+                       "outstanding": self.ledger.outstanding, "balanced": self.ledger.balanced()},
+            "buckets": buckets,
+            "store": {"kind": "redis", "up": self.up, "member": self.registry.member,
+                      "replicas": self.registry.live, "trips": self.breaker.trips},
+        }
+
+    # -- local pieces ---------------------------------------------------------------
+    def _lease(self, tenant: str, limits: Limits, scale: float | None) -> TenantLease:
+        ls = self._tenants.get(tenant)
+        if ls is None:
+            ls = self._tenants[tenant] = TenantLease(limits)
+        ls.forgotten = False
+        ls.limits = limits
+        if scale is not None:
+            ls.scale = scale
+        return ls
+
+    def _admitted(self, ls: TenantLease, cost: int, now: float) -> Verdict:
+        self.ledger.record_precharge(cost)
+        self.in_flight += 1
+        tv, rv = ls.view(now)
+        return Verdict(True, tv, rv)
+
+    def _refused(self, ls: TenantLease, cost: int, now: float, tpm_wait: float, rpm_wait: float) -> Verdict:
+        tv, rv = ls.view(now)
+        lim = ls.limits
+        if rpm_wait >= tpm_wait:
+            return Verdict(False, tv, rv, "rpm", f"Rate limit reached: {lim.rpm} requests per minute.", rpm_wait)
+        return Verdict(False, tv, rv, "tpm",
+                       f"Rate limit reached: {lim.tpm} tokens per minute; this request needs {cost}.", tpm_wait)
+
+    def _from_local_share(self, ls: TenantLease, cost: int, now: float) -> Verdict:
+        n = self.registry.most_seen(now)
+        if self.fail_closed or n is None:
+            tv, rv = ls.view(now)
+            return Verdict(False, tv, rv, "state_store_down",
+                           "The shared rate-limit store is unreachable; retry shortly.", 1.0)
+        if ls.fallback is None:
+            ls.fallback = local_share(ls, ls.limits, n, now)
+        tb, rb = ls.fallback
+        need = min(tb.capacity, cost + ls.headroom(ls.limits, ls.scale) / n)
+        rpm_wait = max(0.0, 1 - rb.remaining(now)) / max(rb.rate_per_s, 1e-9)
+        tpm_wait = max(0.0, need - tb.remaining(now)) / max(tb.rate_per_s, 1e-9)
+        if rpm_wait > 0 or tpm_wait > 0:
+            return self._refused(ls, cost, now, tpm_wait, rpm_wait)
+        tb.settle(0, cost, now)
+        rb.settle(0, 1, now)
+        ls.debit += cost
+        ls.debit_r += 1
+        return self._admitted(ls, cost, now)
+
+    # -- exchanges with Redis --------------------------------------------------------
+    async def _admit_remote(self, tenant: str, ls: TenantLease, cost: int, now: float) -> Verdict:
+        if not self.registry.member and not await self._registered(now):
+            return self._from_local_share(ls, cost, now)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        ls.waiters.append((cost, fut))
+        if ls.inflight is None:
+            self._begin(tenant, ls, now)
+        got = await fut
+        if got == ADMITTED:
+            return self._admitted(ls, cost, now)
+        if got == FALLBACK:
+            return self._from_local_share(ls, cost, now)
+        return self._refused(ls, cost, now, *got)
+
+    def _args(self, ls: TenantLease, now: float, costs: list[int], want: bool) -> list[str]:
+        lim, scale = ls.limits, ls.scale
+        cap_t = max(1, math.floor(self.slice_fraction * lim.burst_tokens))
+        cap_r = max(1, math.floor(self.slice_fraction * lim.rpm))
+        c0, d0, r0 = ls.sent
+        nums = (float(lim.burst_tokens), lim.tpm * scale / 60.0, float(lim.rpm), lim.rpm / 60.0,
+                ls.spent_t, ls.spent_r, ls.credit, ls.debit, ls.debit_r, c0, d0, r0,
+                ls.headroom(lim, scale), self.lease_ttl_s, self.registry.live, cap_t, cap_r, 1 if want else 0,
+                self.holder_grace_s, ls.estimate_t(now), ls.estimate_r(now))
+        return [self.registry.member, repr(now) if self.caller_clock else "", " ".join(map(repr, nums)),
+                " ".join(map(str, costs))]
+
+    def _begin(self, tenant: str, ls: TenantLease, now: float, want: bool = True) -> None:
+        """Send one exchange carrying every request of this tenant waiting now."""
+        waiters, ls.waiters = ls.waiters, []
+        want = want and not ls.forgotten and not self._closing
+        args = self._args(ls, now, [c for c, _ in waiters], want)
+        sent = (ls.credit, ls.debit, ls.debit_r)
+        # The lease goes back with this exchange: nothing more is spent from it.
+        ls.granted_t, ls.granted_r = ls.spent_t, ls.spent_r
+        ls.lease_limits, ls.lease_scale = ls.limits, ls.scale
+        if waiters:
+            self.exchanges += 1
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self._exchange(tenant, ls, args, waiters, sent, now))
+        ls.inflight = task
+        self._arm(loop, ls, task, waiters, loop.time() + self.admit_wait_s)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, ls: TenantLease, task: asyncio.Task[None],
+             waiters: list[tuple[int, Any]], due: float) -> None:
+        watchdog = loop.call_at(due, self._overdue, loop, ls, task, waiters, due)
+        task.add_done_callback(lambda _: watchdog.cancel())
+
+    async def _exchange(self, tenant: str, ls: TenantLease, args: list[str], waiters: list[tuple[int, Any]],
+                        sent: tuple[float, float, float], now: float) -> None:
+        try:
+            reply = await self._script(keys=[f"{self.prefix}:tb:{tenant}", self.registry.keys[0]], args=args)
+        except STORE_ERRORS as exc:
+            ls.inflight = None
+            self._trip(f"{type(exc).__name__}: {exc}")
+            self._release(ls, waiters)
+            return
+        except asyncio.CancelledError:
+            ls.inflight = None
+            self._release(ls, waiters)  # nobody waits forever on an exchange that will not finish
+            raise
+        ls.inflight = None
+        self._answered()
+        tl, rl, g, q = (_f(x) for x in reply[:4])
+        self.registry.observe(int(_f(reply[4])), self.clock())
+        ls.level_t, ls.level_r, ls.seen_at = tl, rl, now
+        ls.granted_t, ls.granted_r = g, q
+        ls.sent = sent
+        ls.expires = now + self.lease_ttl_s * 0.9  # Redis's deadline is later: its clock started after ours
+        ls.fallback = None  # reconciled: every charge made without Redis is in its books now
+        for i, (cost, fut) in enumerate(waiters):
+            tw, rw = _f(reply[5 + 2 * i]), _f(reply[6 + 2 * i])
+            if tw == 0 and rw == 0:
+                # Redis counts what it admitted as spent at once (only the slice is a lease).
+                ls.spent_t += cost
+                ls.spent_r += 1
+                if fut.done():
+                    ls.credit += cost  # the request left (or fell back): its tokens go back as a refund
+                else:
+                    fut.set_result(ADMITTED)
+            elif not fut.done():
+                fut.set_result((tw, rw))
+        ls.last_slice = ls.lease_t
+        ls.spent_at_grant = ls.spent_t
+        if ls.waiters and self.up:
+            self._begin(tenant, ls, self.clock() if not self.caller_clock else now)
+
+    def _overdue(self, loop: asyncio.AbstractEventLoop, ls: TenantLease, task: asyncio.Task[None],
+                 waiters: list[tuple[int, Any]], due: float, rechecks: int = 0) -> None:
+        if task.done():
+            return
+        lag = loop.time() - due
+        if lag > self.admit_wait_s / 4 and rechecks < 4:
+            # This loop was busy, not Redis slow: a reply may be read and not yet handled.
+            self._arm_recheck(loop, ls, task, waiters, rechecks)
+            return
+        if rechecks == 0:
+            # One more turn of the loop: a reply read in this turn wakes its task in the next.
+            loop.call_soon(self._overdue, loop, ls, task, waiters, loop.time(), 4)
+            return
+        self._trip(f"no answer within {self.admit_wait_s * 1000:.0f} ms")
+        self._release(ls, waiters)
+
+    def _arm_recheck(self, loop: asyncio.AbstractEventLoop, ls: TenantLease, task: asyncio.Task[None],
+                     waiters: list[tuple[int, Any]], rechecks: int) -> None:
+        due = loop.time() + self.admit_wait_s / 4
+        watchdog = loop.call_at(due, self._overdue, loop, ls, task, waiters, due, rechecks + 1)
+        task.add_done_callback(lambda _: watchdog.cancel())
+
+    def _release(self, ls: TenantLease, carried: list[tuple[int, Any]]) -> None:
+        waiting, ls.waiters = ls.waiters, []
+        for _, fut in [*carried, *waiting]:
+            if not fut.done():
+                fut.set_result(FALLBACK)
+
+    def _trip(self, why: str) -> None:
+        self.breaker.trip(why)
+        for ls in self._tenants.values():
+            self._release(ls, [])
+
+    def _answered(self) -> None:
+        if self.breaker.answered():
+            self._poke()  # reconcile every tenant that ran on its local share
+
+    async def _beat(self, now: float) -> None:
+        fenced = await self.registry.beat(self.client, repr(now) if self.caller_clock else "", self.clock())
+        if fenced:
+            for ls in self._tenants.values():  # what the old member held is gone
+                ls.granted_t, ls.granted_r = ls.spent_t, ls.spent_r
+
+    async def _first_contact(self, now: float) -> None:
+        await self._beat(now)
+        await self.client.script_load(EXCHANGE)  # so no exchange pays for compiling it
+
+    async def _registered(self, now: float) -> bool:
+        if self._register is None or self._register.done():
+            self._register = asyncio.get_running_loop().create_task(self._first_contact(now))
+        # The first contact connects and loads the script: allow it the socket timeout.
+        done, _ = await asyncio.wait({self._register}, timeout=max(self.admit_wait_s, 3 * self.socket_timeout_s))
+        if not done or self._register.exception() is not None:
+            self._trip("registration failed" if done else "registration timed out")
+            return False
+        return True
+
+    # -- the background task ----------------------------------------------------------
+    def start(self) -> None:
+        """Register and start the background task now, if an event loop runs (else at first use)."""
+        self._ensure_started()
+
+    def _ensure_started(self) -> None:
+        if self._task is not None or not self.background or self._closing:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._wake = asyncio.Event()
+        self._task = loop.create_task(self._run())
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while not self._closing:
+            now = self.clock()
+            if not self.registry.member:
+                await self._registered(now)  # shared with a request that may be registering too
+            elif self.up and self.registry.due(now) or self.breaker.probe_due(now):
+                try:
+                    await asyncio.wait_for(self._beat(now), timeout=max(self.probe_s, 0.05))
+                except STORE_ERRORS as exc:
+                    self._trip(f"heartbeat: {type(exc).__name__}: {exc}")
+                else:
+                    self._answered()
+            if self.up:
+                await self.sync(self.clock(), only_due=True)
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.flush_s)
+
+    async def sync(self, now: float, tenants: list[str] | None = None, only_due: bool = False) -> None:
+        """One exchange for each tenant that needs one (settles to send, a lease low or expiring)."""
+        if not self.registry.member and not await self._registered(now):
+            return
+        tasks = []
+        for name in list(self._tenants) if tenants is None else tenants:
+            ls = self._tenants.get(name)
+            if ls is None:
+                continue
+            if ls.inflight is None and self.up:
+                expiring = ls.lease_t > 0 and now > ls.expires - self.lease_ttl_s / 3
+                due = ls.forgotten or ls.dirty() or ls.low() or ls.fallback is not None or expiring
+                if due or not only_due:
+                    # A lease nobody touched since it was granted goes back without a new one:
+                    # idle tenants cost no round trips.
+                    idle = expiring and ls.spent_t == ls.spent_at_grant and not ls.dirty()
+                    self._begin(name, ls, now, want=not (only_due and idle))
+            if ls.inflight is not None:
+                tasks.append(ls.inflight)
+        if tasks:
+            await asyncio.wait(tasks)
+        for name in list(self._tenants):
+            ls = self._tenants[name]
+            if ls.forgotten and ls.inflight is None and not ls.dirty() and ls.lease_t == 0 and not ls.waiters:
+                del self._tenants[name]
+
+    async def aclose(self) -> None:
+        """Give every lease back and leave the registry (a clean shutdown)."""
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.up and self.registry.member:
+            with contextlib.suppress(*STORE_ERRORS):
+                await self.sync(self.clock() if not self.caller_clock else 0.0)
+                await self.client.zrem(self.registry.keys[0], self.registry.member)
+
+    def close(self) -> None:
+        """Synchronous shutdown for ``Runtime.close``: leases back through a blocking client."""
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+        if self.url is None or not self.registry.member:
+            return
+        try:
+            c = redis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+            script = c.register_script(EXCHANGE)
+            now = self.clock()
+            for name, ls in self._tenants.items():
+                if ls.inflight is None and (ls.lease_t > 0 or ls.dirty()):
+                    script(keys=[f"{self.prefix}:tb:{name}", self.registry.keys[0]],
+                           args=self._args(ls, now, [], want=False))
+            c.zrem(self.registry.keys[0], self.registry.member)
+            c.close()
+        except (redis.RedisError, OSError) as exc:
+            log.warning("state store: leases not returned at shutdown (%s); they expire in %.0fs",
+                        exc, self.lease_ttl_s)

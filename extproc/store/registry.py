@@ -1,0 +1,65 @@
+"""Which replicas are alive: a sorted set scored by Redis-time deadlines.
+
+Each replica registers once (its member is ``<replica id>#<epoch>``, the epoch from
+``INCR``) and renews every ttl/3. A member not renewed within the ttl is dropped by
+the next heartbeat of anyone; the replica it belonged to is fenced: its next
+heartbeat registers it again under a new epoch, and what it held under the old
+member (leases) is no longer its.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any
+
+from extproc.store.scripts import HEARTBEAT
+
+log = logging.getLogger("sluice.store")
+
+
+class Registry:
+    def __init__(self, replica_id: str, prefix: str, ttl_s: float = 10.0) -> None:
+        self.replica_id = replica_id
+        self.ttl_s = ttl_s
+        self.keys = [f"{prefix}:replicas", f"{prefix}:epoch"]
+        self.member = ""
+        self.live = 1
+        self.beat_at = -float("inf")  # local time of the last successful heartbeat
+        self._seen: deque[tuple[float, int]] = deque()
+
+    def due(self, now: float) -> bool:
+        return now - self.beat_at >= self.ttl_s / 3
+
+    def args(self, script_now: str) -> list[str]:
+        return [self.replica_id, self.member, repr(self.ttl_s), script_now]
+
+    def record(self, reply: list[Any], now: float) -> bool:
+        """Take a heartbeat's reply; True when this replica was fenced (its old member expired)."""
+        member, live, fenced = reply
+        self.member = member.decode() if isinstance(member, bytes) else str(member)
+        self.live = max(1, int(live))
+        self.beat_at = now
+        self.observe(self.live, now)
+        if int(fenced):
+            log.warning("state store: replica %s was fenced (its registration expired or Redis lost it); "
+                        "registered again as %s", self.replica_id, self.member)
+        return bool(int(fenced))
+
+    def observe(self, live: int, now: float) -> None:
+        """A live count that came back with an exchange."""
+        self.live = max(1, live)
+        self._seen.append((now, self.live))
+        while self._seen and self._seen[0][0] < now - self.ttl_s:
+            self._seen.popleft()
+
+    def most_seen(self, now: float) -> int | None:
+        """The largest replica count seen in the last ttl (None before the first heartbeat)."""
+        if not self._seen:
+            return None
+        recent = [n for t, n in self._seen if t >= now - self.ttl_s]
+        return max(recent) if recent else self._seen[-1][1]
+
+    async def beat(self, client: Any, script_now: str, now: float) -> bool:
+        reply = await client.eval(HEARTBEAT, 2, *self.keys, *self.args(script_now))
+        return self.record(reply, now)
