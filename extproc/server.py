@@ -35,7 +35,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         how = "disconnect"
         try:
             while (request := await peer.next()) is not None:
-                async for response in stream.handle(request):
+                phase = request.WhichOneof("request") or "unknown"
+                if phase == "request_body":
+                    async for response in stream.handle_body(request):
+                        yield response
+                elif (response := stream.handle(phase, request)) is not None:
                     yield response
                 if stream.finished:
                     how = "rejected"

@@ -72,39 +72,57 @@ class StreamProcessor:
         self.tracker: SSETracker | JSONTracker | None = None
 
     # -- dispatch -----------------------------------------------------------
-    async def handle(self, request: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingResponse]:
-        phase = request.WhichOneof("request") or "unknown"
-        timer = self.rt.metrics.child(self.rt.metrics.phase_seconds, phase)
+    # One synchronous call per message; only the request body (token counting off the
+    # event loop, a wait in the admission queue) is awaited, once per request.
+    def handle(self, phase: str, request: pb.ProcessingRequest) -> pb.ProcessingResponse | None:
+        """Answer a message of any phase but the request body (see ``handle_body``)."""
         t0 = time.perf_counter()
         try:
-            async for response in self._dispatch(phase, request):
+            response = self._dispatch(phase, request)
+        except Reject as rej:
+            response = self._rejected(rej)
+        if response is not None:
+            self._timed(phase, t0)
+        return response
+
+    async def handle_body(self, request: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingResponse]:
+        """The request body's answers: a queue hint first when the request must wait."""
+        t0 = time.perf_counter()
+        try:
+            async for response in self.on_request_body(request.request_body):
                 # Timed up to the answer: not the time gRPC takes to send it.
-                timer.observe(time.perf_counter() - t0)
+                self._timed("request_body", t0)
                 yield response
                 t0 = time.perf_counter()
         except Reject as rej:
-            if rej.reason == "client_gone":
-                self.settle("rejected")  # never reached the backend: nothing to bill
-            else:
-                response = self.reject(rej)
-                timer.observe(time.perf_counter() - t0)
+            response = self._rejected(rej)
+            if response is not None:
+                self._timed("request_body", t0)
                 yield response
-            self.finished = True
 
-    async def _dispatch(self, phase: str, request: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingResponse]:
-        if phase == "request_headers":
-            yield self.on_request_headers(request.request_headers)
-        elif phase == "request_body":
-            async for response in self.on_request_body(request.request_body):
-                yield response
-        elif phase == "response_headers":
-            yield self.on_response_headers(request.response_headers)
-        elif phase == "response_body":
+    def _timed(self, phase: str, t0: float) -> None:
+        m = self.rt.metrics
+        m.child(m.phase_seconds, phase).observe(time.perf_counter() - t0)
+
+    def _rejected(self, rej: Reject) -> pb.ProcessingResponse | None:
+        self.finished = True
+        if rej.reason == "client_gone":
+            self.settle("rejected")  # never reached the backend: nothing to bill
+            return None
+        return self.reject(rej)
+
+    def _dispatch(self, phase: str, request: pb.ProcessingRequest) -> pb.ProcessingResponse | None:
+        if phase == "response_body":
             if self.tracker is None and self.admitted and not self.settled:
                 self._start_response(request)
-            yield self.on_response_body(request.response_body)
-        elif phase.endswith("trailers"):
-            yield pb.ProcessingResponse(**{phase: pb.TrailersResponse()})
+            return self.on_response_body(request.response_body)
+        if phase == "request_headers":
+            return self.on_request_headers(request.request_headers)
+        if phase == "response_headers":
+            return self.on_response_headers(request.response_headers)
+        if phase.endswith("trailers"):
+            return pb.ProcessingResponse(**{phase: pb.TrailersResponse()})
+        return None
 
     def reject(self, rej: Reject) -> pb.ProcessingResponse:
         # Anything held by a request refused after its pre-charge goes back first.

@@ -55,7 +55,10 @@ async def exchange(rt: Runtime, *messages: pb.ProcessingRequest) -> list[pb.Proc
     sp = StreamProcessor(rt, peer=None)  # type: ignore[arg-type]  # no queueing in these tests
     out = []
     for m in messages:
-        async for r in sp.handle(m):
+        phase = m.WhichOneof("request")
+        if phase == "request_body":
+            out += [r async for r in sp.handle_body(m)]
+        elif (r := sp.handle(phase, m)) is not None:
             out.append(r)
         if sp.finished:
             break
