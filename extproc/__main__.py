@@ -86,7 +86,8 @@ def _envoy_config(args: argparse.Namespace) -> int:
                         extproc_host=ehost, extproc_port=eport,
                         failure_mode_allow=policy.gateway.failure_mode_allow,
                         message_timeout_ms=policy.gateway.message_timeout_ms,
-                        max_body_bytes=policy.gateway.max_body_bytes)
+                        max_body_bytes=policy.gateway.max_body_bytes,
+                        response_processing=policy.gateway.response_processing)
     routes = [BackendRoute(b.name, b.host, b.port, tuple(m.name for m in b.models)) for b in policy.backends]
     write_config(args.output, routes, opts)
     print(f"wrote {args.output}")

@@ -19,6 +19,7 @@ import tiktoken
 
 from extproc import tokens
 from extproc.backends import BackendRuntime
+from extproc.estimate import DecodeRates
 from extproc.metrics import Metrics
 from extproc.policy.gate import LocalState
 from extproc.policy.schema import Policy
@@ -47,6 +48,7 @@ class Runtime:
         self.tenant_in_flight: Counter[str] = Counter()
         self.rejections: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self.degradations: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        self.decode_rates = DecodeRates()  # for usage estimates when none arrives
         self._load_encodings(policy)
         self._sync_backends(policy)
         self.metrics.policy_ok.set(1)

@@ -15,9 +15,12 @@ from collections.abc import AsyncIterator
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc import envoy_usage
 from extproc import messages as msg
 from extproc.admission import Admission, Reject, Ticket
+from extproc.envoy_usage import EnvoyUsage
 from extproc.errors import REASONS, error_body, format_duration, retry_after_headers
+from extproc.estimate import completion_estimate
 from extproc.openai_body import BadRequest, ParsedRequest, parse_request, path_kind, upstream_body
 from extproc.peer import PeerStream
 from extproc.policy.breaker import outcome_for_status
@@ -31,6 +34,8 @@ log = logging.getLogger("sluice.stream")
 KEY_HEADERS = ("authorization", "x-api-key")
 REQUEST_HEADERS = frozenset({":path", ":method", "content-length", *KEY_HEADERS})
 RESPONSE_HEADERS = frozenset({":status", "content-type"})
+_HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+_TRAILERS_CONTINUE = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 
 def api_key(headers: dict[str, str]) -> str | None:
@@ -70,6 +75,9 @@ class StreamProcessor:
         self.first_byte_s: float | None = None
         self.forwarded = False  # the request went on to the backend
         self.tracker: SSETracker | JSONTracker | None = None
+        # usage_trailers path: Envoy's usage record, and whether the body is SSE
+        self.envoy_usage: EnvoyUsage | None = None
+        self.sse = False
 
     # -- dispatch -----------------------------------------------------------
     # One synchronous call per message; only the request body (token counting off the
@@ -120,6 +128,8 @@ class StreamProcessor:
             return self.on_request_headers(request.request_headers)
         if phase == "response_headers":
             return self.on_response_headers(request.response_headers)
+        if phase == "response_trailers":
+            return self.on_response_trailers(request)
         if phase.endswith("trailers"):
             return pb.ProcessingResponse(**{phase: pb.TrailersResponse()})
         return None
@@ -220,6 +230,8 @@ class StreamProcessor:
         out_headers = ratelimit_headers(verdict.tokens, verdict.requests)
         if ticket.degraded:
             out_headers["x-sluice-degraded"] = ",".join(ticket.degraded)
+        if req.stream and not req.usage_requested:
+            out_headers[envoy_usage.HIDE_USAGE_KEY] = "1"  # Envoy's Lua filter drops the usage chunk
         self.forwarded = True
         yield msg.body_response("request_body", new_body, set_headers, remove, clear_route_cache=True,
                                 metadata={msg.METADATA_NAMESPACE: out_headers})
@@ -272,29 +284,25 @@ class StreamProcessor:
             self.tracker = JSONTracker()
 
     def on_response_headers(self, h: pb.HttpHeaders) -> pb.ProcessingResponse:
-        """Used only when Envoy is configured to send response headers."""
+        """response_processing usage_trailers: status and first byte; the body bypasses us."""
         headers = msg.header_map(h, RESPONSE_HEADERS)
         try:
             self.status = int(headers.get(":status", "0"))
         except ValueError:
             self.status = 0
         self.first_byte_s = self.rt.clock()
-        set_headers: dict[str, str] = {}
-        if self.tenant is not None and self.limits is not None:
-            tv, rv = self.rt.state.view(self.tenant.name, self.limits, self.rt.clock())
-            set_headers.update(ratelimit_headers(tv, rv))
-        if self.ticket is not None and self.ticket.degraded:
-            set_headers["x-sluice-degraded"] = ",".join(self.ticket.degraded)
-        if self.admitted:
-            ctype = headers.get("content-type", "")
-            if "text/event-stream" in ctype:
-                assert self.req is not None
-                self.tracker = SSETracker(drop_usage_chunk=self.req.stream and not self.req.usage_requested)
-            else:
-                self.tracker = JSONTracker()
-            if h.end_of_stream:
-                self.settle("end_of_stream")
-        return msg.headers_response("response_headers", set_headers)
+        self.sse = "text/event-stream" in headers.get("content-type", "")
+        # Envoy synthesizes trailers only for a successful response it read the usage
+        # of: an error response has nothing to bill and its end is not waited for.
+        if self.admitted and (h.end_of_stream or self.status >= 400):
+            self.settle("end_of_stream")
+        return _HEADERS_CONTINUE
+
+    def on_response_trailers(self, request: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        """The one message at a clean end of a response, carrying Envoy's usage record."""
+        self.envoy_usage = envoy_usage.usage_from_metadata(request)
+        self.settle("end_of_stream")
+        return _TRAILERS_CONTINUE
 
     def on_response_body(self, b: pb.HttpBody) -> pb.ProcessingResponse:
         replacement = None
@@ -360,10 +368,18 @@ class StreamProcessor:
     def _actual_usage(self, how: str) -> int:
         tr = self.tracker
         if tr is not None and tr.usage is not None:
+            self._learn_rate(tr.usage.completion_tokens)
             return tr.usage.total
+        eu = self.envoy_usage
+        if eu is not None and eu.input_tokens is not None and eu.output_tokens is not None:
+            self._learn_rate(eu.output_tokens)
+            return eu.input_tokens + eu.output_tokens
         if how == "end_of_stream" and self.status >= 400:
             # The backend refused or failed before generating: nothing to bill.
             return 0
+        if tr is None and self.first_byte_s is not None and self.status:
+            # usage_trailers: a successful response whose usage never came (see estimate).
+            return self.prompt_tokens + self._estimated_completion()
         if tr is None:
             # Never got response headers (upstream reset, disconnect while waiting):
             # the backend may have done the prefill, so the prompt counts.
@@ -371,3 +387,18 @@ class StreamProcessor:
         model = self.ticket.model if self.ticket is not None else None
         assert model is not None
         return self.prompt_tokens + self.rt.count_tokens_now(model.encoding, tr.texts)
+
+    def _estimated_completion(self) -> int:
+        t, req, first = self.ticket, self.req, self.first_byte_s
+        assert t is not None and req is not None and first is not None
+        now = self.rt.clock()
+        seconds = now - first if self.sse else first - t.admitted_at
+        return completion_estimate(max(0, self.reserved - self.prompt_tokens), req.n,
+                                   self.rt.decode_rates.rate(t.model.name), seconds)
+
+    def _learn_rate(self, actual_completion: int) -> None:
+        """A stream that reported its usage teaches the model's decode rate."""
+        t, req, first = self.ticket, self.req, self.first_byte_s
+        if t is None or req is None or first is None or not req.stream:
+            return
+        self.rt.decode_rates.observe(t.model.name, actual_completion, req.n, self.rt.clock() - first)

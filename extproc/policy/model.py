@@ -29,6 +29,9 @@ class Gateway:
     message_timeout_ms: int = 5000
     image_token_estimate: int = 765
     shadow: tuple[str, ...] = ()
+    # "usage_trailers": Envoy reads the usage, extproc gets one message per response;
+    # "streamed": every response chunk goes through extproc (per-chunk inspection)
+    response_processing: str = "usage_trailers"
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,8 @@ def _gateway(r: Reader, doc: Any) -> Gateway:
         message_timeout_ms=r.get(m, path, "message_timeout_ms", int, d.message_timeout_ms, minimum=100),
         image_token_estimate=r.get(m, path, "image_token_estimate", int, d.image_token_estimate, minimum=0),
         shadow=_shadow(r, m, path),
+        response_processing=r.get(m, path, "response_processing", str, d.response_processing,
+                                  choices=("usage_trailers", "streamed")),
     )
 
 

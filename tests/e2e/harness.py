@@ -123,7 +123,8 @@ class Stack:
         gw = self.policy_doc["gateway"]
         opts = EnvoyOptions(listen_port=self.envoy_port, admin_port=self.envoy_admin_port,
                             extproc_port=self.grpc_port, max_body_bytes=gw.get("max_body_bytes", 1 << 20),
-                            message_timeout_ms=gw.get("message_timeout_ms", 5000))
+                            message_timeout_ms=gw.get("message_timeout_ms", 5000),
+                            response_processing=gw.get("response_processing", "usage_trailers"))
         routes = [BackendRoute("sim", "127.0.0.1", self.sim_port)]
         cfg = write_config(self.workdir / "envoy.yaml", routes, opts)
         p = Proc("envoy", [envoy_binary(), "-c", str(cfg), "--disable-hot-restart", "-l", "warning",
