@@ -150,6 +150,7 @@ local function is_usage(event)
   return event:find('"choices"%s*:%s*%[%s*%]') ~= nil and event:find('"usage"%s*:%s*{') ~= nil
 end
 
+-- Complete events of data minus the usage-only ones, and the unfinished tail.
 local function split(data)
   local kept, start = {}, 1
   while true do
@@ -167,11 +168,16 @@ function envoy_on_response(handle)
   if md == nil or md["hide_usage"] ~= "1" then return end
   local held = ""
   for chunk in handle:bodyChunks() do
-    local data = held .. chunk:getBytes(0, chunk:length())
-    local out
-    out, held = split(data)
-    if #held > 1048576 then out, held = out .. held, "" end
-    if #out ~= chunk:length() or held ~= "" then chunk:setBytes(out) end
+    local n = chunk:length()
+    local data = chunk:getBytes(0, n)
+    -- The common chunk: whole events, none with a usage object. Passed on untouched.
+    if held ~= "" or data:find('"usage":{', 1, true) ~= nil or data:find('"usage": {', 1, true) ~= nil
+        or data:sub(-2) ~= "\n\n" then
+      local out
+      out, held = split(held .. data)
+      if #held > 1048576 then out, held = out .. held, "" end
+      chunk:setBytes(out)
+    end
   end
 end
 """
