@@ -113,9 +113,11 @@ def phase_rows(by_load: dict[str, Hist]) -> list[Row]:
     return rows
 
 
-_PHASE_ORDER = {"request_headers": 0, "request_body": 1, "response_headers": 2, "response_body": 3}
+_PHASE_ORDER = {"request_headers": 0, "request_body": 1, "response_headers": 2, "response_body": 3,
+                "response_trailers": 4}
 _LOG_PHASES = (("request_header_latency_us", "request headers"), ("request_body_total_latency_us", "request body"),
-               ("response_header_latency_us", "response headers"), ("response_body_total_latency_us", "response body"))
+               ("response_header_latency_us", "response headers"), ("response_body_total_latency_us", "response body"),
+               ("response_trailer_latency_us", "response trailers"))
 
 
 def access_log_rows(logs: dict[str, Path], tag: str = "c1") -> list[Row]:
