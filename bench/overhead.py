@@ -151,7 +151,8 @@ class Stack:
             opts = EnvoyOptions(listen_port=self.listen[c], admin_port=self.envoy_admin[c],
                                 extproc_port=self.grpc_port if c == "c" else self.pt_port,
                                 max_body_bytes=gw["max_body_bytes"], message_timeout_ms=gw["message_timeout_ms"],
-                                response_processing=self.response_processing)
+                                # (a) has no ext_proc, so no usage filters either: the streamed shape
+                                response_processing="streamed" if c == "a" else self.response_processing)
             cfg = render_bootstrap([BackendRoute("fast", "127.0.0.1", self.backend_port, (MODEL,))], opts)
             if c == "a":
                 cfg = strip_ext_proc(cfg)
