@@ -3,7 +3,9 @@
 Every POST streams ``x-paced-events`` chat-completion chunks (default 200), one per
 ``x-paced-interval-ms`` (default 20), each its own HTTP/1.1 chunk; then the usage-only
 chunk if the body asked for ``stream_options.include_usage`` (Sluice does, on the
-client's behalf), then ``data: [DONE]``. A raw asyncio protocol, so the backend costs
+client's behalf), then ``data: [DONE]``. ``x-paced-split-usage: 1`` writes the usage
+event in two pieces 50 ms apart, glued to the events around it (a proxy must hold the
+unfinished event back to remove it whole). A raw asyncio protocol, so the backend costs
 little next to the gateway being measured (``bench.response_cost``).
 
     python -m bench.pacedbackend --port 8003
@@ -68,10 +70,11 @@ class _Conn(asyncio.Protocol):
         events = int(headers.get(b"x-paced-events", b"200"))
         interval = float(headers.get(b"x-paced-interval-ms", b"20")) / 1000
         usage = b'"include_usage":true' in body.replace(b" ", b"")
+        split = headers.get(b"x-paced-split-usage") == b"1"
         self.busy = True
-        asyncio.get_running_loop().create_task(self._stream(events, interval, usage))
+        asyncio.get_running_loop().create_task(self._stream(events, interval, usage, split))
 
-    async def _stream(self, events: int, interval: float, usage: bool) -> None:
+    async def _stream(self, events: int, interval: float, usage: bool, split: bool = False) -> None:
         t = self.transport
         assert t is not None
         t.write(HEAD)
@@ -83,6 +86,13 @@ class _Conn(asyncio.Protocol):
             t.write(_chunk(EVENT))
             # Paced from the start, not from the last write: no drift under load.
             await asyncio.sleep(max(0.0, start + (i + 1) * interval - loop.time()))
+        if usage and split:
+            u = USAGE % (PROMPT_TOKENS, events, PROMPT_TOKENS + events)
+            t.write(_chunk(EVENT + u[:60]))
+            await asyncio.sleep(0.05)
+            t.write(_chunk(u[60:] + DONE) + b"0\r\n\r\n")
+            self.busy = False
+            return self._next()
         if usage:
             t.write(_chunk(USAGE % (PROMPT_TOKENS, events, PROMPT_TOKENS + events)))
         t.write(_chunk(DONE) + b"0\r\n\r\n")
