@@ -223,8 +223,8 @@ def render_markdown(rows: list[Row]) -> str:
         loads = list(dict.fromkeys(k for r in by["sluice_phases"] for k in r.values))
         out += ["### Sluice's `sluice_extproc_phase_seconds` per ext_proc message (measured phases and "
                 "their warm-ups)", "",
-                "`StreamProcessor.handle` is an async generator, so this covers the handler *and* gRPC "
-                "sending its answer (the generator resumes only after the send).", ""]
+                "Timed from the message's arrival in `StreamProcessor.handle` (or `handle_body`) to its "
+                "answer: the handler alone, not gRPC sending it.", ""]
         body = []
         for r in by["sluice_phases"]:
             cells = [r.label]
