@@ -374,6 +374,8 @@ class StreamProcessor:
         if eu is not None and eu.input_tokens is not None and eu.output_tokens is not None:
             self._learn_rate(eu.output_tokens)
             return eu.input_tokens + eu.output_tokens
+        if eu is not None and eu.total_tokens is not None:
+            return eu.total_tokens  # embeddings: prompt_tokens and total_tokens only
         if how == "end_of_stream" and self.status >= 400:
             # The backend refused or failed before generating: nothing to bill.
             return 0

@@ -90,3 +90,13 @@ def test_a_client_leaving_mid_stream_is_charged_about_what_it_received(stack: St
     assert abs(completion - received) <= 0.25 * received + 5, (completion, received)
     # The rest of the 300-token reservation went back.
     assert st["ledger"]["refunded"] - before["refunded"] > 200
+
+
+def test_embeddings_usage_arrives_in_the_trailers_too(stack: Stack) -> None:
+    before, ledger = phase_counts(stack), stack.state()["ledger"]
+    r = httpx.post(stack.url + "/v1/embeddings", json={"model": "sim-llama-8b", "input": ["one two three", "four"]},
+                   headers=AUTH, timeout=20)
+    assert r.status_code == 200, r.text
+    assert phase_counts(stack)["response_trailers"] - before.get("response_trailers", 0) == 1
+    charged = stack.wait_settled()["ledger"]["charged"] - ledger["charged"]
+    assert charged == r.json()["usage"]["total_tokens"]
