@@ -116,9 +116,10 @@ def bench_policy(backend_port: int) -> dict[str, Any]:
 class Stack:
     """Backend, pass-through ext_proc, Sluice and three Envoys, all on random ports."""
 
-    def __init__(self, workdir: Path, envoy_concurrency: int) -> None:
+    def __init__(self, workdir: Path, envoy_concurrency: int, response_processing: str = "usage_trailers") -> None:
         self.dir = workdir
         self.concurrency = envoy_concurrency
+        self.response_processing = response_processing
         self.procs: dict[str, Proc] = {}
         self.logs: dict[str, Path] = {}
         self.backend_port, self.pt_port, self.grpc_port, self.admin_port = (free_port() for _ in range(4))
@@ -149,7 +150,9 @@ class Stack:
         for c in CONFIGS:
             opts = EnvoyOptions(listen_port=self.listen[c], admin_port=self.envoy_admin[c],
                                 extproc_port=self.grpc_port if c == "c" else self.pt_port,
-                                max_body_bytes=gw["max_body_bytes"], message_timeout_ms=gw["message_timeout_ms"])
+                                max_body_bytes=gw["max_body_bytes"], message_timeout_ms=gw["message_timeout_ms"],
+                                # (a) has no ext_proc, so no usage filters either: the streamed shape
+                                response_processing="streamed" if c == "a" else self.response_processing)
             cfg = render_bootstrap([BackendRoute("fast", "127.0.0.1", self.backend_port, (MODEL,))], opts)
             if c == "a":
                 cfg = strip_ext_proc(cfg)
@@ -209,18 +212,20 @@ def context_rows(envoy_concurrency: int) -> list[Row]:
 # -- the run ----------------------------------------------------------------------------------
 def run(*, rounds: int = 3, requests: int = 1500, seconds: float = 4.0, connections: int = 16,
         envoy_concurrency: int = 1, warmup: float = 0.5, protobuf_seconds: float = 1.5,
-        keep: bool = False, log: Callable[[str], None] | None = None) -> list[Row]:
+        keep: bool = False, log: Callable[[str], None] | None = None,
+        response_processing: str = "usage_trailers") -> list[Row]:
     """Start the stack, measure, stop it; return the rows ``render_markdown`` turns into tables."""
     say = log or (lambda s: print(s, file=sys.stderr, flush=True))
     rows = context_rows(envoy_concurrency)
     rows += [Row("context", "request", {"value": f"POST /v1/chat/completions, {len(BODY)}-byte JSON body with "
-                                                  "max_tokens, HTTP/1.1 keep-alive, constant backend"}),
+                                                  "max_tokens, HTTP/1.1 keep-alive, constant backend; "
+                                                  f"response_processing: {response_processing}"}),
              Row("context", "method", {"value": f"{rounds} rounds, configs interleaved (a,b,c / b,c,a / ...); "
                                                  f"1 conn: {requests} sequential requests per config per round; "
                                                  f"{connections} conns: {seconds:g} s per config per round; "
                                                  f"{warmup:g} s warm-up before each; medians over rounds"})]
     workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
-    stack = Stack(workdir, envoy_concurrency)
+    stack = Stack(workdir, envoy_concurrency, response_processing)
     ok = False
     try:
         say(f"starting backend, pass-through ext_proc, Sluice and 3 Envoys in {workdir}")
@@ -300,9 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--envoy-concurrency", type=int, default=1)
     ap.add_argument("--json", metavar="FILE", help="also write the raw rows as JSON")
     ap.add_argument("--keep", action="store_true", help="keep configs and logs (Envoy access logs) after the run")
+    ap.add_argument("--response-processing", default="usage_trailers", choices=["usage_trailers", "streamed"],
+                    help="the Envoy config's response path, for (b) and (c)")
     args = ap.parse_args(argv)
     rows = run(rounds=args.rounds, requests=args.requests, seconds=args.seconds, connections=args.connections,
-               envoy_concurrency=args.envoy_concurrency, keep=args.keep)
+               envoy_concurrency=args.envoy_concurrency, keep=args.keep, response_processing=args.response_processing)
     print(render_markdown(rows))
     if args.json:
         Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=1))

@@ -113,9 +113,11 @@ def phase_rows(by_load: dict[str, Hist]) -> list[Row]:
     return rows
 
 
-_PHASE_ORDER = {"request_headers": 0, "request_body": 1, "response_headers": 2, "response_body": 3}
+_PHASE_ORDER = {"request_headers": 0, "request_body": 1, "response_headers": 2, "response_body": 3,
+                "response_trailers": 4}
 _LOG_PHASES = (("request_header_latency_us", "request headers"), ("request_body_total_latency_us", "request body"),
-               ("response_header_latency_us", "response headers"), ("response_body_total_latency_us", "response body"))
+               ("response_header_latency_us", "response headers"), ("response_body_total_latency_us", "response body"),
+               ("response_trailer_latency_us", "response trailers"))
 
 
 def access_log_rows(logs: dict[str, Path], tag: str = "c1") -> list[Row]:
@@ -221,8 +223,8 @@ def render_markdown(rows: list[Row]) -> str:
         loads = list(dict.fromkeys(k for r in by["sluice_phases"] for k in r.values))
         out += ["### Sluice's `sluice_extproc_phase_seconds` per ext_proc message (measured phases and "
                 "their warm-ups)", "",
-                "`StreamProcessor.handle` is an async generator, so this covers the handler *and* gRPC "
-                "sending its answer (the generator resumes only after the send).", ""]
+                "Timed from the message's arrival in `StreamProcessor.handle` (or `handle_body`) to its "
+                "answer: the handler alone, not gRPC sending it.", ""]
         body = []
         for r in by["sluice_phases"]:
             cells = [r.label]

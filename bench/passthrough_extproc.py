@@ -3,9 +3,9 @@
 It answers every ProcessingRequest with an empty response of the matching kind
 (CONTINUE, no mutations), using the same grpc.aio server and upb protobuf classes
 from ``xds-protos`` as Sluice. The processing mode is Envoy's side of the contract
-(request headers SEND, request body BUFFERED, response headers SEND, response body
-STREAMED, from ``extproc.envoyconfig``), so Envoy sends this server exactly the
-messages it sends Sluice, and (Envoy + Sluice) − (Envoy + this) is Sluice's policy work.
+(``extproc.envoyconfig``'s, for the chosen ``response_processing``), so Envoy sends this
+server exactly the messages it sends Sluice, and (Envoy + Sluice) − (Envoy + this) is
+Sluice's policy work.
 
     python -m bench.passthrough_extproc --grpc 127.0.0.1:50052
 """

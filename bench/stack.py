@@ -11,6 +11,7 @@ Envoy shapes, all from ``extproc.envoyconfig.render_bootstrap``:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import shutil
@@ -101,9 +102,10 @@ def local_ratelimit_filter(rps: float) -> dict[str, Any]:
 
 
 def envoy_config(shape: str, routes: list[BackendRoute], opts: EnvoyOptions, rps: float = 0.0) -> dict[str, Any]:
-    cfg = copy.deepcopy(render_bootstrap(routes, opts))
     if shape == "sluice":
-        return cfg
+        return copy.deepcopy(render_bootstrap(routes, opts))
+    # Without ext_proc nothing reads the usage: no usage filters either (the streamed shape).
+    cfg = copy.deepcopy(render_bootstrap(routes, dataclasses.replace(opts, response_processing="streamed")))
     hcm = _hcm(cfg)
     hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != EXTPROC_FILTER]
     res = cfg["static_resources"]

@@ -47,7 +47,7 @@ async def _serve(args: argparse.Namespace) -> int:
             print(f"console not reachable at start ({exc}); using {args.policy} until it is", flush=True)
     ghost, gport = _hostport(args.grpc)
     ahost, aport = _hostport(args.admin)
-    server = await serve(runtime, ghost, gport)
+    server = await serve(runtime, ghost, gport, reuse_port=args.worker_index is not None)
     admin = await start_admin(runtime, ahost, aport)
     if client is None:
         watcher = asyncio.create_task(watch_policy_dir(runtime, Path(args.policy), args.reload_interval))
@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--console-token-file", help="read the console's API token from this file "
                    "(or $SLUICE_CONSOLE_TOKEN_FILE)")
     s.add_argument("--replica-id", default=socket.gethostname(), help="this replica's name in the console")
+    s.add_argument("--workers", type=int, default=1,
+                   help="processes sharing the gRPC port (SO_REUSEPORT); worker i serves admin on port + i")
+    s.add_argument("--worker-index", type=int, help="set by --workers for each child: bind with SO_REUSEPORT")
     v = sub.add_parser("validate", help="check policy files; prints file:line: message per problem")
     v.add_argument("policy")
     e = sub.add_parser("envoy-config", help="render the Envoy bootstrap from the policy's backends")
@@ -124,6 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("hash-key", help="print the sha256 form of an API key for the policy")
     k.add_argument("key")
     args = ap.parse_args(argv)
+    if args.cmd == "serve" and args.workers != 1:
+        from extproc.workers import refusal, supervise
+
+        # The one check to flip when a shared state store (the Redis TokenState) is configured.
+        why = refusal(args.workers, shared_state=False)
+        if why:
+            print(why, file=sys.stderr)
+            return 2
+        return supervise(sys.argv[1:] if argv is None else argv, args.workers, _hostport(args.admin)[1])
     if args.cmd == "serve":
         logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         with contextlib.suppress(KeyboardInterrupt):

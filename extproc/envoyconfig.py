@@ -103,6 +103,7 @@ from envoy_data_plane.envoy.type.matcher.v3 import (
 from envoy_data_plane.envoy.type.v3 import HttpStatus, Int64Range, StatusCode
 from envoy_data_plane.google.protobuf import Any, Struct
 
+from extproc import envoy_usage
 from extproc.drain import DRAIN_PATH, LIMIT_HEADER
 from extproc.envoy_clusters import DRAIN_CLUSTER, backend_cluster, extproc_cluster, socket_address
 from extproc.envoy_replies import local_reply_config
@@ -192,6 +193,9 @@ class EnvoyOptions:
     request_timeout_s: float = 120.0
     max_connections: int = 1024
     trusted_proxy_hops: int = 0
+    # the policy's gateway.response_processing: "usage_trailers" (Envoy reads the usage,
+    # extproc gets one message per response) or "streamed" (every body chunk to extproc)
+    response_processing: str = "usage_trailers"
 
 
 def gateway_options(gw: Gateway) -> dict[str, object]:
@@ -205,6 +209,7 @@ def gateway_options(gw: Gateway) -> dict[str, object]:
         "request_timeout_s": gw.request_timeout_s,
         "max_connections": gw.max_connections,
         "trusted_proxy_hops": gw.trusted_proxy_hops,
+        "response_processing": gw.response_processing,
     }
 
 
@@ -228,10 +233,34 @@ def _s(value: float) -> datetime.timedelta:
 # With response headers skipped, the status arrives as an attribute of the first
 # response-body message.
 RESPONSE_ATTRIBUTES = ("response.code",)
+RESPONSE_PROCESSING = ("usage_trailers", "streamed")
+
+
+def _processing_mode(response_processing: str) -> ProcessingMode:
+    send, skip = ProcessingModeHeaderSendMode.SEND, ProcessingModeHeaderSendMode.SKIP
+    if response_processing == "streamed":
+        return ProcessingMode(
+            request_header_mode=send,
+            response_header_mode=skip,
+            request_body_mode=ProcessingModeBodySendMode.BUFFERED,
+            response_body_mode=ProcessingModeBodySendMode.STREAMED,
+            request_trailer_mode=skip,
+            response_trailer_mode=skip,
+        )
+    # usage_trailers: response headers (status, first byte) and the trailers that
+    # envoy_usage's filter synthesizes with the usage; never a body chunk.
+    return ProcessingMode(
+        request_header_mode=send,
+        response_header_mode=send,
+        request_body_mode=ProcessingModeBodySendMode.BUFFERED,
+        response_body_mode=ProcessingModeBodySendMode.NONE,
+        request_trailer_mode=skip,
+        response_trailer_mode=send,
+    )
 
 
 def _ext_proc_filter(opts: EnvoyOptions) -> HttpFilter:
-    send, skip = ProcessingModeHeaderSendMode.SEND, ProcessingModeHeaderSendMode.SKIP
+    streamed = opts.response_processing == "streamed"
     config = ExternalProcessor(
         grpc_service=GrpcService(
             envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
@@ -239,14 +268,7 @@ def _ext_proc_filter(opts: EnvoyOptions) -> HttpFilter:
             # and streams outlive it); message_timeout below bounds each wait instead.
             timeout=_ms(opts.message_timeout_ms),
         ),
-        processing_mode=ProcessingMode(
-            request_header_mode=send,
-            response_header_mode=skip,
-            request_body_mode=ProcessingModeBodySendMode.BUFFERED,
-            response_body_mode=ProcessingModeBodySendMode.STREAMED,
-            request_trailer_mode=skip,
-            response_trailer_mode=skip,
-        ),
+        processing_mode=_processing_mode(opts.response_processing),
         message_timeout=_ms(opts.message_timeout_ms),
         max_message_timeout=_ms(opts.max_message_timeout_ms),
         failure_mode_allow=opts.failure_mode_allow,
@@ -261,9 +283,11 @@ def _ext_proc_filter(opts: EnvoyOptions) -> HttpFilter:
         # with a header mutation (how x-sluice-backend takes effect).
         route_cache_action=ExternalProcessorRouteCacheAction.DEFAULT,
         stat_prefix="sluice",
-        response_attributes=list(RESPONSE_ATTRIBUTES),
+        response_attributes=list(RESPONSE_ATTRIBUTES) if streamed else [],
         metadata_options=MetadataOptions(
-            receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[METADATA_NAMESPACE])),
+            receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[METADATA_NAMESPACE]),
+            forwarding_namespaces=None if streamed else MetadataOptionsMetadataNamespaces(
+                typed=[envoy_usage.USAGE_NAMESPACE])),
     )
     return HttpFilter(name=EXTPROC_FILTER, typed_config=Any.pack(config))
 
@@ -386,7 +410,9 @@ def _listener(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> Listener:
     hcm = HttpConnectionManager(
         stat_prefix="sluice",
         codec_type=HttpConnectionManagerCodecType.AUTO,
-        route_config=_route_config(backends, opts, [f.name for f in http_filters if f.name != ROUTER_FILTER]),
+        # envoy_usage.install adds its Lua filter to this chain after rendering: off on the drain too
+        route_config=_route_config(backends, opts, [f.name for f in http_filters if f.name != ROUTER_FILTER]
+                                   + ([] if opts.response_processing == "streamed" else [envoy_usage.LUA_FILTER])),
         http_filters=http_filters,
         stream_idle_timeout=_LONG_IDLE,
         access_log=[_access_log()] if opts.access_log else [],
@@ -424,6 +450,8 @@ def _check(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> None:
             raise ValueError(f"bad backend name {name!r}")
     if opts.max_message_timeout_ms < opts.message_timeout_ms:
         raise ValueError("max_message_timeout_ms must be >= message_timeout_ms")
+    if opts.response_processing not in RESPONSE_PROCESSING:
+        raise ValueError(f"response_processing must be one of {RESPONSE_PROCESSING}")
     if not 200 <= opts.status_on_error <= 599:
         raise ValueError(f"status_on_error {opts.status_on_error} is not an HTTP status")
 
@@ -457,7 +485,10 @@ def render_bootstrap(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> di
             ],
         ),
     )
-    return bootstrap.to_dict(casing=betterproto2.Casing.SNAKE)
+    cfg = bootstrap.to_dict(casing=betterproto2.Casing.SNAKE)
+    if opts.response_processing == "streamed":
+        return cfg
+    return envoy_usage.install(cfg, {b.name for b in backends}, EXTPROC_FILTER)
 
 
 def render_yaml(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> str:

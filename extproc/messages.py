@@ -29,6 +29,15 @@ SKIP_REST = PM(
     request_trailer_mode=PM.SKIP, response_trailer_mode=PM.SKIP,
 )
 
+# A response whose usage Envoy's usage filter cannot read (the Responses API: its usage
+# rides in a response.completed event) is read here, chunk by chunk, under either
+# response_processing; the response headers bring the status and the first byte.
+READ_RESPONSE_BODY = PM(
+    request_header_mode=PM.SEND, response_header_mode=PM.SEND,
+    request_body_mode=PM.BUFFERED, response_body_mode=PM.STREAMED,
+    request_trailer_mode=PM.SKIP, response_trailer_mode=PM.SKIP,
+)
+
 
 def header_map(headers: pb.HttpHeaders, wanted: frozenset[str] | None = None) -> dict[str, str]:
     """Header values by lower-case name; only the ``wanted`` ones are decoded."""

@@ -17,6 +17,7 @@ from typing import Any
 
 from extproc import tokenizer
 from extproc.backends import BackendRuntime
+from extproc.estimate import DecodeRates
 from extproc.metrics import Metrics
 from extproc.policy.schema import Policy
 from extproc.policy.state import TokenState
@@ -50,6 +51,7 @@ class Runtime:
         self.tenant_in_flight: Counter[str] = Counter()
         self.rejections: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self.degradations: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        self.decode_rates = DecodeRates()  # for usage estimates when none arrives
         self._load_encodings(policy)
         self._sync_backends(policy)
         self.metrics.policy_ok.set(1)

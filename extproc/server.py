@@ -35,7 +35,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         how = "disconnect"
         try:
             while (request := await peer.next()) is not None:
-                async for response in stream.handle(request):
+                phase = request.WhichOneof("request") or "unknown"
+                if phase == "request_body":
+                    async for response in stream.handle_body(request):
+                        yield response
+                elif (response := stream.handle(phase, request)) is not None:
                     yield response
                 if stream.finished:
                     how = "rejected"
@@ -63,8 +67,11 @@ SERVER_OPTIONS = [
 ]
 
 
-async def start_server(servicer: pb_grpc.ExternalProcessorServicer, host: str, port: int) -> grpc.aio.Server:
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+async def start_server(servicer: pb_grpc.ExternalProcessorServicer, host: str, port: int,
+                       reuse_port: bool = False) -> grpc.aio.Server:
+    # SO_REUSEPORT only for `serve --workers N` (grpc-core's default is on: a second
+    # server on a taken port would silently share it instead of failing to bind).
+    server = grpc.aio.server(options=[*SERVER_OPTIONS, ("grpc.so_reuseport", int(reuse_port))])
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     if server.add_insecure_port(f"{host}:{port}") == 0:
         raise OSError(f"cannot bind ext_proc gRPC on {host}:{port}")
@@ -72,5 +79,5 @@ async def start_server(servicer: pb_grpc.ExternalProcessorServicer, host: str, p
     return server
 
 
-async def serve(runtime: Runtime, host: str, port: int) -> grpc.aio.Server:
-    return await start_server(ExternalProcessor(runtime), host, port)
+async def serve(runtime: Runtime, host: str, port: int, reuse_port: bool = False) -> grpc.aio.Server:
+    return await start_server(ExternalProcessor(runtime), host, port, reuse_port)

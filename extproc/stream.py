@@ -15,10 +15,12 @@ from collections.abc import AsyncIterator
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc import envoy_usage, models_list
 from extproc import messages as msg
-from extproc import models_list
 from extproc.admission import Admission, Reject, Ticket
+from extproc.envoy_usage import EnvoyUsage
 from extproc.errors import REASONS, error_body, format_duration, retry_after_headers
+from extproc.estimate import completion_estimate
 from extproc.openai_body import BadRequest, ParsedRequest, parse_request, path_kind, upstream_body
 from extproc.peer import PeerStream
 from extproc.policy.breaker import Outcome, outcome_for_status
@@ -39,6 +41,8 @@ RESPONSE_HEADERS = frozenset({":status", "content-type"})
 CHARGED_REFUSALS = frozenset({"context_length", "too_large_for_backend", "tpm_request_too_large",
                               "tokenizer_failed"})
 PROMPT_PARAM = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
+_HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+_TRAILERS_CONTINUE = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 
 def api_key(headers: dict[str, str]) -> str | None:
@@ -79,41 +83,64 @@ class StreamProcessor:
         self.first_byte_s: float | None = None
         self.forwarded = False  # the request went on to the backend
         self.tracker: SSETracker | JSONTracker | None = None
+        # usage_trailers path: Envoy's usage record, and whether the body is SSE
+        self.envoy_usage: EnvoyUsage | None = None
+        self.sse = False
 
     # -- dispatch -----------------------------------------------------------
-    async def handle(self, request: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingResponse]:
-        phase = request.WhichOneof("request") or "unknown"
-        timer = self.rt.metrics.child(self.rt.metrics.phase_seconds, phase)
+    # One synchronous call per message; only the request body (token counting off the
+    # event loop, a wait in the admission queue) is awaited, once per request.
+    def handle(self, phase: str, request: pb.ProcessingRequest) -> pb.ProcessingResponse | None:
+        """Answer a message of any phase but the request body (see ``handle_body``)."""
         t0 = time.perf_counter()
         try:
-            async for response in self._dispatch(phase, request):
+            response = self._dispatch(phase, request)
+        except Reject as rej:
+            response = self._rejected(rej)
+        if response is not None:
+            self._timed(phase, t0)
+        return response
+
+    async def handle_body(self, request: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingResponse]:
+        """The request body's answers: a queue hint first when the request must wait."""
+        t0 = time.perf_counter()
+        try:
+            async for response in self.on_request_body(request.request_body):
                 # Timed up to the answer: not the time gRPC takes to send it.
-                timer.observe(time.perf_counter() - t0)
+                self._timed("request_body", t0)
                 yield response
                 t0 = time.perf_counter()
         except Reject as rej:
-            if rej.reason == "client_gone":
-                self.settle("rejected")  # never reached the backend: nothing to bill
-            else:
-                response = self.reject(rej)
-                timer.observe(time.perf_counter() - t0)
+            response = self._rejected(rej)
+            if response is not None:
+                self._timed("request_body", t0)
                 yield response
-            self.finished = True
 
-    async def _dispatch(self, phase: str, request: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingResponse]:
-        if phase == "request_headers":
-            yield self.on_request_headers(request.request_headers)
-        elif phase == "request_body":
-            async for response in self.on_request_body(request.request_body):
-                yield response
-        elif phase == "response_headers":
-            yield self.on_response_headers(request.response_headers)
-        elif phase == "response_body":
+    def _timed(self, phase: str, t0: float) -> None:
+        m = self.rt.metrics
+        m.child(m.phase_seconds, phase).observe(time.perf_counter() - t0)
+
+    def _rejected(self, rej: Reject) -> pb.ProcessingResponse | None:
+        self.finished = True
+        if rej.reason == "client_gone":
+            self.settle("rejected")  # never reached the backend: nothing to bill
+            return None
+        return self.reject(rej)
+
+    def _dispatch(self, phase: str, request: pb.ProcessingRequest) -> pb.ProcessingResponse | None:
+        if phase == "response_body":
             if self.tracker is None and self.admitted and not self.settled:
                 self._start_response(request)
-            yield self.on_response_body(request.response_body)
-        elif phase.endswith("trailers"):
-            yield pb.ProcessingResponse(**{phase: pb.TrailersResponse()})
+            return self.on_response_body(request.response_body)
+        if phase == "request_headers":
+            return self.on_request_headers(request.request_headers)
+        if phase == "response_headers":
+            return self.on_response_headers(request.response_headers)
+        if phase == "response_trailers":
+            return self.on_response_trailers(request)
+        if phase.endswith("trailers"):
+            return pb.ProcessingResponse(**{phase: pb.TrailersResponse()})
+        return None
 
     def reject(self, rej: Reject) -> pb.ProcessingResponse:
         # Anything held by a request refused after its pre-charge goes back first.
@@ -167,7 +194,8 @@ class StreamProcessor:
             raise Reject("bad_request", "Request body is required.", code="missing_body")
         # A key that cannot pay for one token is refused before its body is even sent here.
         self._precheck_budget(Admission(self.rt, self.policy, tenant, self.limits, self.peer))
-        return msg.headers_response("request_headers", new_path)
+        mode = msg.READ_RESPONSE_BODY if self.kind == "responses" and gw.response_processing != "streamed" else None
+        return msg.headers_response("request_headers", new_path, mode_override=mode)
 
     def _serve_models(self, served: tuple[bool, str | None], method: str) -> pb.ProcessingResponse:
         """The model list (or one model) from the policy, answered here: no backend, no charge."""
@@ -250,6 +278,8 @@ class StreamProcessor:
         out_headers = ratelimit_headers(verdict.tokens, verdict.requests)
         if ticket.degraded:
             out_headers["x-sluice-degraded"] = ",".join(ticket.degraded)
+        if req.stream and not req.usage_requested:
+            out_headers[envoy_usage.HIDE_USAGE_KEY] = "1"  # Envoy's Lua filter drops the usage chunk
         self.forwarded = True
         yield msg.body_response("request_body", new_body, set_headers, remove, clear_route_cache=True,
                                 metadata={msg.METADATA_NAMESPACE: out_headers})
@@ -337,9 +367,10 @@ class StreamProcessor:
     # -- response side ------------------------------------------------------
     def _start_response(self, request: pb.ProcessingRequest) -> None:
         """First response-body message with response headers skipped: status from attributes."""
-        code = msg.attribute(request, "response.code")
-        self.status = int(code) if isinstance(code, (int, float)) else 200
-        self.first_byte_s = self.rt.clock()
+        if self.first_byte_s is None:  # response headers skipped: the status is an attribute
+            code = msg.attribute(request, "response.code")
+            self.status = int(code) if isinstance(code, (int, float)) else 200
+            self.first_byte_s = self.rt.clock()
         assert self.req is not None
         responses = self.req.kind == "responses"
         if self.req.stream and self.status < 400:
@@ -349,31 +380,25 @@ class StreamProcessor:
             self.tracker = JSONTracker(responses=responses)
 
     def on_response_headers(self, h: pb.HttpHeaders) -> pb.ProcessingResponse:
-        """Used only when Envoy is configured to send response headers."""
+        """response_processing usage_trailers: status and first byte; the body bypasses us."""
         headers = msg.header_map(h, RESPONSE_HEADERS)
         try:
             self.status = int(headers.get(":status", "0"))
         except ValueError:
             self.status = 0
         self.first_byte_s = self.rt.clock()
-        set_headers: dict[str, str] = {}
-        if self.tenant is not None and self.limits is not None:
-            set_headers.update(self._rate_headers())
-        if self.ticket is not None and self.ticket.degraded:
-            set_headers["x-sluice-degraded"] = ",".join(self.ticket.degraded)
-        if self.admitted:
-            ctype = headers.get("content-type", "")
-            assert self.req is not None
-            responses = self.req.kind == "responses"
-            if "text/event-stream" in ctype:
-                self.tracker = SSETracker(
-                    drop_usage_chunk=self.req.stream and not responses and not self.req.usage_requested,
-                    responses=responses)
-            else:
-                self.tracker = JSONTracker(responses=responses)
-            if h.end_of_stream:
-                self.settle("end_of_stream")
-        return msg.headers_response("response_headers", set_headers)
+        self.sse = "text/event-stream" in headers.get("content-type", "")
+        # Envoy synthesizes trailers only for a successful response it read the usage
+        # of: an error response has nothing to bill and its end is not waited for.
+        if self.admitted and (h.end_of_stream or self.status >= 400):
+            self.settle("end_of_stream")
+        return _HEADERS_CONTINUE
+
+    def on_response_trailers(self, request: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        """The one message at a clean end of a response, carrying Envoy's usage record."""
+        self.envoy_usage = envoy_usage.usage_from_metadata(request)
+        self.settle("end_of_stream")
+        return _TRAILERS_CONTINUE
 
     def on_response_body(self, b: pb.HttpBody) -> pb.ProcessingResponse:
         replacement = None
@@ -435,10 +460,20 @@ class StreamProcessor:
     def _actual_usage(self, how: str) -> int:
         tr = self.tracker
         if tr is not None and tr.usage is not None:
+            self._learn_rate(tr.usage.completion_tokens)
             return tr.usage.total
+        eu = self.envoy_usage
+        if eu is not None and eu.input_tokens is not None and eu.output_tokens is not None:
+            self._learn_rate(eu.output_tokens)
+            return eu.input_tokens + eu.output_tokens
+        if eu is not None and eu.total_tokens is not None:
+            return eu.total_tokens  # embeddings: prompt_tokens and total_tokens only
         if how == "end_of_stream" and self.status >= 400:
             # The backend refused or failed before generating: nothing to bill.
             return 0
+        if tr is None and self.first_byte_s is not None and self.status:
+            # usage_trailers: a successful response whose usage never came (see estimate).
+            return self.prompt_tokens + self._estimated_completion()
         if tr is None:
             # Never got response headers (upstream reset, disconnect while waiting):
             # the backend may have done the prefill, so the prompt counts.
@@ -446,3 +481,18 @@ class StreamProcessor:
         model = self.ticket.model if self.ticket is not None else None
         assert model is not None
         return self.prompt_tokens + self.rt.count_tokens_now(model.encoding, tr.texts)
+
+    def _estimated_completion(self) -> int:
+        t, req, first = self.ticket, self.req, self.first_byte_s
+        assert t is not None and req is not None and first is not None
+        now = self.rt.clock()
+        seconds = now - first if self.sse else first - t.admitted_at
+        return completion_estimate(max(0, self.reserved - self.prompt_tokens), req.n,
+                                   self.rt.decode_rates.rate(t.model.name), seconds)
+
+    def _learn_rate(self, actual_completion: int) -> None:
+        """A stream that reported its usage teaches the model's decode rate."""
+        t, req, first = self.ticket, self.req, self.first_byte_s
+        if t is None or req is None or first is None or not req.stream:
+            return
+        self.rt.decode_rates.observe(t.model.name, actual_completion, req.n, self.rt.clock() - first)

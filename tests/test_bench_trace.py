@@ -167,9 +167,13 @@ def test_envoy_shapes() -> None:
     def clusters(cfg: dict) -> list[str]:
         return [c["name"] for c in cfg["static_resources"]["clusters"]]
 
-    assert filters(envoy_config("sluice", routes, opts)) == [EXTPROC_FILTER, "envoy.filters.http.router"]
+    assert filters(envoy_config("sluice", routes, opts)) == [EXTPROC_FILTER, "envoy.filters.http.lua",
+                                                             "envoy.filters.http.router"]
     plain = envoy_config("none", routes, opts)
     assert filters(plain) == ["envoy.filters.http.router"] and EXTPROC_CLUSTER not in clusters(plain)
+    # Nothing reads the usage without ext_proc: no upstream usage filter on the backends.
+    assert all("http_filters" not in o for c in plain["static_resources"]["clusters"]
+               for o in c.get("typed_extension_protocol_options", {}).values())
     limited = envoy_config("ratelimit", routes, opts, rps=4.8)
     assert filters(limited) == ["envoy.filters.http.local_ratelimit", "envoy.filters.http.router"]
     bucket = local_ratelimit_filter(4.8)["typed_config"]["token_bucket"]

@@ -88,12 +88,45 @@ def clusters(config: dict) -> dict[str, dict]:
 
 def test_filters_are_ext_proc_then_router() -> None:
     names = [f["name"] for f in hcm(render_bootstrap(BACKENDS, EnvoyOptions()))["http_filters"]]
+    # usage_trailers (the default): the Lua filter hiding the injected usage chunk sits
+    # between them, so on the response path it runs before ext_proc.
+    assert names == ["envoy.filters.http.ext_proc", "envoy.filters.http.lua", "envoy.filters.http.router"]
+    streamed = EnvoyOptions(response_processing="streamed")
+    names = [f["name"] for f in hcm(render_bootstrap(BACKENDS, streamed))["http_filters"]]
     assert names == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+
+
+def test_usage_trailers_reads_usage_upstream_and_streamed_does_not() -> None:
+    cfg = render_bootstrap(BACKENDS, EnvoyOptions())
+    for b in BACKENDS:
+        (opts,) = clusters(cfg)[b.name]["typed_extension_protocol_options"].values()
+        assert [f["name"] for f in opts["http_filters"]] == [
+            "envoy.filters.http.ai_protocol_manager", "envoy.filters.http.upstream_codec"]
+    assert "http_filters" not in next(iter(clusters(cfg)[EXTPROC_CLUSTER]["typed_extension_protocol_options"]
+                                           .values()))
+    assert ext_proc(cfg)["metadata_options"]["forwarding_namespaces"] == {"typed": ["envoy.ai.token_usage"]}
+    streamed = render_bootstrap(BACKENDS, EnvoyOptions(response_processing="streamed"))
+    for c in clusters(streamed).values():
+        assert "http_filters" not in next(iter(c["typed_extension_protocol_options"].values()))
+    assert "forwarding_namespaces" not in ext_proc(streamed)["metadata_options"]
+    with pytest.raises(ValueError, match="response_processing"):
+        render_bootstrap(BACKENDS, EnvoyOptions(response_processing="buffered"))
 
 
 def test_ext_proc_modes_timeouts_and_fail_closed_defaults() -> None:
     cfg = ext_proc(render_bootstrap(BACKENDS, EnvoyOptions()))
+    # usage_trailers: response headers (status, TTFT) and the synthesized trailers
+    # (usage), never a body chunk; response_body_mode NONE is the default, left out.
     assert cfg["processing_mode"] == {
+        "request_header_mode": "SEND",
+        "response_header_mode": "SEND",
+        "request_body_mode": "BUFFERED",
+        "request_trailer_mode": "SKIP",
+        "response_trailer_mode": "SEND",
+    }
+    assert "response_attributes" not in cfg
+    streamed = ext_proc(render_bootstrap(BACKENDS, EnvoyOptions(response_processing="streamed")))
+    assert streamed["processing_mode"] == {
         "request_header_mode": "SEND",
         "response_header_mode": "SKIP",
         "request_body_mode": "BUFFERED",
@@ -101,6 +134,7 @@ def test_ext_proc_modes_timeouts_and_fail_closed_defaults() -> None:
         "request_trailer_mode": "SKIP",
         "response_trailer_mode": "SKIP",
     }
+    assert streamed["response_attributes"] == ["response.code"]
     assert cfg["grpc_service"]["envoy_grpc"]["cluster_name"] == EXTPROC_CLUSTER
     assert cfg["grpc_service"]["timeout"] == "2s"
     assert cfg["message_timeout"] == "2s"

@@ -55,7 +55,10 @@ async def exchange(rt: Runtime, *messages: pb.ProcessingRequest) -> list[pb.Proc
     sp = StreamProcessor(rt, peer=None)  # type: ignore[arg-type]  # no queueing in these tests
     out = []
     for m in messages:
-        async for r in sp.handle(m):
+        phase = m.WhichOneof("request")
+        if phase == "request_body":
+            out += [r async for r in sp.handle_body(m)]
+        elif (r := sp.handle(phase, m)) is not None:
             out.append(r)
         if sp.finished:
             break
@@ -244,4 +247,90 @@ def test_a_responses_api_prompt_over_the_window_names_input() -> None:
     ledger = rt.status()["ledger"]
     assert ledger["outstanding"] == 0 and ledger["balanced"], ledger
     assert ledger["charged"] == ledger["precharged"] > 0, ledger
+    rt.close()
+
+
+# -- response_processing usage_trailers: response headers, then Envoy's usage in the trailers --
+
+
+def response_headers(status: int, ctype: str = "text/event-stream") -> pb.ProcessingRequest:
+    hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=str(status).encode()),
+                                     base_pb2.HeaderValue(key="content-type", raw_value=ctype.encode())])
+    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=hm))
+
+
+def trailers(input_tokens: int | None, output_tokens: int | None) -> pb.ProcessingRequest:
+    from extproc import envoy_usage
+
+    req = pb.ProcessingRequest(response_trailers=pb.HttpTrailers())
+    u = envoy_usage.TokenUsage()
+    if input_tokens is not None:
+        u.input_tokens.value = input_tokens
+    if output_tokens is not None:
+        u.output_tokens.value = output_tokens
+    packed = req.metadata_context.typed_filter_metadata[envoy_usage.USAGE_NAMESPACE]
+    packed.type_url, packed.value = "type.googleapis.com/" + envoy_usage.TOKEN_USAGE, u.SerializeToString()
+    return req
+
+
+def stream_body(max_tokens: int, usage: bool = False) -> pb.ProcessingRequest:
+    doc: dict[str, Any] = {"model": "m", "max_tokens": max_tokens, "stream": True,
+                           "messages": [{"role": "user", "content": "hi"}]}
+    if usage:
+        doc["stream_options"] = {"include_usage": True}
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=json.dumps(doc).encode(), end_of_stream=True))
+
+
+def test_usage_trailers_settle_from_envoys_record_and_learn_the_rate() -> None:
+    clock = Clock()
+    rt = Runtime(policy(), clock=clock)
+    rt.backends["b"].has_metrics = False
+    hdr = headers(_path="/v1/chat/completions", _method="POST", authorization="Bearer k")
+    sp = StreamProcessor(rt, peer=None)  # type: ignore[arg-type]
+    assert sp.handle("request_headers", hdr) is not None
+    (answer,) = asyncio.run(_body(sp))
+    meta = answer.dynamic_metadata.fields["sluice"].struct_value.fields
+    assert meta["hide_usage"].string_value == "1"  # the client did not ask: Envoy's Lua drops the chunk
+    sp.handle("response_headers", response_headers(200))
+    clock.now += 2.0
+    assert sp.handle("response_trailers", trailers(9, 40)).HasField("response_trailers")
+    assert sp.settled
+    assert rt.state.snapshot(clock.now)["ledger"]["charged"] == 49
+    assert rt.decode_rates.rate("m") == 20.0  # 40 tokens in 2 s
+    rt.close()
+
+
+async def _body(sp: StreamProcessor) -> list[pb.ProcessingResponse]:
+    return [r async for r in sp.handle_body(stream_body(100))]
+
+
+def test_usage_trailers_error_status_settles_at_the_headers_unbilled_and_tells_the_breaker() -> None:
+    clock = Clock()
+    rt = Runtime(policy(), clock=clock)
+    be = rt.backends["b"]
+    be.has_metrics = False
+    hdr = headers(_path="/v1/chat/completions", _method="POST", authorization="Bearer k")
+    sp = StreamProcessor(rt, peer=None)  # type: ignore[arg-type]
+    sp.handle("request_headers", hdr)
+    asyncio.run(_body(sp))
+    sp.handle("response_headers", response_headers(500, "application/json"))
+    assert sp.settled, "no trailers come for an error response"
+    assert rt.state.snapshot(clock.now)["ledger"]["charged"] == 0
+    assert be.breaker.state(clock.now) is BreakerState.OPEN  # consecutive_failures: 1
+    rt.close()
+
+
+def test_usage_trailers_without_a_record_estimate_from_the_learned_rate() -> None:
+    clock = Clock()
+    rt = Runtime(policy(), clock=clock)
+    rt.backends["b"].has_metrics = False
+    rt.decode_rates.observe("m", 100, 1, 2.0)  # 50 tok/s
+    hdr = headers(_path="/v1/chat/completions", _method="POST", authorization="Bearer k")
+    sp = StreamProcessor(rt, peer=None)  # type: ignore[arg-type]
+    sp.handle("request_headers", hdr)
+    asyncio.run(_body(sp))
+    sp.handle("response_headers", response_headers(200))
+    clock.now += 0.5
+    sp.settle("disconnect")  # the client left: no trailers
+    assert rt.state.snapshot(clock.now)["ledger"]["charged"] == sp.prompt_tokens + 25
     rt.close()

@@ -42,6 +42,9 @@ class Gateway:
     # every replica. $SLUICE_REDIS_URL, when set, wins (a deployment detail).
     state: str = "memory"
     state_fail_closed: bool = False  # Redis unreachable: refuse instead of a local share
+    # "usage_trailers": Envoy reads the usage, extproc gets one message per response;
+    # "streamed": every response chunk goes through extproc (per-chunk inspection)
+    response_processing: str = "usage_trailers"
 
 
 @dataclass(frozen=True)

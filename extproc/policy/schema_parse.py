@@ -60,6 +60,8 @@ def _gateway(r: Reader, doc: Any) -> Gateway:
         trusted_proxy_hops=r.get(m, path, "trusted_proxy_hops", int, d.trusted_proxy_hops, minimum=0),
         state=_state(r, m, path),
         state_fail_closed=r.get(m, path, "state_fail_closed", bool, d.state_fail_closed),
+        response_processing=r.get(m, path, "response_processing", str, d.response_processing,
+                                  choices=("usage_trailers", "streamed")),
     )
 
 

@@ -108,18 +108,31 @@ def test_stream_without_usage_hides_the_injected_chunk(stack: Stack) -> None:
     assert charged > 15  # prompt + 15 completion tokens, from the backend's usage
 
 
+def response_processing(stack: Stack) -> str:
+    assert stack.policy_doc is not None
+    return stack.policy_doc["gateway"].get("response_processing", "usage_trailers")
+
+
 def test_stream_from_backend_without_usage_counts_streamed_text(stack: Stack) -> None:
     # /v1/completions: a plain prompt, so Sluice and the backend count it the same way.
     body = {"model": "sim-llama-8b", "prompt": "count me in", "max_tokens": 40}
-    before = stack.state()["ledger"]
+    # A stream that reports its usage first: usage_trailers learns the decode rate from it.
+    assert post(stack, {**body, "stream": True}, {**auth(), "x-sim-tokens": "21"},
+                path="/v1/completions").status_code == 200
+    before = stack.wait_settled()["ledger"]
     r = post(stack, {**body, "stream": True}, {**auth(), "x-sim-tokens": "21", "x-sim-usage": "none"},
              path="/v1/completions")
     assert r.status_code == 200
     assert "usage" not in r.text
     after = stack.wait_settled()["ledger"]
     ref = post(stack, body, {**auth(), "x-sim-tokens": "21"}, path="/v1/completions").json()["usage"]
-    # Counted by Sluice with tiktoken: the same total the backend would have reported.
-    assert after["charged"] - before["charged"] == ref["total_tokens"]
+    charged = after["charged"] - before["charged"]
+    if response_processing(stack) == "streamed":
+        # Counted by Sluice with tiktoken: the same total the backend would have reported.
+        assert charged == ref["total_tokens"]
+    else:
+        # Sluice never saw the text: streaming time x the learned rate (extproc/estimate.py).
+        assert abs(charged - ref["total_tokens"]) <= max(4, 0.3 * ref["completion_tokens"]), (charged, ref)
 
 
 @pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer sk-nope"}, {"x-api-key": "sk-nope"}])
