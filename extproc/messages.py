@@ -31,11 +31,13 @@ SKIP_REST = PM(
 
 # A response whose usage Envoy's usage filter cannot read (the Responses API: its usage
 # rides in a response.completed event) is read here, chunk by chunk, under either
-# response_processing; the response headers bring the status and the first byte.
+# response_processing; the response headers bring the status and the first byte. The
+# usage filter still adds trailers when it finds a `usage` object, and then the last body
+# chunk is not end-of-stream: the trailers are what ends the body here.
 READ_RESPONSE_BODY = PM(
     request_header_mode=PM.SEND, response_header_mode=PM.SEND,
     request_body_mode=PM.BUFFERED, response_body_mode=PM.STREAMED,
-    request_trailer_mode=PM.SKIP, response_trailer_mode=PM.SKIP,
+    request_trailer_mode=PM.SKIP, response_trailer_mode=PM.SEND,
 )
 
 

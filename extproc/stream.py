@@ -397,6 +397,8 @@ class StreamProcessor:
     def on_response_trailers(self, request: pb.ProcessingRequest) -> pb.ProcessingResponse:
         """The one message at a clean end of a response, carrying Envoy's usage record."""
         self.envoy_usage = envoy_usage.usage_from_metadata(request)
+        if self.tracker is not None and not self.settled:
+            self.tracker.feed(b"", True)  # a body read here ends with the trailers, not a last chunk
         self.settle("end_of_stream")
         return _TRAILERS_CONTINUE
 

@@ -334,3 +334,31 @@ def test_usage_trailers_without_a_record_estimate_from_the_learned_rate() -> Non
     sp.settle("disconnect")  # the client left: no trailers
     assert rt.state.snapshot(clock.now)["ledger"]["charged"] == sp.prompt_tokens + 25
     rt.close()
+
+
+def test_a_responses_api_body_is_read_by_sluice_and_may_end_with_the_usage_filters_trailers() -> None:
+    # Envoy's usage filter reads chat completions only: a Responses API request switches
+    # its own stream to a streamed response body, and the filter's trailers end that body.
+    rt = Runtime(policy(), clock=Clock())
+    rt.backends["b"].has_metrics = False
+    sp = StreamProcessor(rt, peer=None)  # type: ignore[arg-type]
+    mode = sp.handle("request_headers", headers(_path="/v1/responses", _method="POST",
+                                                authorization="Bearer k")).mode_override  # type: ignore[union-attr]
+    assert (mode.response_body_mode, mode.response_trailer_mode) == (mode.STREAMED, mode.SEND)
+    body = pb.ProcessingRequest(request_body=pb.HttpBody(
+        body=json.dumps({"model": "m", "input": "hi", "max_output_tokens": 50}).encode(), end_of_stream=True))
+
+    async def admit() -> list[pb.ProcessingResponse]:
+        return [r async for r in sp.handle_body(body)]
+
+    asyncio.run(admit())
+    sp.handle("response_headers", response_headers(200, "application/json"))
+    reply = json.dumps({"object": "response", "status": "completed", "output": [],
+                        "usage": {"input_tokens": 9, "output_tokens": 4, "total_tokens": 13}}).encode()
+    sp.handle("response_body", pb.ProcessingRequest(response_body=pb.HttpBody(body=reply)))
+    assert not sp.settled
+    sp.handle("response_trailers", pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
+    assert sp.settled
+    ledger = rt.status()["ledger"]
+    assert ledger["charged"] == 13 and ledger["outstanding"] == 0 and ledger["balanced"], ledger
+    rt.close()
