@@ -19,6 +19,7 @@ from extproc.metrics import Metrics
 from extproc.policy.gate import LocalState
 from extproc.policy.schema import Policy
 from extproc.policy.state import TokenState
+from extproc.scrape import scrape_status
 from extproc.token_pool import TokenPool
 
 log = logging.getLogger("sluice.runtime")
@@ -142,7 +143,7 @@ def backend_status(be: BackendRuntime, now: float) -> dict[str, Any]:
     routes = {model: {**_breaker_summary(b.snapshot(now)), "tenant_breakers": be.tenants_for(model).snapshot(now)}
               for model, b in be.route_breakers.items()}
     return {
-        "kv_usage": getattr(sample, "kv_usage", None),
+        **scrape_status(sample, be.kv_in_use, be.spec.kv_capacity_tokens, be.has_metrics),
         "waiting": getattr(sample, "waiting", None),
         "running": getattr(sample, "running", None),
         "scrape_ok": bool(getattr(sample, "ok", False)),
