@@ -119,20 +119,21 @@ def classify_answer(status: int, content_type: str, text: str, metrics: EngineMe
 def parse_sample(text: str, metrics: EngineMetrics) -> Sample:
     """Read one exposition. Series from several engines or ranks combine: the fullest KV
     cache binds (max), queue lengths and preemption counters add up (sum)."""
-    series: list[tuple[str, dict[str, str], float]] = []
+    by_name: dict[str, list[tuple[dict[str, str], float]]] = {}
     engine_seen = False
     try:
         for family in text_string_to_metric_families(text):
-            if metrics.prefix and family.name.startswith(metrics.prefix):
-                engine_seen = True  # a family announced by HELP/TYPE counts even without samples
+            # A family announced by HELP/TYPE counts as the engine's even without samples.
+            engine_seen = engine_seen or bool(metrics.prefix and family.name.startswith(metrics.prefix))
             for s in family.samples:
-                series.append((s.name, s.labels, float(s.value)))
+                by_name.setdefault(s.name, []).append((s.labels, float(s.value)))
     except (ValueError, IndexError, TypeError) as exc:
         return _problem(metrics, "not_prometheus", f"unparseable metrics: {exc}")
+    engine_seen = engine_seen or any(n.startswith(metrics.prefix) for n in by_name)
 
     def values(selectors: tuple[Selector, ...]) -> list[float]:
         for sel in selectors:
-            vs = [v for n, labels, v in series if sel.matches(n, labels) and not math.isnan(v)]
+            vs = [v for labels, v in by_name.get(sel.name, ()) if sel.matches(sel.name, labels) and not math.isnan(v)]
             if vs:
                 return vs
         return []
@@ -153,7 +154,7 @@ def parse_sample(text: str, metrics: EngineMetrics) -> Sample:
                       kv_series=len(kvs))
     # The KV metric is absent. An eager engine has its gauges from start-up, so absence is
     # a setup problem; a lazy engine has not run a batch yet.
-    if metrics.eager and not engine_seen and not any(n.startswith(metrics.prefix) for n, _, _ in series):
+    if metrics.eager and not engine_seen:
         return _problem(metrics, "no_engine_metrics", f"no {metrics.prefix} metric in the exposition")
     if metrics.eager:
         names = ", ".join(str(s) for s in metrics.kv_usage)
@@ -168,6 +169,8 @@ async def scrape_once(session: aiohttp.ClientSession, url: str, metrics: EngineM
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             text = await r.text() if r.status in (200, *_PROBLEM_STATUSES) else ""
             bad = classify_answer(r.status, r.headers.get("Content-Type", ""), text, metrics)
-    except (TimeoutError, aiohttp.ClientError, OSError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:  # reachable, but not text
+        return _problem(metrics, "not_prometheus", f"undecodable answer: {exc}")
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         return Sample(ok=False, state="unreachable", error=f"{type(exc).__name__}: {exc}")
     return bad if bad is not None else parse_sample(text, metrics)

@@ -203,8 +203,11 @@ def test_scrape_once_over_http_tells_the_states_apart() -> None:
         "/lazy": (200, "text/plain; version=0.0.4", ""),
         "/down": (500, "text/plain", "boom"),
     }
+    binary = b"\x1f\x8b\x08\x00\xff\xfe\xfd"
 
     async def handler(request: web.Request) -> web.Response:
+        if request.path == "/bin":
+            return web.Response(body=binary, headers={"Content-Type": "application/octet-stream"})
         if request.path not in routes:
             return web.Response(status=404, text="404: Not Found")
         status, ctype, body = routes[request.path]
@@ -222,7 +225,8 @@ def test_scrape_once_over_http_tells_the_states_apart() -> None:
         try:
             async with aiohttp.ClientSession() as session:
                 for path, engine in [("/metrics", "vllm"), ("/json", "trtllm"), ("/off", "vllm"),
-                                     ("/lazy", "sglang"), ("/down", "vllm"), ("/prometheus/metrics", "trtllm")]:
+                                     ("/lazy", "sglang"), ("/down", "vllm"), ("/prometheus/metrics", "trtllm"),
+                                     ("/bin", "vllm")]:
                     out[path] = await scrape_once(session, f"http://127.0.0.1:{port}{path}", PRESETS[engine], 2.0)
                 out["closed"] = await scrape_once(session, f"http://127.0.0.1:{closed}/metrics", PRESETS["vllm"], 2.0)
         finally:
@@ -236,4 +240,5 @@ def test_scrape_once_over_http_tells_the_states_apart() -> None:
     assert got["/lazy"].state == "no_series"
     assert got["/down"].state == "unreachable" and got["/down"].error == "HTTP 500"
     assert got["/prometheus/metrics"].problem == "http_404"
+    assert got["/bin"].problem == "not_prometheus"
     assert got["closed"].state == "unreachable" and kv_source(got["closed"]) == "saturated"

@@ -134,7 +134,9 @@ PRESETS: dict[str, EngineMetrics] = {
         preemptions=_sel("vllm:num_preemptions_total", "vllm:num_preemptions"),
         prefix="vllm:", eager=True,
         hints={"no_engine_metrics": "no vllm: metric at all: vLLM runs with --disable-log-stats; "
-                                    "drop that flag for KV feedback"}),
+                                    "drop that flag for KV feedback",
+               "kv_metric_missing": "vllm: metrics but none of the KV names: set metric_names.kv_usage to "
+                                    "the name this vLLM version uses"}),
     "sglang": EngineMetrics(
         kv_usage=_sel("sglang:token_usage"),
         waiting=_sel("sglang:num_queue_reqs"),
