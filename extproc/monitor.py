@@ -74,7 +74,8 @@ def report_change(m: Metrics, name: str, url: str, previous: object | None, samp
         return
     if was:
         m.metrics_problem.labels(name, was).set(0)
-        log.warning("backend %s: metrics at %s usable again (state %s)", name, url, sample.state)
+        log.warning("backend %s: metrics at %s no longer %s (now %s)", name, url, was,
+                    sample.problem if now_problem else sample.state)
     if now_problem:
         log.error("backend %s: metrics at %s cannot be used (%s: %s): %s. Admitting by Sluice's own KV "
                   "reservations until this is fixed", name, url, now_problem, sample.error, sample.hint)

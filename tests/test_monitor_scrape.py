@@ -112,7 +112,7 @@ def test_a_problem_is_said_once_and_cleared(caplog: pytest.LogCaptureFixture) ->
     with caplog.at_level(logging.INFO, logger="sluice.monitor"):
         feed(m, be, parse_sample((FIXTURES / "trtllm_serve.prom").read_text(), metric_names(be)), 4.0)
     assert problem_gauge(m, "not_prometheus") == 0.0
-    assert any("usable again" in r.getMessage() for r in caplog.records)
+    assert any("no longer not_prometheus (now ok)" in r.getMessage() for r in caplog.records)
     assert backend_status(be, 4.0)["metrics_problem"] is None
 
 
