@@ -130,6 +130,9 @@ class BackendView:
     waiting: float | None = None
     scale: float | None = None
     scrape_ok: bool | None = None
+    metrics_state: str | None = None  # ok | no_series | problem | unreachable
+    kv_source: str | None = None  # engine | reservations | saturated | none
+    metrics_problem: Mapping[str, Any] | None = None  # {problem, error, hint} while metrics_url is unusable
     breakers: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # replica -> breaker
     slots: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # replica -> slots
     queue: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # replica -> queue
@@ -153,6 +156,10 @@ def backend_views(names: list[str], reps: list[Replica]) -> list[BackendView]:
             v.kv_usage, v.running, v.waiting = num(b.get("kv_usage")), num(b.get("running")), num(b.get("waiting"))
             v.scale = num(b.get("scale"))
             v.scrape_ok = b.get("scrape_ok") if isinstance(b.get("scrape_ok"), bool) else None
+            v.metrics_state = b.get("metrics_state") if isinstance(b.get("metrics_state"), str) else None
+            v.kv_source = b.get("kv_source") if isinstance(b.get("kv_source"), str) else None
+            problem = as_map(b.get("metrics_problem"))
+            v.metrics_problem = problem if problem.get("problem") else None
             v.breakers[r.id] = as_map(b.get("breaker"))
             v.slots[r.id] = as_map(b.get("slots"))
             v.queue[r.id] = as_map(b.get("queue"))

@@ -55,6 +55,10 @@ class Metrics:
                                      ["backend"], registry=r)
         self.scrape_errors = Counter("sluice_backend_scrape_errors", "Failed metric scrapes.", ["backend"],
                                      registry=r)
+        self.metrics_problem = Gauge("sluice_backend_metrics_problem",
+                                     "1 while a backend's metrics_url answers but cannot be used (problem: "
+                                     "not_prometheus, http_404, no_engine_metrics, ...).",
+                                     ["backend", "problem"], registry=r)
         self.breaker_state = Gauge("sluice_breaker_state", "1 for the breaker's current state.",
                                    ["backend", "state"], registry=r)
         self.breaker_transitions = Counter("sluice_breaker_transitions", "Breaker state changes.",

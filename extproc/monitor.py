@@ -14,17 +14,17 @@ import logging
 import aiohttp
 
 from extproc.backends import BackendRuntime
+from extproc.metrics import Metrics
+from extproc.policy.engine_metrics import EngineMetrics
 from extproc.runtime import Runtime
-from extproc.scrape import PRESETS, scrape_once
+from extproc.scrape import Sample, engine_metrics, kv_source, reserved_fraction, scrape_once
 
 log = logging.getLogger("sluice.monitor")
 TICK_S = 0.1
 
 
-def metric_names(be: BackendRuntime) -> dict[str, tuple[str, ...]]:
-    names = dict(PRESETS[be.spec.engine])
-    names.update(be.spec.metric_names)
-    return names
+def metric_names(be: BackendRuntime) -> EngineMetrics:
+    return engine_metrics(be.spec.engine, be.spec.metric_names)
 
 
 async def scrape_backend(rt: Runtime, name: str, session: aiohttp.ClientSession) -> None:
@@ -36,22 +36,52 @@ async def scrape_backend(rt: Runtime, name: str, session: aiohttp.ClientSession)
         if be.spec.metrics_url:
             sample = await scrape_once(session, be.spec.metrics_url, metric_names(be),
                                        timeout_s=max(0.2, min(interval, 2.0)))
-            now = rt.clock()
-            be.sample = sample
-            m = rt.metrics
-            if sample.ok:
-                be.wm.observe(sample.kv_usage, sample.waiting, now)
-                m.kv_usage.labels(name).set(sample.kv_usage or 0.0)
-                if sample.waiting is not None:
-                    m.backend_waiting.labels(name).set(sample.waiting)
-                if sample.preemptions is not None and be.breaker.observe_preemptions(sample.preemptions, now):
-                    log.warning("backend %s: preemptions rising, breaker tripped", name)
-            else:
-                # Unreachable or unreadable metrics count as saturated, never as idle.
-                be.wm.observe(None, None, now)
-                m.scrape_errors.labels(name).inc()
-                log.debug("scrape of %s failed: %s", name, sample.error)
+            previous, be.sample = be.sample, sample
+            apply_sample(rt.metrics, name, be, sample, rt.clock())
+            report_change(rt.metrics, name, be.spec.metrics_url, previous, sample)
         await asyncio.sleep(interval)
+
+
+def apply_sample(m: Metrics, name: str, be: BackendRuntime, sample: Sample, now: float) -> None:
+    source = kv_source(sample)
+    if source == "saturated":
+        # Unreachable metrics count as saturated, never as idle.
+        be.wm.observe(None, None, now)
+        m.scrape_errors.labels(name).inc()
+        log.debug("scrape of %s failed: %s", name, sample.error)
+        return
+    if sample.state == "problem":
+        m.scrape_errors.labels(name).inc()
+    # Without the engine's KV (no KV metric, no series yet, a setup problem) Sluice's own
+    # reservations bound KV (kv_fits against kv_capacity_tokens) and the engine queue alone
+    # drives the watermark: feeding the reservations in as well would count them twice.
+    be.wm.observe(sample.kv_usage if source == "engine" else 0.0, sample.waiting, now)
+    if source == "engine":
+        m.kv_usage.labels(name).set(sample.kv_usage or 0.0)
+    if sample.waiting is not None:
+        m.backend_waiting.labels(name).set(sample.waiting)
+    if sample.preemptions is not None and be.breaker.observe_preemptions(sample.preemptions, now):
+        log.warning("backend %s: preemptions rising, breaker tripped", name)
+
+
+def report_change(m: Metrics, name: str, url: str, previous: object | None, sample: Sample) -> None:
+    """Say once, loudly, when a backend's metrics become unusable, and when they recover."""
+    was = previous.problem if isinstance(previous, Sample) and previous.state == "problem" else ""
+    now_problem = sample.problem if sample.state == "problem" else ""
+    if now_problem:
+        m.metrics_problem.labels(name, now_problem).set(1)
+    if was == now_problem:
+        return
+    if was:
+        m.metrics_problem.labels(name, was).set(0)
+        log.warning("backend %s: metrics at %s no longer %s (now %s)", name, url, was,
+                    sample.problem if now_problem else sample.state)
+    if now_problem:
+        log.error("backend %s: metrics at %s cannot be used (%s: %s): %s. Admitting by Sluice's own KV "
+                  "reservations until this is fixed", name, url, now_problem, sample.error, sample.hint)
+    if sample.state == "no_series" and not (isinstance(previous, Sample) and previous.state == "no_series"):
+        log.info("backend %s: no KV series at %s yet (the engine creates it at its first batch); "
+                 "admitting by Sluice's own KV reservations", name, url)
 
 
 def refresh(rt: Runtime) -> None:
@@ -62,6 +92,8 @@ def refresh(rt: Runtime) -> None:
             be.pump(now)
         scale = be.scale(now)
         m.scale.labels(name).set(scale)
+        if be.has_metrics and kv_source(be.sample) == "reservations":
+            m.kv_usage.labels(name).set(reserved_fraction(be.kv_in_use, be.spec.kv_capacity_tokens) or 0.0)
         m.slots_effective.labels(name).set(be.pool.effective_limits(scale)["total"])
         use = be.pool.in_use()
         for tier in be.pool.tier_order:

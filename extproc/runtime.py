@@ -21,6 +21,7 @@ from extproc.estimate import DecodeRates
 from extproc.metrics import Metrics
 from extproc.policy.schema import Policy
 from extproc.policy.state import TokenState
+from extproc.scrape import scrape_status
 from extproc.store import open_state, state_url
 from extproc.token_pool import TokenPool
 
@@ -163,7 +164,7 @@ def backend_status(be: BackendRuntime, now: float) -> dict[str, Any]:
     routes = {model: {**_breaker_summary(b.snapshot(now)), "tenant_breakers": be.tenants_for(model).snapshot(now)}
               for model, b in be.route_breakers.items()}
     return {
-        "kv_usage": getattr(sample, "kv_usage", None),
+        **scrape_status(sample, be.kv_in_use, be.spec.kv_capacity_tokens, be.has_metrics),
         "waiting": getattr(sample, "waiting", None),
         "running": getattr(sample, "running", None),
         "scrape_ok": bool(getattr(sample, "ok", False)),

@@ -9,6 +9,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from extproc.policy.engine_metrics import KINDS, PRESETS, parse_selector
 from extproc.policy.model import (
     Backend,
     BreakerOverride,
@@ -23,7 +24,7 @@ from extproc.policy.model import (
 from extproc.policy.reader import NAME, Path, Reader, read_flat
 
 KNOWN_ENCODINGS = ("cl100k_base", "o200k_base")
-ENGINES = ("vllm", "sglang", "trtllm")
+ENGINES = tuple(PRESETS)
 # Rules that can run in shadow mode: decided and recorded, not enforced.
 SHADOW_RULES = ("tpm", "rpm", "slots", "queue", "shed", "degrade", "breaker")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -81,12 +82,20 @@ def _metric_names(r: Reader, m: Mapping[str, Any], path: Path) -> dict[str, tupl
     out: dict[str, tuple[str, ...]] = {}
     for kind, names in raw.items():
         p = (*path, "metric_names", str(kind))
-        if kind not in ("kv_usage", "waiting", "running", "preemptions"):
-            r.fail(p, "unknown metric kind (known: kv_usage, waiting, running, preemptions)")
+        if kind not in KINDS:
+            r.fail(p, f"unknown metric kind (known: {', '.join(KINDS)})")
         elif not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             r.fail(p, "expected a list of metric names, tried in order")
         else:
-            out[kind] = tuple(names)
+            bad = False
+            for j, n in enumerate(names):
+                try:
+                    parse_selector(n)
+                except ValueError as exc:
+                    r.fail((*p, j), str(exc))
+                    bad = True
+            if not bad:
+                out[kind] = tuple(names)
     return out
 
 

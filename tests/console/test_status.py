@@ -157,3 +157,26 @@ def test_samples_kept_15_minutes_and_pruned_after_an_hour(operator: Console) -> 
     operator.clock.t = start + 61 * 60
     live.prune(store, operator.clock.t)
     assert [r["kv_usage"] for r in store.query("SELECT kv_usage FROM kv_samples")] == [0.4]
+
+
+def test_unusable_metrics_show_as_a_banner_and_no_series_as_a_badge(operator: Console) -> None:
+    body = report(None)
+    body["backends"]["sim"].update(
+        scrape_ok=False, metrics_state="problem", kv_source="reservations",
+        metrics_problem={"problem": "no_engine_metrics", "error": "no vllm: metric in the exposition",
+                         "hint": "no vllm: metric at all: vLLM runs with --disable-log-stats"})
+    assert post_status(operator, body).status_code == 200
+    page = operator.client.get("/overview/backends", headers={"HX-Request": "true"}).get_data(as_text=True)
+    banner = re.search(r'<p class="banner bad" id="metrics-problem-sim" role="alert">(.*?)</p>', page, re.S)
+    assert banner, page
+    assert "--disable-log-stats" in banner.group(1) and "no_engine_metrics" in banner.group(1)
+    assert "metrics unusable" in page and "scrape failing" not in page
+    # Fixed: the banner goes; an engine that has not run a batch yet shows a softer badge.
+    fixed = report(None)
+    fixed["backends"]["sim"].update(metrics_state="no_series", kv_source="reservations", metrics_problem=None)
+    operator.clock.t += 1
+    post_status(operator, fixed)
+    page = operator.client.get("/overview/backends", headers={"HX-Request": "true"}).get_data(as_text=True)
+    assert "metrics-problem-sim" not in page and "no series yet" in page and "metrics unusable" not in page
+    # The full page carries the same region.
+    assert "no series yet" in operator.client.get("/").get_data(as_text=True)
