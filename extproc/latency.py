@@ -81,6 +81,9 @@ def record_settle(rt: Runtime, ticket: Ticket, tenant: str, tier: Tier, *, how: 
             m.child(m.itl, *labels).observe(itl)
         if out is not None and n > 0:
             rt.completions.observe(tenant, tier.name, ticket.model.name, out)
+            learned = rt.completions.learned("tier", tier.name, ticket.model.name)
+            if learned is not None:
+                m.child(m.completion_estimate, tier.name, ticket.model.name).set(learned)
     ctl = ticket.runtime.latency
     if ctl is None:
         return

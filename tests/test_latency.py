@@ -99,6 +99,16 @@ def test_settle_observes_ttft_itl_and_duration_per_backend_and_tier() -> None:
     rt.close()
 
 
+def test_the_learned_length_is_exported_per_tier_and_model() -> None:
+    clock = Clock()
+    rt = Runtime(make_policy(), clock=clock)
+    rt.backends["b"].has_metrics = False
+    teach(rt, clock, 25, completion=40)
+    v = sample(rt, "sluice_completion_estimate_tokens", tier="premium", model="m")
+    assert 40 <= v <= 51
+    rt.close()
+
+
 def test_failed_responses_teach_nothing() -> None:
     clock = Clock()
     rt = Runtime(make_policy(), clock=clock)

@@ -56,6 +56,8 @@ def test_falls_back_from_tenant_to_tier_to_max_tokens() -> None:
     assert e.source == "tenant" and 40 <= e.tokens <= 51
     # Another model has learned nothing.
     assert est.estimate("acme", "free", "m2", 512).source == "max_tokens"
+    assert est.learned("tier", "free", "m2") is None
+    assert est.learned("tier", "free", "m") == est.estimate("x", "free", "m", 10**6).tokens
 
 
 def test_never_above_max_tokens() -> None:

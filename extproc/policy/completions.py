@@ -142,6 +142,13 @@ class CompletionEstimator:
                 return Estimate(max(1, min(max_tokens, h.quantile(self.quantile))), kind, h.samples)
         return Estimate(max_tokens, "max_tokens")
 
+    def learned(self, kind: str, name: str, model: str) -> int | None:
+        """The learned quantile of one key ("tenant" or "tier"), None until it is trusted."""
+        h = self._h.get((kind, name, model))
+        if h is None or h.samples < self.min_samples:
+            return None
+        return h.quantile(self.quantile)
+
     # -- persistence and reports -------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {"version": 1, "quantile": self.quantile, "half_life": self.half_life,
