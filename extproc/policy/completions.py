@@ -136,6 +136,8 @@ class CompletionEstimator:
             h.add(completion_tokens)
 
     def estimate(self, tenant: str, tier: str, model: str, max_tokens: int) -> Estimate:
+        if max_tokens <= 1:
+            return Estimate(max_tokens, "max_tokens")  # nothing to learn (embeddings: 0)
         for kind, name in (("tenant", tenant), ("tier", tier)):
             h = self._h.get((kind, name, model))
             if h is not None and h.samples >= self.min_samples:
