@@ -63,7 +63,7 @@ def completion_tokens(rt: Runtime, ticket: Ticket, tenant: str, tier: str) -> Re
 
 def record_settle(rt: Runtime, ticket: Ticket, tenant: str, tier: Tier, *, how: str, status: int,
                   arrived: float, first_byte: float | None, now: float, usage: Usage | None, n: int) -> None:
-    """Observe one settled, forwarded request. Call before its slot is released."""
+    """Observe one settled, forwarded request (after its slot went back)."""
     if not ticket.admitted_at or first_byte is None or not 0 < status < 400:
         return
     m = rt.metrics
@@ -93,4 +93,5 @@ def record_settle(rt: Runtime, ticket: Ticket, tenant: str, tier: Tier, *, how: 
     if tier.itl_p99_ms and itl is not None:
         ratios.append(itl * 1000.0 / tier.itl_p99_ms)
     if ratios:
-        ctl.observe(tier.name, max(ratios), ticket.admitted_at, ticket.runtime.pool.in_use().total, now)
+        # +1: this request's own slot, already released, was part of the load it saw.
+        ctl.observe(tier.name, max(ratios), ticket.admitted_at, ticket.runtime.pool.in_use().total + 1, now)

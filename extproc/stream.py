@@ -310,9 +310,9 @@ class StreamProcessor:
         self.rt.state.settle(self.tenant.name, self.reserved, actual, now)
         t = self.ticket
         if t is not None:
+            self._release(t, how, now)
             if self.forwarded and how != "rejected":
                 self._observe_latency(t, how, now)
-            self._release(t, how, now)
         m = self.rt.metrics
         name = self.tenant.name
         m.child(m.settles, how).inc()
@@ -325,9 +325,12 @@ class StreamProcessor:
     def _observe_latency(self, t: Ticket, how: str, now: float) -> None:
         assert self.tenant is not None and self.req is not None
         usage = self.tracker.usage if self.tracker is not None else None
-        latency.record_settle(self.rt, t, self.tenant.name, self.policy.tiers[self.tenant.tier], how=how,
-                              status=self.status, arrived=self.arrived_s, first_byte=self.first_byte_s, now=now,
-                              usage=usage, n=self.req.n)
+        try:
+            latency.record_settle(self.rt, t, self.tenant.name, self.policy.tiers[self.tenant.tier], how=how,
+                                  status=self.status, arrived=self.arrived_s, first_byte=self.first_byte_s,
+                                  now=now, usage=usage, n=self.req.n)
+        except Exception:  # observing must never keep the rest of settle from running
+            log.exception("latency observation failed")
 
     def _release(self, t: Ticket, how: str, now: float) -> None:
         assert self.tenant is not None
