@@ -56,7 +56,7 @@ def completion_tokens(rt: Runtime, ticket: Ticket, tenant: str, tier: str) -> Re
     cap = ticket.completion
     if spec.kv_reservation != "learned" and spec.tpm_precharge != "learned":
         return Reservation(cap, cap, "max_tokens")
-    est = rt.completions.estimate(tenant, tier, ticket.model.name, cap)
+    est = rt.completions.estimate(tenant, tier, ticket.model.name, cap, spec.learned_quantile)
     return Reservation(est.tokens if spec.kv_reservation == "learned" else cap,
                        est.tokens if spec.tpm_precharge == "learned" else cap, est.source)
 

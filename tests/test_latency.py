@@ -217,6 +217,7 @@ def test_estimates_and_the_limit_survive_a_policy_reload() -> None:
 @pytest.mark.parametrize("patch,where", [
     ({"kv_reservation": "optimistic"}, "kv_reservation"),
     ({"tpm_precharge": "none"}, "tpm_precharge"),
+    ({"learned_quantile": 1.5}, "learned_quantile"),
     ({"adaptive_concurrency": {"tolerance": 2.0}}, "tolerance"),
     ({"adaptive_concurrency": {"floor": 0}}, "floor"),
 ])

@@ -23,7 +23,7 @@ def test_buckets_hold_their_values() -> None:
         i = bucket_of(v)
         assert upper_bound(i) >= v
         assert i == 0 or upper_bound(i - 1) < v
-        assert upper_bound(i) <= max(2, v * 1.25 + 1)
+        assert upper_bound(i) <= max(2, v * 1.1 + 1)
 
 
 @given(st.integers(0, 1 << 20))
@@ -31,7 +31,7 @@ def test_bucket_bounds_property(v: int) -> None:
     i = bucket_of(v)
     assert 0 <= i <= MAX_BUCKET
     assert upper_bound(i) >= v
-    assert upper_bound(i) <= max(2, v * 1.25 + 1)
+    assert upper_bound(i) <= max(2, v * 1.1 + 1)
 
 
 def test_high_quantile_of_a_known_distribution() -> None:
@@ -39,7 +39,7 @@ def test_high_quantile_of_a_known_distribution() -> None:
     for v in range(1, 1001):  # uniform 1..1000: p95 is 950
         h.add(v)
     q = h.quantile(0.95)
-    assert 950 <= q <= 950 * 1.25 + 1
+    assert 950 <= q <= 950 * 1.1 + 1
 
 
 def test_falls_back_from_tenant_to_tier_to_max_tokens() -> None:
@@ -49,15 +49,23 @@ def test_falls_back_from_tenant_to_tier_to_max_tokens() -> None:
     for _ in range(5):
         est.observe("other", "free", "m", 100)
     e = est.estimate("acme", "free", "m", 512)
-    assert e.source == "tier" and 100 <= e.tokens <= 126
+    assert e.source == "tier" and 100 <= e.tokens <= 111
     for _ in range(5):
         est.observe("acme", "free", "m", 40)
     e = est.estimate("acme", "free", "m", 512)
-    assert e.source == "tenant" and 40 <= e.tokens <= 51
+    assert e.source == "tenant" and 40 <= e.tokens <= 45
     # Another model has learned nothing.
     assert est.estimate("acme", "free", "m2", 512).source == "max_tokens"
     assert est.learned("tier", "free", "m2") is None
     assert est.learned("tier", "free", "m") == est.estimate("x", "free", "m", 10**6).tokens
+
+
+def test_the_quantile_can_be_chosen_per_request() -> None:
+    est = CompletionEstimator(min_samples=5, half_life=10_000)
+    for v in range(1, 1001):
+        est.observe("a", "t", "m", v)
+    assert 500 <= est.estimate("a", "t", "m", 4096, quantile=0.5).tokens <= 551
+    assert est.estimate("a", "t", "m", 4096).tokens >= 950
 
 
 def test_never_above_max_tokens() -> None:
@@ -80,7 +88,7 @@ def test_recent_samples_win() -> None:
     assert est.estimate("a", "t", "m", 4096).tokens >= 1000
     for _ in range(200):
         est.observe("a", "t", "m", 50)
-    assert est.estimate("a", "t", "m", 4096).tokens <= 63
+    assert est.estimate("a", "t", "m", 4096).tokens <= 56
 
 
 def test_renormalisation_keeps_the_estimate() -> None:

@@ -7,12 +7,13 @@ same per (tier, model) while a tenant has too few samples, and to the request's
 ``max_tokens`` while neither has. An estimate is never above ``max_tokens``.
 
 Each key keeps a small histogram over log-spaced buckets (each bucket's upper bound
-1.25x the previous, so the estimate overstates by at most 25 %: on the safe side for
+1.1x the previous, so the estimate overstates by at most 10 %: on the safe side for
 a KV reservation). Old samples decay: each new sample weighs ``2 ** (1 / half_life)``
 times the previous one, so after ``half_life`` samples a sample counts half. The
 weights grow instead of the counts shrinking, so a sample costs O(1); the counts are
 renormalised when the weight gets large. Memory is bounded: at most ``max_keys``
-keys, the least recently updated dropped first, and at most ~60 buckets per key.
+keys, the least recently updated dropped first, and at most ~150 buckets per key
+(sparse: only the lengths seen).
 
 A completion cut off by its ``max_tokens`` would have run longer: it is recorded at
 its length anyway (only the request's own cap is known), which the per-request cap
@@ -31,8 +32,8 @@ from typing import Any
 
 __all__ = ["CompletionEstimator", "Estimate", "LengthHistogram", "bucket_of", "upper_bound"]
 
-RATIO = 1.25
-MAX_BUCKET = 64  # upper bound 1.25**64 ~ 1.6 M tokens
+RATIO = 1.1
+MAX_BUCKET = 150  # upper bound 1.1**150 ~ 1.6 M tokens
 _RENORMALISE_AT = 1e100
 
 
@@ -135,13 +136,17 @@ class CompletionEstimator:
                 self._h.move_to_end(key)
             h.add(completion_tokens)
 
-    def estimate(self, tenant: str, tier: str, model: str, max_tokens: int) -> Estimate:
+    def estimate(self, tenant: str, tier: str, model: str, max_tokens: int,
+                 quantile: float | None = None) -> Estimate:
+        """The learned length for a request capped at ``max_tokens`` (``quantile``
+        overrides the estimator's own)."""
+        q = self.quantile if quantile is None else quantile
         if max_tokens <= 1:
             return Estimate(max_tokens, "max_tokens")  # nothing to learn (embeddings: 0)
         for kind, name in (("tenant", tenant), ("tier", tier)):
             h = self._h.get((kind, name, model))
             if h is not None and h.samples >= self.min_samples:
-                return Estimate(max(1, min(max_tokens, h.quantile(self.quantile))), kind, h.samples)
+                return Estimate(max(1, min(max_tokens, h.quantile(q))), kind, h.samples)
         return Estimate(max_tokens, "max_tokens")
 
     def learned(self, kind: str, name: str, model: str) -> int | None:

@@ -133,6 +133,8 @@ class Backend:
     # What a request's KV footprint reserves per completion: max_tokens ("worst_case")
     # or the learned length of recent completions ("learned", never above max_tokens).
     kv_reservation: str = "worst_case"
+    # Which quantile of recent completion lengths "learned" reserves (and pre-charges).
+    learned_quantile: float = 0.95
     # What the TPM pre-charge reserves per completion; the TPM contract holds only
     # with "max_tokens" (the default): "learned" charges the excess at settle instead.
     tpm_precharge: str = "max_tokens"

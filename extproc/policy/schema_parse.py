@@ -72,7 +72,7 @@ def _metric_names(r: Reader, m: Mapping[str, Any], path: Path) -> dict[str, tupl
 
 _BACKEND_FIELDS = ("name", "address", "max_concurrency", "models", "metrics_url", "engine", "metric_names",
                    "watermark", "breaker", "kv_capacity_tokens", "kv_block_size", "kv_overcommit",
-                   "kv_reservation", "tpm_precharge", "adaptive_concurrency")
+                   "kv_reservation", "learned_quantile", "tpm_precharge", "adaptive_concurrency")
 
 
 def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
@@ -123,10 +123,19 @@ def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
             watermark=read_flat(r, m.get("watermark"), (*path, "watermark"), WatermarkSettings),
             breaker=read_flat(r, m.get("breaker"), (*path, "breaker"), BreakerSettings),
             kv_reservation=r.get(m, path, "kv_reservation", str, "worst_case", choices=KV_RESERVATIONS),
+            learned_quantile=_quantile(r, m, path),
             tpm_precharge=r.get(m, path, "tpm_precharge", str, "max_tokens", choices=TPM_PRECHARGES),
             adaptive_concurrency=_adaptive(r, m.get("adaptive_concurrency"), (*path, "adaptive_concurrency")),
         ))
     return tuple(out)
+
+
+def _quantile(r: Reader, m: Mapping[str, Any], path: Path) -> float:
+    q = float(r.get(m, path, "learned_quantile", (int, float), 0.95, minimum=0))
+    if not 0 < q <= 1:
+        r.fail((*path, "learned_quantile"), "in (0, 1]")
+        return 0.95
+    return q
 
 
 def _adaptive(r: Reader, doc: Any, path: Path) -> AdaptiveSettings:
