@@ -232,6 +232,22 @@ def variant_policy(policy_dir: Path, key: str) -> None:
         f.write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
+def learning_notes(run: ConfigRun) -> list[str]:
+    """What (e)/(f) learned: the completion lengths reserved, and the latency limit's path."""
+    end = run.sluice_end or {}
+    notes = []
+    learned = [e for e in (end.get("completions") or {}).get("estimates", []) if e["kind"] == "tenant"]
+    if learned and run.key in "ef":
+        notes.append("learned completion lengths at the end (p95, tokens): " + ", ".join(
+            f"{e['name']}/{e['model']} {e['tokens']} ({e['samples']} samples)" for e in learned))
+    adaptive = (end.get("backends") or {}).get("sim", {}).get("adaptive")
+    limits = [s.limit for s in run.samples if s.limit is not None]
+    if adaptive and limits:
+        notes.append(f"latency limit (ceiling {adaptive['ceiling']}): lowest {min(limits)} during the run, "
+                     f"{adaptive['cuts']} cuts in {adaptive['windows']} windows, {adaptive['limit']} at the end")
+    return notes
+
+
 def sim_admin(port: int, cfg: dict[str, Any]) -> None:
     req = urllib.request.Request(f"http://127.0.0.1:{port}/admin/config", data=json.dumps(cfg).encode(),
                                  method="POST", headers={"content-type": "application/json"})
@@ -287,6 +303,7 @@ def run_config(key: str, workdir: Path, sched: Schedule, cap: Capacity, mode: st
             led = run.sluice_end["ledger"]
             run.notes.append(f"Sluice after the run: in flight {run.sluice_end['in_flight']}, "
                              f"ledger balanced {led['balanced']} (outstanding {led['outstanding']}).")
+            run.notes += learning_notes(run)
     except Exception as exc:  # noqa: BLE001 - a configuration that cannot run is reported, not fatal
         run.error = f"{type(exc).__name__}: {exc}"
         log(f"{NAMES[key]} failed: {run.error}\n{gw.logs()}")
