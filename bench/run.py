@@ -6,6 +6,7 @@
     python -m bench.run --only headline      # or tpm, soak, overhead
     python -m bench.run --only headline --configs ad
     python -m bench.run --only slowdown          # decode speed halved for 20 s: (e) vs (f)
+    python -m bench.run --only longprompt        # 12 documents of 16k-30k tokens on steady chat
 
 Progress goes to stderr. The first run installs LiteLLM into ``bench/.litellm-venv``
 (~750 MB, a minute or two) for configuration (c); if that fails, (c) is reported as not
@@ -28,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-PARTS = ("headline", "slowdown", "tpm", "soak", "overhead")
+PARTS = ("headline", "longprompt", "slowdown", "tpm", "soak", "overhead")
 
 
 def log(msg: str) -> None:
@@ -125,6 +126,12 @@ def main(argv: list[str] | None = None) -> int:
             md = report.headline_markdown(h)
             return md + "\nPlots: " + ", ".join(f"`{_rel(p)}`" for p in pngs) + f"; raw data: `{_rel(raw)}`.\n"
         timed("headline", headline_part)
+    if "longprompt" in parts:
+        def longprompt_part() -> str:
+            from bench import longprompt
+            return longprompt.markdown(longprompt.run(workdir, quick=args.quick, configs=args.configs.replace(
+                "b", "").replace("c", ""), log=log))
+        timed("longprompt", longprompt_part)
     if "slowdown" in parts:
         def slowdown_part() -> str:
             from bench import slowdown
