@@ -4,6 +4,9 @@
     (b) Envoy's local_ratelimit at the backend's nominal request rate
     (c) the LiteLLM proxy with the example policy's per-key TPM / RPM / parallel limits
     (d) Envoy + Sluice with the example policy (only the backends' addresses rewritten)
+    (e) as (d), with ``kv_reservation: learned`` on the main backend
+    (f) as (e), plus latency SLOs (premium ``ttft_p99_ms``) driving the adaptive
+        concurrency limit
 
 Each configuration gets a fresh simulated backend with the same settings (the example
 policy's: 2048 KV blocks of 16 tokens = 32k tokens, 64 sequences, a 32k context for the
@@ -17,8 +20,10 @@ the cache full (saturation) while nothing needs preempting.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +55,14 @@ from bench.trace import (
 from extproc.envoyconfig import BackendRoute
 
 NAMES = {"a": "(a) Envoy, no limiter", "b": "(b) Envoy local_ratelimit", "c": "(c) LiteLLM proxy",
-         "d": "(d) Envoy + Sluice"}
+         "d": "(d) Envoy + Sluice", "e": "(e) Sluice, learned KV", "f": "(f) Sluice, learned KV + SLO"}
+SLUICE = "def"  # the configurations that run Sluice
+# (f)'s latency SLOs for premium. Time to first token after admission: premium p99 TTFT
+# is ~1 s on an unloaded backend in this mix (a 16k-token batch prefill stalls decoding
+# for ~0.4 s), so the target leaves room for that and no more. Inter-token latency: a
+# full batch decodes at ~25 ms per token; 40 ms is a stream users still read as fluent.
+SLOS = {"premium": {"ttft_p99_ms": 1500, "itl_p99_ms": 40}}
+SLO_TTFT_MS = {tier: s["ttft_p99_ms"] for tier, s in SLOS.items()}
 # The demo keys from the README; policies/tenants.yaml holds their sha256.
 KEYS = {"premium": "sk-demo-premium", "free": "sk-demo-free", "batch": "sk-demo-batch"}
 TENANTS = {"premium": "acme", "free": "hobbyist", "batch": "nightly-etl"}
@@ -176,7 +188,8 @@ def _start(key: str, gw: Gateway, cap: Capacity, mode: str, run: ConfigRun) -> d
     doc = load_policy_doc(policy_dir)
     opts = envoy_options(ports, doc)
     sim_route = BackendRoute("sim", "127.0.0.1", ports.sim)
-    if key == "d":
+    if key in SLUICE:
+        variant_policy(policy_dir, key)
         gw.start_sim("small", ports.small, [*sim_args(mode), "--model", FALLBACK_MODEL])
         gw.start_extproc(policy_dir)
         cfg = envoy_config("sluice", [sim_route, BackendRoute("sim-small", "127.0.0.1", ports.small)], opts)
@@ -199,8 +212,52 @@ def _start(key: str, gw: Gateway, cap: Capacity, mode: str, run: ConfigRun) -> d
     return pids
 
 
+def variant_policy(policy_dir: Path, key: str) -> None:
+    """(e) and (f): the example policy with learned reservations (and SLOs) on top."""
+    if key not in "ef":
+        return
+    import yaml
+
+    for f in sorted(policy_dir.glob("*.yaml")):
+        doc = yaml.safe_load(f.read_text())
+        if not isinstance(doc, dict):
+            continue
+        for b in doc.get("backends") or []:
+            if b["name"] == "sim":
+                b["kv_reservation"] = "learned"
+        if key == "f":
+            for tier, slo in SLOS.items():
+                if tier in (doc.get("tiers") or {}):
+                    doc["tiers"][tier].update(slo)
+        f.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+
+def learning_notes(run: ConfigRun) -> list[str]:
+    """What (e)/(f) learned: the completion lengths reserved, and the latency limit's path."""
+    end = run.sluice_end or {}
+    notes = []
+    learned = [e for e in (end.get("completions") or {}).get("estimates", []) if e["kind"] == "tenant"]
+    if learned and run.key in "ef":
+        notes.append("learned completion lengths at the end (p95, tokens): " + ", ".join(
+            f"{e['name']}/{e['model']} {e['tokens']} ({e['samples']} samples)" for e in learned))
+    adaptive = (end.get("backends") or {}).get("sim", {}).get("adaptive")
+    limits = [s.limit for s in run.samples if s.limit is not None]
+    if adaptive and limits:
+        notes.append(f"latency limit (ceiling {adaptive['ceiling']}): lowest {min(limits)} during the run, "
+                     f"{adaptive['cuts']} cuts in {adaptive['windows']} windows, {adaptive['limit']} at the end")
+    return notes
+
+
+def sim_admin(port: int, cfg: dict[str, Any]) -> None:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/admin/config", data=json.dumps(cfg).encode(),
+                                 method="POST", headers={"content-type": "application/json"})
+    urllib.request.urlopen(req, timeout=5).read()
+
+
 def run_config(key: str, workdir: Path, sched: Schedule, cap: Capacity, mode: str, drain_s: float,
-               log: Any) -> tuple[ConfigRun, dict[str, float] | None]:
+               log: Any, events: list[tuple[float, dict[str, Any]]] | None = None
+               ) -> tuple[ConfigRun, dict[str, float] | None]:
+    """``events``: (seconds after the start, /admin/config body) sent to the backend mid-run."""
     run = ConfigRun(key, NAMES[key])
     latency = None
     gw = Gateway(workdir / key, Ports())
@@ -209,19 +266,26 @@ def run_config(key: str, workdir: Path, sched: Schedule, cap: Capacity, mode: st
         _warm_up(gw.url, KEYS)
         if key == "c":
             latency = litellm_latency(gw)
-        admin = f"http://127.0.0.1:{gw.ports.admin}/debug/state" if key == "d" else None
+        admin = f"http://127.0.0.1:{gw.ports.admin}/debug/state" if key in SLUICE else None
         sampler = Sampler(f"http://127.0.0.1:{gw.ports.sim}/admin/engine", admin, pids=pids)
         loop = OpenLoop(gw.url, KEYS, CLIENTS, drain_s=drain_s)
+
+        async def at(t0: float, offset: float, cfg: dict[str, Any]) -> None:
+            await asyncio.sleep(max(0.0, t0 + offset - time.monotonic()))
+            await asyncio.to_thread(sim_admin, gw.ports.sim, cfg)
 
         async def drive() -> list[Result]:
             stop = asyncio.Event()
             t0 = time.monotonic() + 0.3
             task = asyncio.create_task(sampler.run(t0, stop))
+            timers = [asyncio.create_task(at(t0, off, cfg)) for off, cfg in events or []]
             try:
                 return await loop.run(sched.requests, t0)
             finally:
                 stop.set()
                 await task
+                for t in timers:
+                    t.cancel()
 
         before = {n: proc_cpu_rss(p)[0] for n, p in pids.items()}
         t_start = time.monotonic()
@@ -234,11 +298,12 @@ def run_config(key: str, workdir: Path, sched: Schedule, cap: Capacity, mode: st
             run.rss_mb[n] = rss / 2**20
         run.samples = sampler.samples
         run.engine = get_json(f"http://127.0.0.1:{gw.ports.sim}/admin/engine")
-        if key == "d":
+        if key in SLUICE:
             run.sluice_end = wait_idle(admin or "", 5)  # clients cut at the end settle within moments
             led = run.sluice_end["ledger"]
             run.notes.append(f"Sluice after the run: in flight {run.sluice_end['in_flight']}, "
                              f"ledger balanced {led['balanced']} (outstanding {led['outstanding']}).")
+            run.notes += learning_notes(run)
     except Exception as exc:  # noqa: BLE001 - a configuration that cannot run is reported, not fatal
         run.error = f"{type(exc).__name__}: {exc}"
         log(f"{NAMES[key]} failed: {run.error}\n{gw.logs()}")
@@ -247,7 +312,7 @@ def run_config(key: str, workdir: Path, sched: Schedule, cap: Capacity, mode: st
     return run, latency
 
 
-def run(workdir: Path, *, quick: bool = False, configs: str = "abcd", mode: str = "preempt",
+def run(workdir: Path, *, quick: bool = False, configs: str = "abcdef", mode: str = "preempt",
         log: Any = print) -> Headline:
     mix = Mix()
     cap = measure_capacity(workdir, mix, mode, 12.0 if quick else 20.0, 4.0 if quick else 5.0, log)

@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.headline import FALLBACK_MODEL, ConfigRun, Headline
+from bench.headline import FALLBACK_MODEL, SLO_TTFT_MS, ConfigRun, Headline
 from bench.loadgen import Result
 from bench.metrics import open_streams, tier_stats, tokens_between
 from bench.sampler import Sample
@@ -90,7 +90,7 @@ def config_rows(h: Headline) -> list[list[object]]:
             continue
         pre = counter_delta(run.samples, burst[0], burst[1] + 2.0, "preemptions")
         st = tier_stats(run.results)
-        cpu = {"c": "litellm", "d": "extproc"}.get(key, "envoy")
+        cpu = {"c": "litellm", "d": "extproc", "e": "extproc", "f": "extproc"}.get(key, "envoy")
         fb = sum(1 for r in run.results if r.model == FALLBACK_MODEL and r.ok)
         extra = f" (+{frac(goodput(run, h, 'burst', True))} via fallback, {fb} req)" if fb else ""
         waiting = max((x.waiting for x in run.samples if x.waiting is not None), default=0)
@@ -178,6 +178,34 @@ def targets(h: Headline) -> list[list[object]]:
     ]
 
 
+def learned_targets(h: Headline) -> list[list[object]]:
+    """Issue 12's targets for (e) learned reservations and (f) learned + the SLO controller."""
+    a = h.runs.get("a")
+    burst = h.schedule.bounds["burst"]
+    kv_a = _kv_mean(a, h) if a and not a.error else math.nan
+    slo = SLO_TTFT_MS["premium"]
+    rows: list[list[object]] = []
+    for key in "ef":
+        run = h.runs.get(key)
+        if run is None or run.error:
+            continue
+        pre = counter_delta(run.samples, burst[0], burst[1] + 2.0, "preemptions") or 0
+        oom = counter_delta(run.samples, burst[0], burst[1] + 2.0, "oom_failures") or 0
+        kv = _kv_mean(run, h)
+        g = goodput(run, h, "burst")
+        p99 = tier_stats(in_phase([r for r in run.results if r.tier == "premium"], "burst")).ttft_p99
+        rows += [
+            [f"{run.name}: zero preemptions and OOM failures through the burst", f"{pre} preemptions, {oom} OOM",
+             verdict(pre == 0 and oom == 0)],
+            [f"{run.name}: mean KV usage within 10 points of (a)", f"{frac(kv)} vs (a) {frac(kv_a)}",
+             verdict(None if math.isnan(kv_a) else kv >= kv_a - 0.10)],
+            [f"{run.name}: goodput during the burst >= 95 % of capacity", f"{g:.0%}", verdict(g >= 0.95)],
+            [f"{run.name}: premium p99 TTFT in the burst <= its SLO ({slo} ms; (e) has none, for comparison)",
+             f"{ms(p99)} ms (client-side, queue wait included)", verdict(p99 * 1000 <= slo if key == "f" else None)],
+        ]
+    return rows or [["(e) and (f) did not run", "", "n/a"]]
+
+
 def headline_markdown(h: Headline) -> str:
     cap, sched = h.capacity, h.schedule
     phases = ", ".join(f"{p.name} {p.seconds:.0f} s at {p.load:g}x" for p in sched.phases)
@@ -220,6 +248,11 @@ def headline_markdown(h: Headline) -> str:
         "Targets, configuration (d):",
         "",
         table(["target", "measured", "verdict"], targets(h)),
+        "",
+        "Targets, configurations (e) learned KV reservations and (f) learned + latency SLO controller "
+        "(issue 12):",
+        "",
+        table(["target", "measured", "verdict"], learned_targets(h)),
     ]
     for run in h.runs.values():
         for note in run.notes:

@@ -5,6 +5,8 @@
     python -m bench.run --quick              # shorter phases and runs, ~3 minutes
     python -m bench.run --only headline      # or tpm, soak, overhead, tokenizer
     python -m bench.run --only headline --configs ad
+    python -m bench.run --only slowdown          # decode speed halved for 20 s: (e) vs (f)
+    python -m bench.run --only longprompt        # 12 documents of 16k-30k tokens on steady chat
 
 Progress goes to stderr. The first run installs LiteLLM into ``bench/.litellm-venv``
 (~750 MB, a minute or two) for configuration (c); if that fails, (c) is reported as not
@@ -27,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-PARTS = ("headline", "tpm", "soak", "overhead", "tokenizer")
+PARTS = ("headline", "longprompt", "slowdown", "tpm", "soak", "overhead", "tokenizer")
 
 
 def log(msg: str) -> None:
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=PARTS, action="append", help="run only this part (repeatable)")
     ap.add_argument("--quick", action="store_true", help="shorter phases and runs (a smoke test, not results)")
-    ap.add_argument("--configs", default="abcd", help="headline configurations to run (default abcd)")
+    ap.add_argument("--configs", default="abcdef", help="headline configurations to run (default abcdef)")
     ap.add_argument("--mode", choices=("preempt", "oom"), default="preempt",
                     help="the simulated backend's behaviour when its KV cache runs out")
     ap.add_argument("--out", type=Path, default=RESULTS, help="where report.md and the PNGs go")
@@ -124,6 +126,17 @@ def main(argv: list[str] | None = None) -> int:
             md = report.headline_markdown(h)
             return md + "\nPlots: " + ", ".join(f"`{_rel(p)}`" for p in pngs) + f"; raw data: `{_rel(raw)}`.\n"
         timed("headline", headline_part)
+    if "longprompt" in parts:
+        def longprompt_part() -> str:
+            from bench import longprompt
+            return longprompt.markdown(longprompt.run(workdir, quick=args.quick, configs=args.configs.replace(
+                "b", "").replace("c", ""), log=log))
+        timed("longprompt", longprompt_part)
+    if "slowdown" in parts:
+        def slowdown_part() -> str:
+            from bench import slowdown
+            return slowdown.markdown(slowdown.run(workdir, quick=args.quick, log=log))
+        timed("slowdown", slowdown_part)
     if "tpm" in parts:
         def tpm_part() -> str:
             from bench import tpm

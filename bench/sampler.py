@@ -25,6 +25,7 @@ class Sample:
     kv_reserved: int | None = None  # Sluice: worst-case KV footprints admitted
     scale: float | None = None  # Sluice: the watermark's capacity scale
     queued: int | None = None  # Sluice: requests waiting in its admission queue
+    limit: int | None = None  # Sluice: the latency-driven concurrency limit, where an SLO is set
     cpu: dict[str, float] = field(default_factory=dict)  # process -> CPU seconds so far
 
 
@@ -60,6 +61,7 @@ class Sampler:
                         s.kv_reserved = be["kv"]["reserved_tokens"]
                         s.scale = be["scale"]
                         s.queued = sum(be["queue"]["depth"].values())
+                        s.limit = (be.get("adaptive") or {}).get("limit")
                 for name, pid in self.pids.items():
                     s.cpu[name] = proc_cpu_rss(pid)[0]
                 self.samples.append(s)

@@ -196,11 +196,15 @@ class Admission:
         return v
 
     # -- concurrency ---------------------------------------------------------------
-    def acquire_slot(self, ticket: Ticket, cost: int, now: float) -> list[pb.ProcessingResponse]:
-        """Take a slot (and KV room), or say the request must wait: returns the messages to send first."""
+    def acquire_slot(self, ticket: Ticket, cost: int, now: float,
+                     kv_tokens: int | None = None) -> list[pb.ProcessingResponse]:
+        """Take a slot (and KV room), or say the request must wait: returns the messages to send first.
+
+        ``kv_tokens`` is what the KV footprint reserves when it differs from ``cost``
+        (``kv_reservation: learned``)."""
         be = ticket.runtime
         cap = self.limits.max_concurrency
-        ticket.kv = be.footprint(cost)
+        ticket.kv = be.footprint(cost if kv_tokens is None else kv_tokens)
         kv_cap = be.spec.kv_capacity_tokens
         if kv_cap is not None and ticket.kv > kv_cap:
             raise Reject("too_large_for_backend", f"The request may need {ticket.kv} tokens of KV cache; backend "

@@ -11,8 +11,10 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from extproc.latency import adaptive_config
 from extproc.policy.admission_queue import AdmissionQueue, Enqueued, TierQueueConfig
 from extproc.policy.breaker import Breaker, BreakerConfig
+from extproc.policy.concurrency import AdaptiveLimit
 from extproc.policy.schema import Backend, BreakerOverride, BreakerSettings, Policy
 from extproc.policy.slots import Denied, SlotGrant, SlotPool
 from extproc.policy.tenant_breakers import TenantBreakers
@@ -78,6 +80,7 @@ class BackendRuntime:
     has_metrics: bool = True
     kv_in_use: int = 0
     priorities: dict[str, int] = field(default_factory=dict)
+    latency: AdaptiveLimit | None = None  # the SLO-driven concurrency limit, if a tier sets an SLO
 
     @classmethod
     def create(cls, spec: Backend, policy: Policy, now: float) -> BackendRuntime:
@@ -90,6 +93,7 @@ class BackendRuntime:
                  tenant_breakers=tenant_breakers(spec.breaker, now),
                  queue=AdmissionQueue(configs), configs=configs, has_metrics=spec.metrics_url is not None)
         rt.priorities = {name: t.priority for name, t in policy.tiers.items()}
+        rt._sync_latency(spec, policy, now)
         rt._sync_route_breakers(spec, now)
         rt.apply_override(policy, now)
         return rt
@@ -111,6 +115,16 @@ class BackendRuntime:
         """Where a request for ``model`` is attributed: its route's if it has a breaker, else the backend's."""
         return self.route_tenant_breakers.get(model, self.tenant_breakers)
 
+    def _sync_latency(self, spec: Backend, policy: Policy, now: float) -> None:
+        """The latency controller keeps its learned limit across reloads."""
+        cfg = adaptive_config(spec, policy)
+        if cfg is None:
+            self.latency = None
+        elif self.latency is None:
+            self.latency = AdaptiveLimit(cfg, now)
+        elif cfg != self.latency.cfg:
+            self.latency.reconfigure(cfg)
+
     def reconfigure(self, spec: Backend, policy: Policy, now: float) -> None:
         order = policy.tier_order()
         self.pool.reconfigure(spec.max_concurrency, {t: policy.tiers[t].guaranteed_slots for t in order}, order,
@@ -121,6 +135,7 @@ class BackendRuntime:
             self.breaker = Breaker(breaker_config(spec.breaker), now)
             self.tenant_breakers = tenant_breakers(spec.breaker, now)
         self._sync_route_breakers(spec, now)
+        self._sync_latency(spec, policy, now)
         if _queue_configs(policy) != self.configs:
             self._requeue(policy, now)
         self.spec = spec
@@ -162,17 +177,32 @@ class BackendRuntime:
         # A backend without a metrics endpoint has nothing to feed back; don't punish it.
         return self.wm.scale(now) if self.has_metrics else 1.0
 
+    def slot_scale(self, now: float) -> float:
+        """The slot budget's scale: the smaller of the watermark's and the latency limit's."""
+        scale = self.scale(now)
+        if self.latency is not None:
+            scale = min(scale, self.latency.scale(now))
+        return scale
+
     def pressure_scale(self, tier: str, now: float) -> float:
         """The scale a tier's degradation ladder sees.
 
         KV-aware admission keeps the cache under the watermark, so the watermark
         alone rarely signals pressure; a more important tier waiting in our own queue
-        does. While one waits, lower tiers are degraded or shed as at the high mark.
+        does, and so does a more important tier missing its latency SLO. Then lower
+        tiers are degraded or shed as at the high mark.
         """
         scale = self.scale(now)
         if self.waiters and self._waiting_above(tier):
             scale = min(scale, self.spec.watermark.floor)
+        if self.latency is not None and self._slo_risk_above(tier, now):
+            scale = min(scale, self.spec.watermark.floor)
         return scale
+
+    def _slo_risk_above(self, tier: str, now: float) -> bool:
+        assert self.latency is not None
+        mine = self.priorities.get(tier, 0)
+        return any(p > mine and self.latency.at_risk(t, now) for t, p in self.priorities.items())
 
     def _waiting_above(self, tier: str) -> bool:
         mine = self.priorities.get(tier, 0)
@@ -231,7 +261,7 @@ class BackendRuntime:
     def _take(self, tier: str, tenant: str, cap: int | None, kv: int, now: float) -> Hold | Denied:
         if not self.kv_fits(kv, now, tier):
             return Denied("kv_exhausted", f"KV budget: {self.kv_in_use} + {kv} > {self.kv_budget(now):.0f}")
-        got = self.pool.try_acquire(tier, tenant, cap, self.scale(now))
+        got = self.pool.try_acquire(tier, tenant, cap, self.slot_scale(now))
         if isinstance(got, Denied):
             return got
         self.kv_in_use += kv
@@ -241,7 +271,7 @@ class BackendRuntime:
         head = next((w for w in self.waiters.values() if w.tier == tier and not w.future.done()), None)
         if head is not None and not self.kv_fits(head.kv, now, tier):
             return False
-        got = self.pool.try_acquire(tier, _PROBE_TENANT, None, self.scale(now))
+        got = self.pool.try_acquire(tier, _PROBE_TENANT, None, self.slot_scale(now))
         if isinstance(got, SlotGrant):
             self.pool.release(got)
             return True

@@ -7,6 +7,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 QUEUE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+# Time to first token: a short prompt on an idle GPU answers in tens of ms; a 32 k prompt
+# or a deep queue takes seconds.
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0)
+# Inter-token latency: 10-50 ms per token is the normal range of a decoding batch.
+ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
+DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
@@ -81,6 +87,24 @@ class Metrics:
                                ["outcome"], registry=r)
         self.drained_bytes = Counter("sluice_drained_bytes", "Bytes of oversized uploads read and discarded.",
                                      registry=r)
+
+        # Latency, per backend and tier (observed at settle, see extproc/latency.py)
+        self.ttft = Histogram("sluice_ttft_seconds", "Time to first token, from admission (slot granted) to the "
+                              "first response byte.", ["backend", "tier"], buckets=TTFT_BUCKETS, registry=r)
+        self.ttft_arrival = Histogram("sluice_ttft_from_arrival_seconds", "Time to first token from the "
+                                      "request's arrival (tokenizing and queue wait included).",
+                                      ["backend", "tier"], buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("sluice_inter_token_seconds", "Mean time between output tokens of a response "
+                             "(stream duration after the first token / (output tokens - 1)).",
+                             ["backend", "tier"], buckets=ITL_BUCKETS, registry=r)
+        self.duration = Histogram("sluice_request_duration_seconds", "Arrival to the end of the response, for "
+                                  "responses that ended normally.", ["backend", "tier"], buckets=DURATION_BUCKETS,
+                                  registry=r)
+        self.concurrency_limit = Gauge("sluice_adaptive_concurrency_limit", "The latency-driven concurrency "
+                                       "limit (the backend's max_concurrency while no SLO is set).", ["backend"],
+                                       registry=r)
+        self.completion_estimate = Gauge("sluice_completion_estimate_tokens", "The learned completion length "
+                                         "reserved per choice, by tier and model.", ["tier", "model"], registry=r)
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, cached: labels() costs ~3 us, a dict lookup ~0.1 us.

@@ -94,7 +94,8 @@ def refresh(rt: Runtime) -> None:
         m.scale.labels(name).set(scale)
         if be.has_metrics and kv_source(be.sample) == "reservations":
             m.kv_usage.labels(name).set(reserved_fraction(be.kv_in_use, be.spec.kv_capacity_tokens) or 0.0)
-        m.slots_effective.labels(name).set(be.pool.effective_limits(scale)["total"])
+        m.slots_effective.labels(name).set(be.pool.effective_limits(be.slot_scale(now))["total"])
+        m.concurrency_limit.labels(name).set(be.latency.limit(now) if be.latency else be.spec.max_concurrency)
         use = be.pool.in_use()
         for tier in be.pool.tier_order:
             m.slots_in_use.labels(name, "guaranteed", tier).set(use.guaranteed.get(tier, 0))

@@ -19,6 +19,7 @@ from extproc import tokenizer
 from extproc.backends import BackendRuntime
 from extproc.estimate import DecodeRates
 from extproc.metrics import Metrics
+from extproc.policy.completions import CompletionEstimator
 from extproc.policy.schema import Policy
 from extproc.policy.state import TokenState
 from extproc.scrape import scrape_status
@@ -53,6 +54,8 @@ class Runtime:
         self.rejections: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self.degradations: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self.decode_rates = DecodeRates()  # for usage estimates when none arrives
+        # Learned completion lengths: runtime state, so they survive policy swaps.
+        self.completions = CompletionEstimator()
         self._load_encodings(policy)
         self._sync_backends(policy)
         self.metrics.policy_ok.set(1)
@@ -136,6 +139,7 @@ class Runtime:
         st["backends"] = {name: backend_status(be, now) for name, be in self.backends.items()}
         st["policy_etag"] = self.etag
         st["tenants"] = self.tenant_status(now)
+        st["completions"] = self.completions.snapshot()
         return st
 
     def tenant_status(self, now: float) -> dict[str, Any]:
@@ -159,7 +163,7 @@ class Runtime:
 def backend_status(be: BackendRuntime, now: float) -> dict[str, Any]:
     sample = be.sample
     use = be.pool.in_use()
-    limits = be.pool.effective_limits(be.scale(now))
+    limits = be.pool.effective_limits(be.slot_scale(now))
     snap = be.breaker.snapshot(now)
     routes = {model: {**_breaker_summary(b.snapshot(now)), "tenant_breakers": be.tenants_for(model).snapshot(now)}
               for model, b in be.route_breakers.items()}
@@ -176,7 +180,9 @@ def backend_status(be: BackendRuntime, now: float) -> dict[str, Any]:
                   "shared": use.shared, "by_tier": dict(use.by_tier)},
         "queue": {"depth": {t: be.queue.depth(t) for t in be.configs}},
         "kv": {"capacity_tokens": be.spec.kv_capacity_tokens, "reserved_tokens": be.kv_in_use,
-               "budget_tokens": None if be.spec.kv_capacity_tokens is None else int(be.kv_budget(now))},
+               "budget_tokens": None if be.spec.kv_capacity_tokens is None else int(be.kv_budget(now)),
+               "reservation": be.spec.kv_reservation},
+        "adaptive": None if be.latency is None else be.latency.snapshot(now),
     }
 
 

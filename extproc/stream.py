@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc import envoy_usage, models_list
+from extproc import envoy_usage, latency, models_list
 from extproc import messages as msg
 from extproc.admission import Admission, Reject, Ticket
 from extproc.envoy_usage import EnvoyUsage
@@ -81,6 +81,7 @@ class StreamProcessor:
         self.finished = False  # an immediate response ended the exchange
         self.status = 0
         self.first_byte_s: float | None = None
+        self.arrived_s = rt.clock()  # the stream starts with the request's headers
         self.forwarded = False  # the request went on to the backend
         self.tracker: SSETracker | JSONTracker | None = None
         # usage_trailers path: Envoy's usage record, and whether the body is SSE
@@ -250,7 +251,8 @@ class StreamProcessor:
         now = self.rt.clock()
         ticket = adm.route(backend, model, completion, now)
         self.ticket = ticket
-        cost = prompt + req.n * ticket.completion
+        reserve = latency.completion_tokens(self.rt, ticket, self.tenant.name, self.tenant.tier)
+        cost = prompt + req.n * reserve.tpm_completion
         verdict = adm.charge(ticket, cost, now)
         if not isinstance(verdict, Verdict):
             verdict = await verdict  # a shared store's lease was short: one round trip
@@ -263,7 +265,7 @@ class StreamProcessor:
             raise Reject(verdict.reason, verdict.message, code=code, headers=extra)
         self.admitted, self.reserved = True, cost
         ticket.verdict = verdict
-        for hint in adm.acquire_slot(ticket, cost, now):
+        for hint in adm.acquire_slot(ticket, cost, now, kv_tokens=prompt + req.n * reserve.kv_completion):
             yield hint
             await adm.wait_in_queue(ticket, now)
         ticket.admitted_at = self.rt.clock()
@@ -432,6 +434,8 @@ class StreamProcessor:
         t = self.ticket
         if t is not None:
             self._release(t, how, now)
+            if self.forwarded and how != "rejected":
+                self._observe_latency(t, how, now)
         m = self.rt.metrics
         name = self.tenant.name
         m.child(m.settles, how).inc()
@@ -440,6 +444,16 @@ class StreamProcessor:
             m.child(m.tokens_refunded, name).inc(self.reserved - actual)
         else:
             m.child(m.tokens_excess, name).inc(actual - self.reserved)
+
+    def _observe_latency(self, t: Ticket, how: str, now: float) -> None:
+        assert self.tenant is not None and self.req is not None
+        usage = self.tracker.usage if self.tracker is not None else None
+        try:
+            latency.record_settle(self.rt, t, self.tenant.name, self.policy.tiers[self.tenant.tier], how=how,
+                                  status=self.status, arrived=self.arrived_s, first_byte=self.first_byte_s,
+                                  now=now, usage=usage, n=self.req.n)
+        except Exception:  # observing must never keep the rest of settle from running
+            log.exception("latency observation failed")
 
     def _release(self, t: Ticket, how: str, now: float) -> None:
         assert self.tenant is not None

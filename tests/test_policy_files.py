@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from extproc.policy.schema import (
+    AdaptiveSettings,
     Backend,
     BreakerOverride,
     BreakerSettings,
@@ -444,7 +445,7 @@ def test_readme_documents_every_policy_field() -> None:
     section = policy_reference()
     missing = []
     for cls in (Gateway, Model, Backend, Tier, Tenant, WatermarkSettings, BreakerSettings, Degrade,
-                BreakerOverride):
+                BreakerOverride, AdaptiveSettings):
         for f in dataclasses.fields(cls):
             name = YAML_NAMES.get((cls, f.name), f.name)
             if not re.search(rf"\b{re.escape(name)}\b", section):

@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     setting("--prefill-ms-per-1k-tokens")
     setting("--tokens-per-s", "decode speed of a sequence running alone")
     setting("--decode-ms-per-seq", "added to a decode step per sequence in the batch")
+    setting("--decode-ms-per-1k-kv-tokens", "added to a decode step per 1000 KV tokens the batch attends to")
     setting("--oom-pause-s", "admission pause after a simulated OOM (mode oom)")
     setting("--default-max-tokens")
     setting("--embedding-dim")

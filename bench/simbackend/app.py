@@ -69,6 +69,9 @@ class SimState:
         self.encoding: tiktoken.Encoding | None = None
 
     def apply(self, update: dict[str, Any]) -> None:
+        slowdown = update.pop("slowdown", None)
+        if slowdown is not None:
+            self.scheduler.slow_down(slowdown["factor"], slowdown["seconds"])
         for key, value in update.items():
             setattr(self.live, key, value)
         self.engine.mode = self.live.mode

@@ -30,6 +30,8 @@ class SimConfig:
     # batch: one sequence alone gets 100 tok/s, 64 together ~38 tok/s each.
     tokens_per_s: float = 100.0
     decode_ms_per_seq: float = 0.25
+    # ... plus this per 1000 KV tokens the batch attends to (the memory-bound part).
+    decode_ms_per_1k_kv_tokens: float = 0.3
     # After an OOM in "oom" mode admission pauses this long (model seconds), as if the
     # server were restarting.
     oom_pause_s: float = 2.0
@@ -72,7 +74,7 @@ def parse_live_update(body: Any) -> dict[str, Any]:
     """Validate an /admin/config body; returns the fields to set or raises ValueError."""
     if not isinstance(body, dict):
         raise ValueError("body must be a JSON object")
-    unknown = set(body) - {"kv_usage_override", "fail_status", "mode", "time_scale"}
+    unknown = set(body) - {"kv_usage_override", "fail_status", "mode", "time_scale", "slowdown"}
     if unknown:
         raise ValueError(f"unknown settings: {sorted(unknown)}")
     out: dict[str, Any] = {}
@@ -92,6 +94,14 @@ def parse_live_update(body: Any) -> dict[str, Any]:
         if body["mode"] not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}")
         out["mode"] = body["mode"]
+    if "slowdown" in body:
+        # {"factor": 2, "seconds": 20}: decode steps take twice as long for 20 model seconds.
+        v = body["slowdown"]
+        factor = v.get("factor") if isinstance(v, dict) else None
+        seconds = v.get("seconds") if isinstance(v, dict) else None
+        if not all(isinstance(x, int | float) and not isinstance(x, bool) and x > 0 for x in (factor, seconds)):
+            raise ValueError("slowdown must be {\"factor\": > 0, \"seconds\": > 0}")
+        out["slowdown"] = {"factor": float(factor), "seconds": float(seconds)}  # type: ignore[arg-type]
     if "time_scale" in body:
         v = body["time_scale"]
         if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:

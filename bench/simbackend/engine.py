@@ -7,6 +7,20 @@ What is modelled, because the gateway's behaviour depends on it:
 - KV blocks are a hard budget: a sequence holds ceil(kv_tokens / block_size) blocks and
   takes a new one whenever it grows past a block boundary.
 - Admission is FCFS with a watermark; a prefill step stalls decoding (no chunked prefill).
+- Latency depends on load the way it does on a GPU (constants in ``SimConfig``):
+
+    prefill step = ttft_ms + prefill_ms_per_1k_tokens x (prompt tokens in the step) / 1000
+    decode step  = (1000 / tokens_per_s + decode_ms_per_seq x batch size
+                    + decode_ms_per_1k_kv_tokens x (KV tokens the batch attends to) / 1000)
+                   x slowdown factor (1 unless ``slow_down`` is in effect)
+
+  Defaults (an 8B model on one 24 GB GPU, roughly): 20 ms + 25 ms per 1k prompt tokens,
+  so a 32k-token prompt stalls every running stream for ~0.8 s; 10 ms + 0.25 ms per
+  sequence + 0.3 ms per 1k KV tokens, so one sequence alone decodes at ~100 tok/s, a
+  batch of 64 with short contexts at ~38 tok/s each, and a full 32k-token cache adds
+  ~10 ms per step (reading the KV cache is the memory-bound part of decoding).
+  ``slow_down(factor, until)`` multiplies decode steps (not prefill, not KV) until
+  ``until``: a thermally throttled or shared GPU.
 - Running out of blocks either preempts the newest sequence (recompute: it returns to the
   front of the queue and redoes its prefill) or, in "oom" mode, kills every running
   request and pauses admission, the way a crashing server would.
@@ -82,6 +96,8 @@ class Engine:
         self.generation_tokens_total = 0
         self.oom_failures_total = 0
         self.finished_total: Counter[str] = Counter()
+        self.slow_factor = 1.0
+        self.slow_until = -math.inf
         # Highest occupancy seen; a scrape every second misses short peaks.
         self.peak_used_blocks = 0
 
@@ -96,6 +112,19 @@ class Engine:
 
     def paused(self, now: float) -> bool:
         return now < self.paused_until
+
+    def slow_down(self, factor: float, until: float) -> None:
+        """Decode steps take ``factor`` times as long until model time ``until``."""
+        if not factor > 0:
+            raise ValueError(f"factor must be > 0, got {factor!r}")
+        self.slow_factor, self.slow_until = factor, until
+
+    def decode_ms(self, batch: int, kv_tokens: int, now: float) -> float:
+        """How long one decode step of ``batch`` sequences attending to ``kv_tokens`` takes."""
+        cfg = self.cfg
+        ms = (1000.0 / cfg.tokens_per_s + cfg.decode_ms_per_seq * batch
+              + cfg.decode_ms_per_1k_kv_tokens * kv_tokens / 1000.0)
+        return ms * (self.slow_factor if now < self.slow_until else 1.0)
 
     # ---- requests in and out --------------------------------------------------------
     def add(self, seq: Sequence, now: float) -> None:
@@ -187,9 +216,8 @@ class Engine:
         if not batch:
             out.wake_at = self._next_wake(now)
             return
-        cfg = self.cfg
         out.kind = "decode"
-        out.duration = (1000.0 / cfg.tokens_per_s + cfg.decode_ms_per_seq * len(batch)) / 1000.0
+        out.duration = self.decode_ms(len(batch), sum(s.kv_tokens() for s, _ in batch), now) / 1000.0
         end = now + out.duration
         for seq, k in batch:
             if seq.state != "running":

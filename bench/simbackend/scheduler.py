@@ -83,6 +83,11 @@ class Scheduler:
             self.engine.abort(handle.seq)
             self._wake.set()
 
+    def slow_down(self, factor: float, seconds: float) -> None:
+        """Decode at 1/factor of the speed for ``seconds`` of model time from now."""
+        self.engine.slow_down(factor, self.clock.now() + seconds)
+        self._wake.set()
+
     def wake(self) -> None:
         """Something changed outside the engine (time scale, mode): re-plan now."""
         self._wake.set()

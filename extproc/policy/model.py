@@ -10,8 +10,11 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["Backend", "BreakerOverride", "BreakerSettings", "Degrade", "Gateway", "Limits", "Model", "Policy",
-           "Tenant", "Tier", "WatermarkSettings", "hash_key"]
+__all__ = ["AdaptiveSettings", "Backend", "BreakerOverride", "BreakerSettings", "Degrade", "Gateway", "Limits",
+           "Model", "Policy", "Tenant", "Tier", "WatermarkSettings", "hash_key", "KV_RESERVATIONS", "TPM_PRECHARGES"]
+
+KV_RESERVATIONS = ("worst_case", "learned")
+TPM_PRECHARGES = ("max_tokens", "learned")
 
 
 def hash_key(api_key: str) -> str:
@@ -96,6 +99,22 @@ class BreakerSettings:
 
 
 @dataclass(frozen=True)
+class AdaptiveSettings:
+    """The latency-driven concurrency limit (``extproc.policy.concurrency``); it runs on a
+    backend only while some tier sets ``ttft_p99_ms`` or ``itl_p99_ms``."""
+
+    enabled: bool = True
+    floor: int = 2
+    window_s: float = 1.0
+    min_samples: int = 4
+    quantile: float = 0.99
+    tolerance: float = 0.8
+    smoothing: float = 0.5
+    min_gradient: float = 0.5
+    risk_hold_s: float = 5.0
+
+
+@dataclass(frozen=True)
 class Degrade:
     """A tier's degradation ladder, by the backend's capacity scale (1.0 = no pressure)."""
 
@@ -138,6 +157,15 @@ class Backend:
     metric_names: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     watermark: WatermarkSettings = field(default_factory=WatermarkSettings)
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
+    # What a request's KV footprint reserves per completion: max_tokens ("worst_case")
+    # or the learned length of recent completions ("learned", never above max_tokens).
+    kv_reservation: str = "worst_case"
+    # Which quantile of recent completion lengths "learned" reserves (and pre-charges).
+    learned_quantile: float = 0.95
+    # What the TPM pre-charge reserves per completion; the TPM contract holds only
+    # with "max_tokens" (the default): "learned" charges the excess at settle instead.
+    tpm_precharge: str = "max_tokens"
+    adaptive_concurrency: AdaptiveSettings = field(default_factory=AdaptiveSettings)
 
 
 @dataclass(frozen=True)
@@ -155,6 +183,10 @@ class Tier:
     queue_weight: int = 1
     degrade: Degrade = field(default_factory=Degrade)
     shadow: tuple[str, ...] = ()
+    # Latency SLOs (p99, milliseconds): time to first token after admission, and the
+    # mean time between tokens of a stream. Either drives the adaptive concurrency limit.
+    ttft_p99_ms: int | None = None
+    itl_p99_ms: int | None = None
 
 
 @dataclass(frozen=True)

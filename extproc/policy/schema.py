@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from extproc.policy.model import (
+    AdaptiveSettings,
     Backend,
     BreakerOverride,
     BreakerSettings,
@@ -41,7 +42,7 @@ from extproc.policy.schema_parse import (
     _tiers,
 )
 
-__all__ = ["Backend", "BreakerOverride", "BreakerSettings", "Degrade", "Gateway", "Limits", "Model", "Policy",
+__all__ = ["AdaptiveSettings", "Backend", "BreakerOverride", "BreakerSettings", "Degrade", "Gateway", "Limits", "Model", "Policy",
            "PolicyError", "Problem", "Tenant", "Tier", "WatermarkSettings", "build_policy", "hash_key",
            "ENGINES", "KNOWN_ENCODINGS", "MAX_QUEUE_WAIT_MS", "SECTIONS", "SHADOW_RULES"]
 

@@ -11,6 +11,9 @@ from typing import Any
 
 from extproc.policy.engine_metrics import KINDS, PRESETS, parse_selector
 from extproc.policy.model import (
+    KV_RESERVATIONS,
+    TPM_PRECHARGES,
+    AdaptiveSettings,
     Backend,
     BreakerOverride,
     BreakerSettings,
@@ -100,7 +103,8 @@ def _metric_names(r: Reader, m: Mapping[str, Any], path: Path) -> dict[str, tupl
 
 
 _BACKEND_FIELDS = ("name", "address", "max_concurrency", "models", "metrics_url", "engine", "metric_names",
-                   "watermark", "breaker", "kv_capacity_tokens", "kv_block_size", "kv_overcommit")
+                   "watermark", "breaker", "kv_capacity_tokens", "kv_block_size", "kv_overcommit",
+                   "kv_reservation", "learned_quantile", "tpm_precharge", "adaptive_concurrency")
 
 
 def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
@@ -150,8 +154,32 @@ def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
             metric_names=_metric_names(r, m, path),
             watermark=read_flat(r, m.get("watermark"), (*path, "watermark"), WatermarkSettings),
             breaker=read_flat(r, m.get("breaker"), (*path, "breaker"), BreakerSettings),
+            kv_reservation=r.get(m, path, "kv_reservation", str, "worst_case", choices=KV_RESERVATIONS),
+            learned_quantile=_quantile(r, m, path),
+            tpm_precharge=r.get(m, path, "tpm_precharge", str, "max_tokens", choices=TPM_PRECHARGES),
+            adaptive_concurrency=_adaptive(r, m.get("adaptive_concurrency"), (*path, "adaptive_concurrency")),
         ))
     return tuple(out)
+
+
+def _quantile(r: Reader, m: Mapping[str, Any], path: Path) -> float:
+    q = float(r.get(m, path, "learned_quantile", (int, float), 0.95, minimum=0))
+    if not 0 < q <= 1:
+        r.fail((*path, "learned_quantile"), "in (0, 1]")
+        return 0.95
+    return q
+
+
+def _adaptive(r: Reader, doc: Any, path: Path) -> AdaptiveSettings:
+    a = read_flat(r, doc, path, AdaptiveSettings)
+    checks = ((a.floor >= 1, "floor", "at least 1"), (a.window_s > 0, "window_s", "must be > 0"),
+              (a.min_samples >= 1, "min_samples", "at least 1"), (0 < a.quantile <= 1, "quantile", "in (0, 1]"),
+              (0 < a.tolerance <= 1, "tolerance", "in (0, 1]"), (0 < a.smoothing <= 1, "smoothing", "in (0, 1]"),
+              (0 < a.min_gradient < 1, "min_gradient", "in (0, 1)"))
+    for ok, name, what in checks:
+        if not ok:
+            r.fail((*path, name), what)
+    return a
 
 
 # A queued request holds Envoy's reply; Envoy allows at most max_message_timeout
@@ -190,6 +218,8 @@ def _tiers(r: Reader, doc: Any) -> dict[str, Tier]:
             queue_weight=r.get(t, path, "queue_weight", int, 1, minimum=1),
             degrade=read_flat(r, t.get("degrade"), (*path, "degrade"), Degrade),
             shadow=_shadow(r, t, path),
+            ttft_p99_ms=r.get(t, path, "ttft_p99_ms", int, None, minimum=1),
+            itl_p99_ms=r.get(t, path, "itl_p99_ms", int, None, minimum=1),
         )
     if not out:
         r.fail(("tiers",), "at least one tier is required")

@@ -1,0 +1,114 @@
+"""Seed 002's scenario: a burst of long prompts on top of steady chat.
+
+Chat from the conversation trace (premium and free) at ``CHAT_LOAD`` x the capacity
+measured in the same run, for ``before`` 8 s, ``long`` 15 s and ``after`` 12 s. At the
+start of ``long``, ``LONG_COUNT`` documents of 16k-17k prompt tokens (seeded uniform;
+summaries that run to their ``max_tokens`` of 1024) arrive within one second from the
+batch tenant on the long-context model. Sluice (d)/(e)/(f) admits a document only while
+its footprint (prompt + max_tokens; the learned length does not apply to a tenant it has
+not seen) fits, and its ladder sheds the batch tier under pressure.
+
+Measured (2026-12-01): the simulated engine does not preempt here either. Its FCFS
+admission stops at a document that does not fit, so the unprotected backend (a) blocks
+everything behind it (head of line) instead: chat ~110 completion tokens/s during
+``long`` against ~320 through Sluice, 2 of 12 documents finished by the end; 0
+preemptions, with 16k-30k documents and the trace's completion lengths as with these.
+Making it preempt needs sequences that outgrow the cache after admission (long
+generations), which this mix does not have.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import headline
+from bench.headline import NAMES, Capacity, ConfigRun
+from bench.metrics import tier_stats, tokens_between
+from bench.trace import LONG_MODEL, Mix, Phase, Request, Schedule, build_schedule, load_trace
+
+CHAT_LOAD = 0.6
+LONG_COUNT, LONG_RANGE, LONG_MAX_TOKENS = 12, (16_000, 17_000), 1024
+
+
+@dataclass
+class LongPromptRun:
+    capacity: Capacity
+    schedule: Schedule
+    runs: dict[str, ConfigRun] = field(default_factory=dict)
+
+
+def schedule(cap_rps: float, quick: bool, seed: int = 11) -> Schedule:
+    phases = [Phase("before", 6 if quick else 8, CHAT_LOAD), Phase("long", 12 if quick else 15, CHAT_LOAD),
+              Phase("after", 8 if quick else 12, CHAT_LOAD)]
+    chat = build_schedule(load_trace(), phases, cap_rps, Mix(batch_share=0.0))
+    rng = random.Random(seed)
+    start = chat.bounds["long"][0]
+    docs = [Request(0, start + rng.uniform(0, 1.0), "long", "batch", LONG_MODEL, rng.randint(*LONG_RANGE),
+                    LONG_MAX_TOKENS, LONG_MAX_TOKENS) for _ in range(LONG_COUNT)]
+    merged = sorted([*chat.requests, *docs], key=lambda r: r.at)
+    reqs = [Request(i, r.at, r.phase, r.tier, r.model, r.prompt_tokens, r.max_tokens, r.gen_tokens)
+            for i, r in enumerate(merged)]
+    return Schedule(reqs, phases, cap_rps, chat.bounds)
+
+
+def run(workdir: Path, *, quick: bool = False, configs: str = "adef", log: Any = print) -> LongPromptRun:
+    cap = headline.measure_capacity(workdir / "long-capacity", Mix(batch_share=0.0), "preempt",
+                                    12.0 if quick else 20.0, 4.0 if quick else 5.0, log)
+    log(f"longprompt: capacity {cap.tok_s:.0f} tokens/s, {cap.rps:.2f} req/s (chat only)")
+    sched = schedule(cap.rps, quick)
+    out = LongPromptRun(cap, sched)
+    for key in configs:
+        r, _ = headline.run_config(key, workdir / "longprompt", sched, cap, "preempt", 15.0, log)
+        r.name = NAMES[key]
+        out.runs[key] = r
+    return out
+
+
+def rows(s: LongPromptRun) -> list[list[object]]:
+    from bench.report import counter_delta, frac, ms
+
+    a, b = s.schedule.bounds["long"]
+    end = s.schedule.seconds
+    out: list[list[object]] = []
+    for run in s.runs.values():
+        if run.error:
+            out.append([run.name, f"did not run: {run.error}"] + [""] * 8)
+            continue
+        pre = counter_delta(run.samples, a, end + 10.0, "preemptions")
+        kv = [x.kv_usage for x in run.samples if x.kv_usage is not None and a <= x.t < end]
+        prem = tier_stats([r for r in run.results if r.tier == "premium" and r.phase == "long"])
+        chat = [r for r in run.results if r.tier != "batch"]
+        docs = tier_stats([r for r in run.results if r.tier == "batch"])
+        out.append([run.name, pre, frac(max(kv, default=float("nan"))),
+                    frac(sum(kv) / len(kv) if kv else float("nan")),
+                    f"{ms(prem.ttft_p50)} / {ms(prem.ttft_p99)}",
+                    f"{tokens_between(chat, a, b) / (b - a):.0f}",
+                    f"{docs.ok} / {docs.sent}", docs.rejected_429 + docs.rejected_503, docs.gave_up + docs.unfinished,
+                    f"{ms(docs.ttft_p50)} / {ms(docs.ttft_p99)}"])
+    return out
+
+
+def markdown(s: LongPromptRun) -> str:
+    from bench.report import table
+
+    p = ", ".join(f"{ph.name} {ph.seconds:.0f} s" for ph in s.schedule.phases)
+    lines = [
+        "## Long prompts: a burst of 16k-30k-token documents on top of steady chat",
+        "",
+        f"Chat (premium and free) at {CHAT_LOAD:g}x the capacity measured in this run ({s.capacity.rps:.2f} "
+        f"req/s); phases {p}; at the start of `long`, {LONG_COUNT} documents of {LONG_RANGE[0]:,}-"
+        f"{LONG_RANGE[1]:,} prompt tokens (batch tenant, long-context model, max_tokens {LONG_MAX_TOKENS}) "
+        "within one second. Preemptions from the start of `long` to 10 s after the last arrival; KV over the "
+        "same span; chat goodput in completion tokens/s during `long`; TTFT p50 / p99 in ms.",
+        "",
+        table(["configuration", "preemptions", "KV peak", "KV mean", "premium TTFT in long",
+               "chat tokens/s in long", "documents ok / sent", "documents refused", "documents gave up / open",
+               "document TTFT"], rows(s)),
+    ]
+    for run in s.runs.values():
+        for note in run.notes:
+            lines += ["", f"{run.name}: {note}"]
+    return "\n".join(lines) + "\n"
