@@ -54,8 +54,13 @@ class Request:
         self.key = key
 
     def send(self, m: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        phase = m.WhichOneof("request")
+        if phase != "request_body":
+            r = self.sp.handle(phase, m)
+            return [] if r is None else [r]
+
         async def go() -> list[pb.ProcessingResponse]:
-            return [r async for r in self.sp.handle(m)]
+            return [r async for r in self.sp.handle_body(m)]
         return asyncio.run(go())
 
     def admit(self, max_tokens: int) -> list[pb.ProcessingResponse]:
