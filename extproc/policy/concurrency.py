@@ -13,7 +13,7 @@ controller and Netflix's Gradient2, which have no target and must estimate the
 unloaded latency (Envoy pins concurrency low to measure a minRTT; Gradient2 keeps a
 long-window average as the baseline), the SLO *is* the baseline here, so there is no
 probing phase that starves traffic. What is taken from them: a gradient
-(target / observed) clipped so one window cuts at most ``1 - min_gradient`` of the
+(target / observed), at least one slot, clipped so one window cuts at most ``1 - min_gradient`` of the
 limit, growth by a headroom of about sqrt(limit) per window (so growth is quick from
 small limits and gentle near the ceiling), smoothing on the way up, and no growth
 while the limit is not even being used (an idle backend must not earn a huge limit).
@@ -153,7 +153,9 @@ class AdaptiveLimit:
         self.windows += 1
         limit = self._limit
         if r > 1.0:
-            new = limit * max(self.cfg.min_gradient, 1.0 / r)
+            # At least one whole slot: a ratio just over 1 would otherwise shave a fraction
+            # per window and take dozens of windows to cross the next integer limit.
+            new = min(limit * max(self.cfg.min_gradient, 1.0 / r), limit - 1.0)
             self._limit = self._clip(new)
             if self._limit < limit:
                 self.cuts += 1
