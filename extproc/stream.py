@@ -27,7 +27,7 @@ from extproc.policy.breaker import Outcome, outcome_for_status
 from extproc.policy.gate import RateView, Verdict
 from extproc.policy.schema import Limits, Model, Tenant
 from extproc.redact import redact_query
-from extproc.response import JSONTracker, SSETracker
+from extproc.response import JSONTracker, SSETracker, Usage
 from extproc.runtime import Runtime
 from extproc.tokenizer import TokenizerFailed, estimate
 
@@ -447,13 +447,22 @@ class StreamProcessor:
 
     def _observe_latency(self, t: Ticket, how: str, now: float) -> None:
         assert self.tenant is not None and self.req is not None
-        usage = self.tracker.usage if self.tracker is not None else None
+        usage = self._reported_usage()
         try:
             latency.record_settle(self.rt, t, self.tenant.name, self.policy.tiers[self.tenant.tier], how=how,
                                   status=self.status, arrived=self.arrived_s, first_byte=self.first_byte_s,
                                   now=now, usage=usage, n=self.req.n)
         except Exception:  # observing must never keep the rest of settle from running
             log.exception("latency observation failed")
+
+    def _reported_usage(self) -> Usage | None:
+        """What the backend said it used: read by Sluice (streamed) or by Envoy (usage_trailers)."""
+        if self.tracker is not None and self.tracker.usage is not None:
+            return self.tracker.usage
+        eu = self.envoy_usage
+        if eu is not None and eu.input_tokens is not None and eu.output_tokens is not None:
+            return Usage(eu.input_tokens, eu.output_tokens)
+        return None
 
     def _release(self, t: Ticket, how: str, now: float) -> None:
         assert self.tenant is not None

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ import httpx
 import pytest
 
 from tests.e2e.console_stack import OPERATOR, ConsoleStack
-from tests.e2e.harness import ROOT, TEST_KEYS, running
+from tests.e2e.harness import ROOT, TEST_KEYS, eventually, running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser]
 
@@ -64,15 +63,6 @@ def chat(stack: ConsoleStack, key: str, max_tokens: int = 8) -> httpx.Response:
     return httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=20,
                       headers={"authorization": f"Bearer {key}", "x-sim-tokens": "3"})
 
-
-def eventually(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        time.sleep(0.1)
 
 
 def test_operator_steers_the_gateway_from_the_browser(stack: ConsoleStack, browser: Any,

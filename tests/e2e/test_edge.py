@@ -11,13 +11,13 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.e2e.harness import TEST_KEYS, Stack, running
+from tests.e2e.harness import TEST_KEYS, Stack, eventually, running
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
@@ -41,15 +41,6 @@ def auth() -> dict[str, str]:
 def chat(text: str = "hi") -> dict[str, Any]:
     return {"model": "sim-llama-8b", "messages": [{"role": "user", "content": text}], "max_tokens": 4}
 
-
-def eventually(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def access_log(stack: Stack) -> list[dict[str, Any]]:
