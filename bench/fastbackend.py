@@ -141,10 +141,10 @@ def _chunked_end(buf: bytearray, pos: int) -> int | None:
         pos = nxt
 
 
-async def serve(host: str, port: int) -> None:
+async def serve(host: str, port: int, conn: type[asyncio.Protocol] = _Conn, name: str = "fastbackend") -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(_Conn, host, port, backlog=1024)
-    print(f"fastbackend listening on http://{host}:{port}", flush=True)
+    server = await loop.create_server(conn, host, port, backlog=1024)
+    print(f"{name} listening on http://{host}:{port}", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -152,15 +152,21 @@ async def serve(host: str, port: int) -> None:
         await stop.wait()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.fastbackend", description=__doc__,
+def run(argv: list[str] | None, *, name: str, doc: str | None, default_port: int,
+        conn: type[asyncio.Protocol]) -> int:
+    """The command line of a raw asyncio backend: --host/--port, serve until a signal."""
+    ap = argparse.ArgumentParser(prog=f"python -m bench.{name}", description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8001)
+    ap.add_argument("--port", type=int, default=default_port)
     args = ap.parse_args(argv)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args.host, args.port))
+        asyncio.run(serve(args.host, args.port, conn, name))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(argv, name="fastbackend", doc=__doc__, default_port=8001, conn=_Conn)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,10 @@ little next to the gateway being measured (``bench.response_cost``).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
 import re
-import signal
 
-from bench.fastbackend import METRICS
+from bench.fastbackend import METRICS, run
 
 EVENT = (b'data: {"id":"chatcmpl-paced","object":"chat.completion.chunk","created":1700000000,'
          b'"model":"paced","choices":[{"index":0,"delta":{"content":" tok"},"finish_reason":null}]}\n\n')
@@ -100,26 +97,8 @@ class _Conn(asyncio.Protocol):
         self._next()
 
 
-async def serve(host: str, port: int) -> None:
-    loop = asyncio.get_running_loop()
-    server = await loop.create_server(_Conn, host, port, backlog=1024)
-    print(f"pacedbackend listening on http://{host}:{port}", flush=True)
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    async with server:
-        await stop.wait()
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.pacedbackend", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8003)
-    args = ap.parse_args(argv)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args.host, args.port))
-    return 0
+    return run(argv, name="pacedbackend", doc=__doc__, default_port=8003, conn=_Conn)
 
 
 if __name__ == "__main__":
