@@ -70,6 +70,9 @@ class Ticket:
         rb = be.route_breakers.get(self.model.name)
         if rb is not None and self.route_verdict is not None and self.route_verdict.allowed:
             rb.record(shared, latency_s, now)
+        if self.hold is not None and self.hold.endpoint is not None and be.endpoints is not None:
+            # The endpoint's own breaker ejects it from picking (extproc.endpoints).
+            be.endpoints.record(self.hold.endpoint, shared, latency_s, now)
         self.breaker_verdict = self.route_verdict = self.tenant_verdict = None
 
 
@@ -206,6 +209,8 @@ class Admission:
         cap = self.limits.max_concurrency
         ticket.kv = be.footprint(cost if kv_tokens is None else kv_tokens)
         kv_cap = be.spec.kv_capacity_tokens
+        if be.endpoints is not None:
+            kv_cap = be.endpoints.largest_capacity()  # a footprint must fit one endpoint's cache
         if kv_cap is not None and ticket.kv > kv_cap:
             raise Reject("too_large_for_backend", f"The request may need {ticket.kv} tokens of KV cache; backend "
                          f"{be.spec.name!r} has {kv_cap}. Lower max_tokens or shorten the prompt.",
