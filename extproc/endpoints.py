@@ -152,3 +152,28 @@ class EndpointSet:
 def _same_watermark(st: EndpointState, spec: Backend) -> bool:
     w = spec.watermark
     return (st.wm.high, st.wm.low, st.wm.floor, st.wm.stale_after_s) == (w.high, w.low, w.floor, w.stale_after_s)
+
+
+def endpoint_status(st: EndpointState, now: float) -> dict[str, object]:
+    """One endpoint in the status report (and so in the console's Overview)."""
+    from extproc.scrape import scrape_status  # scrape imports aiohttp; keep this module light
+
+    snap = st.breaker.snapshot(now)
+    return {
+        "address": st.key, "destination": st.destination, "draining": st.draining, "usable": st.usable(now),
+        **scrape_status(st.sample, st.kv_in_use, st.spec.kv_capacity_tokens, st.spec.metrics_url is not None),
+        "metrics_reason": st.metrics_state(now),
+        "waiting": getattr(st.sample, "waiting", None),
+        "preemptions": getattr(st.sample, "preemptions", None),
+        "scale": round(st.scale(now), 4),
+        "breaker": {"state": snap.get("state"), "retry_after_s": snap.get("cooldown_left_s"),
+                    "trips": snap.get("trips", 0)},
+        "slots": {"total": st.spec.max_concurrency, "in_use": st.in_flight},
+        "kv": {"capacity_tokens": st.spec.kv_capacity_tokens, "reserved_tokens": st.kv_in_use},
+    }
+
+
+def pool_status(eps: EndpointSet | None, now: float) -> list[dict[str, object]] | None:
+    if eps is None:
+        return None
+    return [endpoint_status(st, now) for st in eps.by_key.values()]
