@@ -12,6 +12,7 @@ last request has finished.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import socket
 from dataclasses import dataclass, field
@@ -24,19 +25,36 @@ from extproc.policy.watermark import WatermarkController
 UNUSABLE_METRICS = ("no_data", "unreachable", "stale")
 
 
-def resolve(host: str) -> str:
-    """The IP Envoy's ORIGINAL_DST cluster is told to connect to (it takes no names)."""
+def resolve(host: str) -> str | None:
+    """The IP Envoy's ORIGINAL_DST cluster is told to connect to (it takes no names).
+
+    None while the name does not resolve: the endpoint is not picked, and the monitor
+    tries again at every scrape (``resolve_later``)."""
     try:
         ipaddress.ip_address(host)
         return host
     except ValueError:
+        pass
+    try:
         return socket.gethostbyname(host)
+    except OSError:
+        return None
+
+
+async def resolve_later(st: EndpointState) -> None:
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(st.spec.host, st.spec.port, family=socket.AF_INET, type=socket.SOCK_STREAM)
+    except OSError:
+        return
+    if infos:
+        st.ip = str(infos[0][4][0])
 
 
 @dataclass
 class EndpointState:
     spec: Endpoint
-    ip: str
+    ip: str | None  # None until the host name resolves
     wm: WatermarkController
     breaker: Breaker
     kv_in_use: int = 0
@@ -57,7 +75,7 @@ class EndpointState:
         return self.wm.state(now).reason if self.spec.metrics_url else "ok"
 
     def usable(self, now: float) -> bool:
-        if self.draining or self.breaker.state(now) == BreakerState.OPEN:
+        if self.ip is None or self.draining or self.breaker.state(now) == BreakerState.OPEN:
             return False
         return self.metrics_state(now) not in UNUSABLE_METRICS
 
@@ -106,6 +124,8 @@ class EndpointSet:
             st.draining = False
             if st.spec != e:
                 st.spec = e
+            if st.ip is None:
+                st.ip = resolve(e.host)
             st.wm = st.wm if _same_watermark(st, spec) else watermark_controller(spec)
 
     def candidates(self, now: float) -> list[Candidate]:
@@ -143,7 +163,7 @@ class EndpointSet:
     def any_destination(self, now: float) -> str | None:
         """Where a pass-through request (no reservation) goes: the least busy usable endpoint."""
         usable = [st for st in self.by_key.values() if st.usable(now)] or \
-            [st for st in self.by_key.values() if not st.draining]
+            [st for st in self.by_key.values() if not st.draining and st.ip is not None]
         if not usable:
             return None
         return min(usable, key=lambda st: (st.in_flight, st.key)).destination
@@ -160,7 +180,7 @@ def endpoint_status(st: EndpointState, now: float) -> dict[str, object]:
 
     snap = st.breaker.snapshot(now)
     return {
-        "address": st.key, "destination": st.destination, "draining": st.draining, "usable": st.usable(now),
+        "address": st.key, "destination": st.destination if st.ip is not None else None, "draining": st.draining, "usable": st.usable(now),
         **scrape_status(st.sample, st.kv_in_use, st.spec.kv_capacity_tokens, st.spec.metrics_url is not None),
         "metrics_reason": st.metrics_state(now),
         "waiting": getattr(st.sample, "waiting", None),

@@ -14,7 +14,7 @@ import logging
 import aiohttp
 
 from extproc.backends import BackendRuntime
-from extproc.endpoints import EndpointState
+from extproc.endpoints import EndpointState, resolve_later
 from extproc.metrics import Metrics
 from extproc.policy.engine_metrics import EngineMetrics
 from extproc.runtime import Runtime
@@ -49,6 +49,9 @@ async def scrape_endpoints(rt: Runtime, name: str, be: BackendRuntime, session: 
                            timeout_s: float) -> None:
     """Scrape every endpoint of a pool at once; each feeds its own watermark and breaker."""
     assert be.endpoints is not None
+    for st in be.endpoints.by_key.values():
+        if st.ip is None:
+            await resolve_later(st)
     targets = [st for st in be.endpoints.by_key.values() if st.spec.metrics_url]
     names = metric_names(be)
     samples = await asyncio.gather(*(scrape_once(session, st.spec.metrics_url or "", names, timeout_s=timeout_s)
