@@ -135,6 +135,8 @@ def refresh(rt: Runtime) -> None:
             m.kv_usage.labels(name).set(reserved_fraction(be.kv_in_use, be.spec.kv_capacity_tokens) or 0.0)
         m.slots_effective.labels(name).set(be.pool.effective_limits(be.slot_scale(now))["total"])
         m.concurrency_limit.labels(name).set(be.latency.limit(now) if be.latency else be.spec.max_concurrency)
+        if be.endpoints is not None:
+            refresh_endpoints(m, name, be, now)
         use = be.pool.in_use()
         for tier in be.pool.tier_order:
             m.slots_in_use.labels(name, "guaranteed", tier).set(use.guaranteed.get(tier, 0))
@@ -158,6 +160,16 @@ def refresh(rt: Runtime) -> None:
                 if ev.to_state == "open":
                     m.tenant_breaker_trips.labels(label, tenant).inc()
                     log.warning("tenant breaker %s %s: open (%s)", label, tenant, ev.cause)
+
+
+def refresh_endpoints(m: Metrics, name: str, be: BackendRuntime, now: float) -> None:
+    assert be.endpoints is not None
+    for key, st in be.endpoints.by_key.items():
+        m.endpoint_in_flight.labels(name, key).set(st.in_flight)
+        m.endpoint_kv_reserved.labels(name, key).set(st.kv_in_use)
+        m.endpoint_usable.labels(name, key).set(1 if st.usable(now) else 0)
+        if st.spec.metrics_url and kv_source(st.sample) == "reservations":
+            m.kv_usage.labels(f"{name}@{key}").set(reserved_fraction(st.kv_in_use, st.spec.kv_capacity_tokens) or 0.0)
 
 
 async def run_monitor(rt: Runtime) -> None:

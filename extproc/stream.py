@@ -296,6 +296,7 @@ class StreamProcessor:
     def _destination(self, ticket: Ticket) -> str | None:
         hold, eps = ticket.hold, ticket.runtime.endpoints
         if eps is not None and hold is not None and hold.endpoint is not None:
+            self.rt.metrics.child(self.rt.metrics.endpoint_picks, ticket.backend.name, hold.endpoint).inc()
             return eps.by_key[hold.endpoint].destination
         if eps is not None:  # shadowed slots: no placement was made; any usable endpoint
             return eps.any_destination(self.rt.clock())

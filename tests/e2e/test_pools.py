@@ -136,6 +136,9 @@ def test_burst_of_long_prompts_fills_both_without_preempting_either(stack: PoolS
     n_small, n_big = served(stack.sim_url), served(stack.big_url)
     assert n_small + n_big == 16 and n_small >= 2 and n_big >= 4, (n_small, n_big)
     assert n_big > n_small, "the bigger cache takes more of the burst"
+    picks = {line.split('endpoint="')[1].split('"')[0]: float(line.split()[-1])
+             for line in stack.metrics_text().splitlines() if line.startswith("sluice_endpoint_picks_total{")}
+    assert picks[small_key(stack)] >= n_small and picks[big_key(stack)] >= n_big, picks
     # Both were filled (each held at least one long request at once) but never overrun.
     assert small["kv_blocks_peak"] >= 70 and big["kv_blocks_peak"] >= 140, (small, big)
     assert small["kv_blocks_peak"] < SMALL_BLOCKS and big["kv_blocks_peak"] < BIG_BLOCKS
