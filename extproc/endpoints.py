@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from extproc.policy.breaker import Breaker, BreakerState, Outcome
 from extproc.policy.placement import Candidate, Placement, largest_capacity, pick
-from extproc.policy.schema import Backend, Endpoint
+from extproc.policy.schema import Backend, BreakerSettings, Endpoint
 from extproc.policy.watermark import WatermarkController
 
 UNUSABLE_METRICS = ("no_data", "unreachable", "stale")
@@ -61,6 +61,7 @@ class EndpointState:
     in_flight: int = 0
     draining: bool = False
     sample: object | None = None  # the last scrape.Sample
+    overcommit: float = 1.0  # the backend's kv_overcommit: reservations may exceed the cache this many times
 
     @property
     def key(self) -> str:
@@ -88,7 +89,7 @@ class EndpointState:
         if st is not None and st.smoothed_waiting is not None:
             waiting = st.smoothed_waiting
         return Candidate(key=self.key, usable=self.usable(now), kv_in_use=self.kv_in_use,
-                         kv_capacity=self.spec.kv_capacity_tokens, kv_scale=self.scale(now),
+                         kv_capacity=self.spec.kv_capacity_tokens, kv_scale=self.scale(now) * self.overcommit,
                          in_flight=self.in_flight, max_concurrency=self.spec.max_concurrency, waiting=waiting)
 
 
@@ -97,6 +98,7 @@ class EndpointSet:
     """The endpoints of one pool, keyed by ``host:port``."""
 
     by_key: dict[str, EndpointState] = field(default_factory=dict)
+    breaker_settings: BreakerSettings | None = None
 
     @classmethod
     def create(cls, spec: Backend, now: float) -> EndpointSet:
@@ -110,6 +112,8 @@ class EndpointSet:
         from extproc.backends import breaker_config, watermark_controller  # one place builds both
 
         wanted = {e.key: e for e in spec.endpoints}
+        new_breakers = self.breaker_settings is not None and spec.breaker != self.breaker_settings
+        self.breaker_settings = spec.breaker
         for key, st in list(self.by_key.items()):
             if key not in wanted:
                 st.draining = True
@@ -127,6 +131,10 @@ class EndpointSet:
             if st.ip is None:
                 st.ip = resolve(e.host)
             st.wm = st.wm if _same_watermark(st, spec) else watermark_controller(spec)
+            if new_breakers:
+                st.breaker = Breaker(breaker_config(spec.breaker), now)
+        for st in self.by_key.values():
+            st.overcommit = spec.kv_overcommit
 
     def candidates(self, now: float) -> list[Candidate]:
         return [st.candidate(now) for st in self.by_key.values()]

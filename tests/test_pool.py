@@ -131,3 +131,24 @@ def test_a_removed_endpoint_drains_on_reload() -> None:
     p = build_policy(doc(TWO))
     be.reconfigure(p.backends[0], p, 0.0)
     assert not be.endpoints.by_key["127.0.0.1:7002"].draining
+
+
+def test_kv_overcommit_applies_per_endpoint() -> None:
+    be = runtime([{"address": "127.0.0.1:7001", "kv_capacity_tokens": 1000}], kv_overcommit=2.0)
+    holds = [be.try_acquire("t", "a", None, 600, 0.0) for _ in range(4)]
+    assert [isinstance(h, Hold) for h in holds] == [True, True, True, False]  # 1800 <= 2000 < 2400
+
+
+def test_breaker_settings_change_rebuilds_endpoint_breakers_on_reload() -> None:
+    be = runtime()
+    assert be.endpoints is not None
+    st = be.endpoints.by_key["127.0.0.1:7001"]
+    for _ in range(5):
+        st.breaker.record(Outcome.FAILURE, None, 0.0)
+    assert not st.usable(0.0)
+    p = build_policy(doc(TWO))
+    be.reconfigure(p.backends[0], p, 0.0)
+    assert not st.usable(0.0), "an unchanged policy keeps the endpoint's breaker"
+    p = build_policy(doc(TWO, breaker={"consecutive_failures": 9}))
+    be.reconfigure(p.backends[0], p, 0.0)
+    assert be.endpoints.by_key["127.0.0.1:7001"].usable(0.0)
