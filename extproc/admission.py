@@ -65,14 +65,15 @@ class Ticket:
         if self.tenant_verdict is not None:
             shared = be.tenants_for(self.model.name).record(self.tenant, outcome, now,
                                                             admitted=self.tenant_verdict.allowed)
+        if self.hold is not None and self.hold.endpoint is not None and be.endpoints is not None:
+            # The endpoint's own breaker ejects it from picking (extproc.endpoints); a failure
+            # of one endpoint while others are usable is not the pool's.
+            shared = be.endpoints.record(self.hold.endpoint, shared, latency_s, now)
         if self.breaker_verdict is not None and self.breaker_verdict.allowed:
             be.breaker.record(shared, latency_s, now)
         rb = be.route_breakers.get(self.model.name)
         if rb is not None and self.route_verdict is not None and self.route_verdict.allowed:
             rb.record(shared, latency_s, now)
-        if self.hold is not None and self.hold.endpoint is not None and be.endpoints is not None:
-            # The endpoint's own breaker ejects it from picking (extproc.endpoints).
-            be.endpoints.record(self.hold.endpoint, shared, latency_s, now)
         self.breaker_verdict = self.route_verdict = self.tenant_verdict = None
 
 

@@ -163,10 +163,20 @@ class EndpointSet:
         if st.draining and st.in_flight <= 0:
             del self.by_key[key]
 
-    def record(self, key: str, outcome: Outcome, latency_s: float | None, now: float) -> None:
+    def record(self, key: str, outcome: Outcome, latency_s: float | None, now: float) -> Outcome:
+        """Record on the endpoint's breaker; returns what the pool's breakers should hear.
+
+        A failure while another endpoint is still usable is blamed on this endpoint
+        alone: the pool's breakers hear ``CANCELLED`` (not counted, a half-open probe's
+        place goes back), so one dead replica does not open the whole pool. Once no
+        endpoint is usable, failures are the pool's."""
         st = self.by_key.get(key)
-        if st is not None:
-            st.breaker.record(outcome, latency_s, now)
+        if st is None:
+            return outcome
+        st.breaker.record(outcome, latency_s, now)
+        if outcome == Outcome.FAILURE and any(o.usable(now) for k, o in self.by_key.items() if k != key):
+            return Outcome.CANCELLED
+        return outcome
 
     def any_destination(self, now: float) -> str | None:
         """Where a pass-through request (no reservation) goes: the least busy usable endpoint."""

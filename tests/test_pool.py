@@ -152,3 +152,14 @@ def test_breaker_settings_change_rebuilds_endpoint_breakers_on_reload() -> None:
     p = build_policy(doc(TWO, breaker={"consecutive_failures": 9}))
     be.reconfigure(p.backends[0], p, 0.0)
     assert be.endpoints.by_key["127.0.0.1:7001"].usable(0.0)
+
+
+def test_one_failing_endpoint_opens_its_breaker_not_the_pools() -> None:
+    be = runtime()
+    assert be.endpoints is not None
+    for _ in range(5):
+        assert be.endpoints.record("127.0.0.1:7001", Outcome.FAILURE, None, 0.0) == Outcome.CANCELLED
+    assert not be.endpoints.by_key["127.0.0.1:7001"].usable(0.0)
+    # The last one standing: its failures are the pool's.
+    assert be.endpoints.record("127.0.0.1:7002", Outcome.FAILURE, None, 0.0) == Outcome.FAILURE
+    assert be.endpoints.record("127.0.0.1:7002", Outcome.SUCCESS, None, 0.0) == Outcome.SUCCESS

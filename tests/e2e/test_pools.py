@@ -182,6 +182,28 @@ def test_removing_an_endpoint_drains_it(stack: PoolStack) -> None:
     eventually(lambda: big_key(stack) in endpoints(stack), 10, "the endpoint is back after the reload")
 
 
+def test_an_endpoint_refusing_connections_is_ejected_by_its_breaker(stack: PoolStack) -> None:
+    """No metrics_url, so only the outcomes tell: Envoy's 503s open the endpoint's breaker
+    (three failures), not the pool's, and traffic goes on to the others."""
+    original = copy.deepcopy(stack.policy_doc)
+    assert original is not None
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    doc = copy.deepcopy(original)
+    doc["backends"][0]["endpoints"].append({"address": dead, "kv_capacity_tokens": 100_000})  # most headroom
+    try:
+        stack.write_policy(doc)
+        eventually(lambda: dead in endpoints(stack), 10, "the policy reloaded")
+        codes = [chat(stack, 20, 20).status_code for _ in range(8)]
+        assert codes[:3] == [503] * 3 and codes[3:] == [200] * 5, codes
+        st = endpoints(stack)[dead]
+        assert st["breaker"]["state"] == "open" and not st["usable"]
+        assert stack.state()["backends"]["sim"]["breaker"]["state"] == "closed", "one endpoint is not the pool"
+        assert served(stack.sim_url) + served(stack.big_url) == 5
+    finally:
+        stack.write_policy(original)
+    eventually(lambda: dead not in endpoints(stack), 10, "the dead endpoint is gone after the reload")
+
+
 def test_an_endpoint_that_stops_answering_is_ejected(stack: PoolStack) -> None:
     stack.procs["sim-big"].stop()
     try:
