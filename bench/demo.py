@@ -54,8 +54,12 @@ def main() -> int:
         sim = start(py, "-m", "bench.simbackend", "--port", "8000", "--time-scale", args.time_scale)
         small = start(py, "-m", "bench.simbackend", "--port", "8001", "--model", "sim-llama-1b",
                       "--time-scale", args.time_scale)
+        # The pool's second engine for sim-llama-8b: half the KV cache of the first.
+        second = start(py, "-m", "bench.simbackend", "--port", "8002", "--kv-blocks", "1024",
+                       "--time-scale", args.time_scale)
         wait("http://127.0.0.1:8000/health", sim)
         wait("http://127.0.0.1:8001/health", small)
+        wait("http://127.0.0.1:8002/health", second)
         # The replica token goes through the environment, not the command line (``ps`` shows
         # every user the command line; /proc/PID/environ only the owner).
         secret = {"SLUICE_CONSOLE_TOKEN": secrets.token_urlsafe(24)}
@@ -74,7 +78,9 @@ Sluice demo is up (Ctrl-C stops everything):
   console  -> http://127.0.0.1:8080/   (operator credentials printed above)
   extproc  -> http://127.0.0.1:9100/metrics  /healthz  /debug/state
   envoy    -> http://127.0.0.1:9901/
-  backends -> http://127.0.0.1:8000/metrics  (simulated vLLM, sim-llama-8b)
+  backends -> sim-llama-8b: a pool of two simulated vLLM engines, Sluice picks the endpoint
+              http://127.0.0.1:8000/metrics  (endpoint 1: 32,768 tokens of KV cache)
+              http://127.0.0.1:8002/metrics  (endpoint 2: 16,384 tokens of KV cache)
               http://127.0.0.1:8001/metrics  (simulated vLLM, sim-llama-1b: the fallback)
 
 try:

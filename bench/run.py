@@ -7,6 +7,7 @@
     python -m bench.run --only headline --configs ad
     python -m bench.run --only slowdown          # decode speed halved for 20 s: (e) vs (f)
     python -m bench.run --only longprompt        # 12 documents of 16k-30k tokens on steady chat
+    python -m bench.run --only pool              # 3 engines: Envoy round-robin / least-request / Sluice picking
 
 Progress goes to stderr. The first run installs LiteLLM into ``bench/.litellm-venv``
 (~750 MB, a minute or two) for configuration (c); if that fails, (c) is reported as not
@@ -29,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-PARTS = ("headline", "longprompt", "slowdown", "tpm", "soak", "overhead", "tokenizer")
+PARTS = ("headline", "longprompt", "slowdown", "pool", "tpm", "soak", "overhead", "tokenizer")
 
 
 def log(msg: str) -> None:
@@ -137,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
             from bench import slowdown
             return slowdown.markdown(slowdown.run(workdir, quick=args.quick, log=log))
         timed("slowdown", slowdown_part)
+    if "pool" in parts:
+        def pool_part() -> str:
+            from bench import pool
+            rows = {name: pool.run_config(name, workdir / "pool", 36) for name in pool.CONFIGS}
+            return "## Pool placement (three engines, one burst)\n\n" + pool.markdown(rows) + "\n"
+        timed("pool", pool_part)
     if "tpm" in parts:
         def tpm_part() -> str:
             from bench import tpm

@@ -62,13 +62,16 @@ def extproc_proc(workdir: Path, policy_dir: Path, grpc_port: int, admin_port: in
 def example_policy(dest: Path, ports: dict[str, int], source: Path = POLICY_DIR) -> Path:
     """Copy the example policy to ``dest``, rewriting only the backends' addresses.
 
-    ``ports`` maps backend name -> port; every other byte of every file is kept.
+    ``ports`` maps backend name -> port; every other byte of every file is kept. A pool
+    (``endpoints:``) becomes its first endpoint: these benchmarks run one engine per backend
+    (``bench.pool`` compares placements across several).
     """
     dest.mkdir(parents=True, exist_ok=True)
     for f in sorted(source.glob("*.yaml")):
         doc = yaml.safe_load(f.read_text())
         if isinstance(doc, dict) and "backends" in doc:
             for b in doc["backends"]:
+                as_single_engine(b)
                 port = ports[b["name"]]
                 b["address"] = f"127.0.0.1:{port}"
                 if b.get("metrics_url"):
@@ -77,6 +80,15 @@ def example_policy(dest: Path, ports: dict[str, int], source: Path = POLICY_DIR)
         else:
             shutil.copyfile(f, dest / f.name)
     return dest
+
+
+def as_single_engine(b: dict[str, Any]) -> dict[str, Any]:
+    """A pool backend (``endpoints:``) as its first endpoint, in place; others unchanged."""
+    if "endpoints" in b:
+        first = b.pop("endpoints")[0]
+        b.update({k: v for k, v in first.items() if k in ("kv_capacity_tokens", "max_concurrency")})
+        b["metrics_url"] = first.get("metrics_url")
+    return b
 
 
 def _hcm(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -225,7 +237,7 @@ def write_policy(dest: Path, doc: dict[str, Any]) -> Path:
 def example_backend(port: int) -> dict[str, Any]:
     """The example policy's main backend, alone (no fallback model), at ``port``."""
     doc = load_policy_doc(POLICY_DIR)
-    be = copy.deepcopy(next(b for b in doc["backends"] if b["name"] == "sim"))
+    be = as_single_engine(copy.deepcopy(next(b for b in doc["backends"] if b["name"] == "sim")))
     be["address"], be["metrics_url"] = f"127.0.0.1:{port}", f"http://127.0.0.1:{port}/metrics"
     for m in be["models"]:
         m.pop("fallback_model", None)

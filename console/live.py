@@ -123,6 +123,43 @@ def replicas(store: Store, now: float, stale_after: float, hide_after: float = H
 
 
 @dataclass
+class EndpointView:
+    """One endpoint of a pool, as the freshest replica reporting it sees it."""
+
+    address: str
+    usable: bool = False
+    draining: bool = False
+    kv_usage: float | None = None
+    kv_source: str | None = None
+    metrics_reason: str | None = None  # ok | kv | queue | stale | unreachable | no_data | ...
+    reserved_tokens: float | None = None
+    capacity_tokens: float | None = None
+    slots_in_use: float | None = None
+    slots_total: float | None = None
+    waiting: float | None = None
+    breaker: str | None = None
+
+
+def endpoint_views(value: Any) -> list[EndpointView]:
+    out = []
+    for e in value if isinstance(value, list) else []:
+        e = as_map(e)
+        address = e.get("address")
+        if not isinstance(address, str):
+            continue
+        kv, slots = as_map(e.get("kv")), as_map(e.get("slots"))
+        reason, source, state = e.get("metrics_reason"), e.get("kv_source"), as_map(e.get("breaker")).get("state")
+        out.append(EndpointView(
+            address=address, usable=e.get("usable") is True, draining=e.get("draining") is True,
+            kv_usage=num(e.get("kv_usage")), kv_source=source if isinstance(source, str) else None,
+            metrics_reason=reason if isinstance(reason, str) else None,
+            reserved_tokens=num(kv.get("reserved_tokens")), capacity_tokens=num(kv.get("capacity_tokens")),
+            slots_in_use=num(slots.get("in_use")), slots_total=num(slots.get("total")),
+            waiting=num(e.get("waiting")), breaker=state if isinstance(state, str) else None))
+    return out
+
+
+@dataclass
 class BackendView:
     name: str
     kv_usage: float | None = None
@@ -136,6 +173,7 @@ class BackendView:
     breakers: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # replica -> breaker
     slots: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # replica -> slots
     queue: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # replica -> queue
+    endpoints: list[EndpointView] = field(default_factory=list)  # a pool's, from the freshest report
 
     @property
     def breaker_states(self) -> list[str]:
@@ -163,6 +201,7 @@ def backend_views(names: list[str], reps: list[Replica]) -> list[BackendView]:
             v.breakers[r.id] = as_map(b.get("breaker"))
             v.slots[r.id] = as_map(b.get("slots"))
             v.queue[r.id] = as_map(b.get("queue"))
+            v.endpoints = endpoint_views(b.get("endpoints"))
     return list(views.values())
 
 

@@ -29,6 +29,8 @@ COMPOSE_BACKENDS = "backends.compose.yaml"
 COMPOSE_ENVOY = "envoy-compose.yaml"
 # backend name in the policy -> (compose service, port it listens on)
 SERVICES = {"sim": ("simbackend", 8000), "sim-small": ("simbackend-small", 8001)}
+# a pool endpoint's loopback port -> its compose service
+ENDPOINT_SERVICES = {8000: "simbackend", 8002: "simbackend-2"}
 EXTPROC = ("extproc", 50051)
 EXTPROC_ADMIN_PORT = 9100  # also where Envoy drains oversized uploads
 LISTEN = ("0.0.0.0", 10000)
@@ -46,11 +48,28 @@ def compose_backends(doc: dict[str, Any]) -> dict[str, Any]:
                              "and to docker-compose.yml")
         host, port = SERVICES[name]
         b = dict(backend)
+        if "endpoints" in b:
+            b["endpoints"] = [_compose_endpoint(e) for e in b["endpoints"]]
+            out.append(b)
+            continue
         b["address"] = f"{host}:{port}"
         if "metrics_url" in b:
             b["metrics_url"] = f"http://{host}:{port}/metrics"
         out.append(b)
     return {"backends": out}
+
+
+def _compose_endpoint(endpoint: dict[str, Any]) -> dict[str, Any]:
+    port = int(str(endpoint["address"]).rpartition(":")[2])
+    if port not in ENDPOINT_SERVICES:
+        raise SystemExit(f"endpoint {endpoint['address']} has no compose service: add it to ENDPOINT_SERVICES "
+                         f"in {__file__} and to docker-compose.yml")
+    host = ENDPOINT_SERVICES[port]
+    e = dict(endpoint)
+    e["address"] = f"{host}:{port}"
+    if "metrics_url" in e:
+        e["metrics_url"] = f"http://{host}:{port}/metrics"
+    return e
 
 
 def render(out: Path = OUT, policies: Path = ROOT / "policies") -> list[Path]:

@@ -90,7 +90,7 @@ def _envoy_config(args: argparse.Namespace) -> int:
     opts = EnvoyOptions(listen_host=lhost, listen_port=lport, admin_port=args.admin_port,
                         extproc_host=ehost, extproc_port=eport, drain_host=dhost, drain_port=dport,
                         **gateway_options(policy.gateway))  # type: ignore[arg-type]
-    routes = [BackendRoute(b.name, b.host, b.port, tuple(m.name for m in b.models)) for b in policy.backends]
+    routes = [BackendRoute(b.name, b.host, b.port, tuple(m.name for m in b.models), pool=b.is_pool) for b in policy.backends]
     write_config(args.output, routes, opts)
     print(f"wrote {args.output}")
     return 0

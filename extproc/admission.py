@@ -65,6 +65,10 @@ class Ticket:
         if self.tenant_verdict is not None:
             shared = be.tenants_for(self.model.name).record(self.tenant, outcome, now,
                                                             admitted=self.tenant_verdict.allowed)
+        if self.hold is not None and self.hold.endpoint is not None and be.endpoints is not None:
+            # The endpoint's own breaker ejects it from picking (extproc.endpoints); a failure
+            # of one endpoint while others are usable is not the pool's.
+            shared = be.endpoints.record(self.hold.endpoint, shared, latency_s, now)
         if self.breaker_verdict is not None and self.breaker_verdict.allowed:
             be.breaker.record(shared, latency_s, now)
         rb = be.route_breakers.get(self.model.name)
@@ -206,6 +210,8 @@ class Admission:
         cap = self.limits.max_concurrency
         ticket.kv = be.footprint(cost if kv_tokens is None else kv_tokens)
         kv_cap = be.spec.kv_capacity_tokens
+        if be.endpoints is not None:
+            kv_cap = be.endpoints.largest_capacity()  # a footprint must fit one endpoint's cache
         if kv_cap is not None and ticket.kv > kv_cap:
             raise Reject("too_large_for_backend", f"The request may need {ticket.kv} tokens of KV cache; backend "
                          f"{be.spec.name!r} has {kv_cap}. Lower max_tokens or shorten the prompt.",

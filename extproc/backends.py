@@ -11,6 +11,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from extproc.endpoints import EndpointSet
 from extproc.latency import adaptive_config
 from extproc.policy.admission_queue import AdmissionQueue, Enqueued, TierQueueConfig
 from extproc.policy.breaker import Breaker, BreakerConfig
@@ -59,6 +60,7 @@ class Hold:
 
     grant: SlotGrant
     kv: int
+    endpoint: str | None = None  # the pool endpoint it was placed on (host:port)
 
 
 @dataclass
@@ -81,6 +83,7 @@ class BackendRuntime:
     kv_in_use: int = 0
     priorities: dict[str, int] = field(default_factory=dict)
     latency: AdaptiveLimit | None = None  # the SLO-driven concurrency limit, if a tier sets an SLO
+    endpoints: EndpointSet | None = None  # a pool's replicas (extproc.endpoints); None for one address
 
     @classmethod
     def create(cls, spec: Backend, policy: Policy, now: float) -> BackendRuntime:
@@ -93,6 +96,7 @@ class BackendRuntime:
                  tenant_breakers=tenant_breakers(spec.breaker, now),
                  queue=AdmissionQueue(configs), configs=configs, has_metrics=spec.metrics_url is not None)
         rt.priorities = {name: t.priority for name, t in policy.tiers.items()}
+        rt.endpoints = EndpointSet.create(spec, now) if spec.is_pool else None
         rt._sync_latency(spec, policy, now)
         rt._sync_route_breakers(spec, now)
         rt.apply_override(policy, now)
@@ -141,7 +145,15 @@ class BackendRuntime:
         self.spec = spec
         self.priorities = {name: t.priority for name, t in policy.tiers.items()}
         self.has_metrics = spec.metrics_url is not None
+        self._sync_endpoints(spec, now)
         self.apply_override(policy, now)
+
+    def _sync_endpoints(self, spec: Backend, now: float) -> None:
+        if self.endpoints is not None:
+            # Leaving the pool drains: an endpoint with requests in flight stays until they finish.
+            self.endpoints.sync(spec, now)
+        elif spec.is_pool:
+            self.endpoints = EndpointSet.create(spec, now)
 
     def _requeue(self, policy: Policy, now: float) -> None:
         # Waiters keep waiting on their futures; only the queue's bookkeeping is rebuilt.
@@ -264,12 +276,21 @@ class BackendRuntime:
         got = self.pool.try_acquire(tier, tenant, cap, self.slot_scale(now))
         if isinstance(got, Denied):
             return got
+        endpoint = None
+        if self.endpoints is not None:
+            placed = self.endpoints.place(kv, now)
+            if placed is None:
+                self.pool.release(got)
+                return Denied("kv_exhausted", f"a footprint of {kv} tokens fits on no endpoint of the pool now")
+            endpoint = placed.key
         self.kv_in_use += kv
-        return Hold(got, kv)
+        return Hold(got, kv, endpoint)
 
     def can_admit(self, tier: str, now: float) -> bool:
         head = next((w for w in self.waiters.values() if w.tier == tier and not w.future.done()), None)
         if head is not None and not self.kv_fits(head.kv, now, tier):
+            return False
+        if head is not None and self.endpoints is not None and not self.endpoints.fits_somewhere(head.kv, now):
             return False
         got = self.pool.try_acquire(tier, _PROBE_TENANT, None, self.slot_scale(now))
         if isinstance(got, SlotGrant):
@@ -323,6 +344,8 @@ class BackendRuntime:
     def _give_back(self, hold: Hold) -> None:
         self.pool.release(hold.grant)
         self.kv_in_use -= hold.kv
+        if hold.endpoint is not None and self.endpoints is not None:
+            self.endpoints.release(hold.endpoint, hold.kv)
 
     def release(self, hold: Hold, now: float) -> None:
         self._give_back(hold)

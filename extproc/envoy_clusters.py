@@ -17,6 +17,8 @@ from envoy_data_plane.envoy.config.cluster.v3 import (
     Cluster,
     ClusterDiscoveryType,
     ClusterDnsLookupFamily,
+    ClusterLbPolicy,
+    ClusterOriginalDstLbConfig,
 )
 from envoy_data_plane.envoy.config.core.v3 import (
     Address,
@@ -36,9 +38,11 @@ from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
 )
 from envoy_data_plane.google.protobuf import Any
 
-__all__ = ["DRAIN_CLUSTER", "backend_cluster", "extproc_cluster", "socket_address"]
+__all__ = ["DRAIN_CLUSTER", "ENDPOINT_HEADER", "backend_cluster", "extproc_cluster", "pool_cluster",
+           "socket_address"]
 
 DRAIN_CLUSTER = "sluice_drain"  # extproc's admin port, where oversized uploads are drained
+ENDPOINT_HEADER = "x-sluice-endpoint"  # ip:port of the pool endpoint Sluice picked
 
 _HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 _BACKEND_CIRCUIT_LIMIT = 10000
@@ -120,3 +124,22 @@ def backend_cluster(name: str, host: str, port: int, connect_timeout: datetime.t
         ),
         max_requests=_BACKEND_CIRCUIT_LIMIT,
     )
+
+
+def pool_cluster(name: str, connect_timeout: datetime.timedelta) -> Cluster:
+    """A pool's cluster: ORIGINAL_DST, connecting to the ip:port in ``x-sluice-endpoint``.
+
+    Sluice picks the endpoint (extproc.policy.placement) and sets the header, so the
+    endpoints can change with the policy without re-rendering Envoy's config; one
+    cluster per endpoint would need a new bootstrap (or xDS) for every change. Envoy
+    keeps a host per destination seen and drops it after ``cleanup_interval`` idle.
+    """
+    cluster = _cluster(name, "127.0.0.1", 1, connect_timeout=connect_timeout,
+                       protocol=HttpProtocolOptionsExplicitHttpConfig(http_protocol_options=Http1ProtocolOptions()),
+                       max_requests=_BACKEND_CIRCUIT_LIMIT)
+    cluster.type = ClusterDiscoveryType.ORIGINAL_DST
+    cluster.lb_policy = ClusterLbPolicy.CLUSTER_PROVIDED
+    cluster.load_assignment = None
+    cluster.original_dst_lb_config = ClusterOriginalDstLbConfig(use_http_header=True, http_header_name=ENDPOINT_HEADER)
+    cluster.cleanup_interval = datetime.timedelta(seconds=60)
+    return cluster

@@ -105,7 +105,13 @@ from envoy_data_plane.google.protobuf import Any, Struct
 
 from extproc import envoy_usage
 from extproc.drain import DRAIN_PATH, LIMIT_HEADER
-from extproc.envoy_clusters import DRAIN_CLUSTER, backend_cluster, extproc_cluster, socket_address
+from extproc.envoy_clusters import (
+    DRAIN_CLUSTER,
+    backend_cluster,
+    extproc_cluster,
+    pool_cluster,
+    socket_address,
+)
 from extproc.envoy_replies import local_reply_config
 from extproc.messages import METADATA_NAMESPACE, RESPONSE_HEADERS_FROM_METADATA
 from extproc.openai_body import ENDPOINTS
@@ -164,6 +170,7 @@ class BackendRoute:
     host: str  # e.g. "127.0.0.1"
     port: int
     models: tuple[str, ...] = ()  # informational
+    pool: bool = False  # endpoints picked by Sluice: an ORIGINAL_DST cluster (envoy_clusters.pool_cluster)
 
 
 @dataclass(frozen=True)
@@ -479,7 +486,8 @@ def render_bootstrap(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> di
             clusters=[
                 extproc_cluster(EXTPROC_CLUSTER, opts.extproc_host, opts.extproc_port,
                                 opts.extproc_max_requests),
-                *(backend_cluster(b.name, b.host, b.port, _ms(opts.backend_connect_timeout_ms))
+                *(pool_cluster(b.name, _ms(opts.backend_connect_timeout_ms)) if b.pool else
+                  backend_cluster(b.name, b.host, b.port, _ms(opts.backend_connect_timeout_ms))
                   for b in backends),
                 backend_cluster(DRAIN_CLUSTER, opts.drain_host, opts.drain_port, _ms(250)),
             ],

@@ -105,6 +105,15 @@ class Metrics:
                                        registry=r)
         self.completion_estimate = Gauge("sluice_completion_estimate_tokens", "The learned completion length "
                                          "reserved per choice, by tier and model.", ["tier", "model"], registry=r)
+        # A pool's endpoints (extproc.endpoints): where requests were placed and what each holds.
+        self.endpoint_picks = Counter("sluice_endpoint_picks", "Requests placed on a pool endpoint.",
+                                      ["backend", "endpoint"], registry=r)
+        self.endpoint_in_flight = Gauge("sluice_endpoint_in_flight_requests", "Requests placed on a pool endpoint "
+                                        "and not yet finished.", ["backend", "endpoint"], registry=r)
+        self.endpoint_kv_reserved = Gauge("sluice_endpoint_kv_reserved_tokens", "KV footprints reserved on a pool "
+                                          "endpoint.", ["backend", "endpoint"], registry=r)
+        self.endpoint_usable = Gauge("sluice_endpoint_usable", "1 while a pool endpoint may be picked (breaker "
+                                     "not open, metrics fresh, not draining).", ["backend", "endpoint"], registry=r)
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, cached: labels() costs ~3 us, a dict lookup ~0.1 us.

@@ -14,6 +14,7 @@ import logging
 import aiohttp
 
 from extproc.backends import BackendRuntime
+from extproc.endpoints import EndpointState, resolve_later
 from extproc.metrics import Metrics
 from extproc.policy.engine_metrics import EngineMetrics
 from extproc.runtime import Runtime
@@ -39,7 +40,45 @@ async def scrape_backend(rt: Runtime, name: str, session: aiohttp.ClientSession)
             previous, be.sample = be.sample, sample
             apply_sample(rt.metrics, name, be, sample, rt.clock())
             report_change(rt.metrics, name, be.spec.metrics_url, previous, sample)
+        if be.endpoints is not None:
+            await scrape_endpoints(rt, name, be, session, timeout_s=max(0.2, min(interval, 2.0)))
         await asyncio.sleep(interval)
+
+
+async def scrape_endpoints(rt: Runtime, name: str, be: BackendRuntime, session: aiohttp.ClientSession,
+                           timeout_s: float) -> None:
+    """Scrape every endpoint of a pool at once; each feeds its own watermark and breaker."""
+    assert be.endpoints is not None
+    for st in be.endpoints.by_key.values():
+        if st.ip is None:
+            await resolve_later(st)
+    targets = [st for st in be.endpoints.by_key.values() if st.spec.metrics_url]
+    names = metric_names(be)
+    samples = await asyncio.gather(*(scrape_once(session, st.spec.metrics_url or "", names, timeout_s=timeout_s)
+                                     for st in targets))
+    now = rt.clock()
+    for st, sample in zip(targets, samples, strict=True):
+        label = f"{name}@{st.key}"
+        previous, st.sample = st.sample, sample
+        apply_endpoint_sample(rt.metrics, label, st, sample, now)
+        report_change(rt.metrics, label, st.spec.metrics_url or "", previous, sample)
+
+
+def apply_endpoint_sample(m: Metrics, label: str, st: EndpointState, sample: Sample, now: float) -> None:
+    source = kv_source(sample)
+    if source == "saturated":
+        st.wm.observe(None, None, now)  # unreachable: ejected from picking until it answers again
+        m.scrape_errors.labels(label).inc()
+        return
+    if sample.state == "problem":
+        m.scrape_errors.labels(label).inc()
+    st.wm.observe(sample.kv_usage if source == "engine" else 0.0, sample.waiting, now)
+    if source == "engine":
+        m.kv_usage.labels(label).set(sample.kv_usage or 0.0)
+    if sample.waiting is not None:
+        m.backend_waiting.labels(label).set(sample.waiting)
+    if sample.preemptions is not None and st.breaker.observe_preemptions(sample.preemptions, now):
+        log.warning("endpoint %s: preemptions rising, its breaker tripped", label)
 
 
 def apply_sample(m: Metrics, name: str, be: BackendRuntime, sample: Sample, now: float) -> None:
@@ -96,6 +135,8 @@ def refresh(rt: Runtime) -> None:
             m.kv_usage.labels(name).set(reserved_fraction(be.kv_in_use, be.spec.kv_capacity_tokens) or 0.0)
         m.slots_effective.labels(name).set(be.pool.effective_limits(be.slot_scale(now))["total"])
         m.concurrency_limit.labels(name).set(be.latency.limit(now) if be.latency else be.spec.max_concurrency)
+        if be.endpoints is not None:
+            refresh_endpoints(m, name, be, now)
         use = be.pool.in_use()
         for tier in be.pool.tier_order:
             m.slots_in_use.labels(name, "guaranteed", tier).set(use.guaranteed.get(tier, 0))
@@ -119,6 +160,16 @@ def refresh(rt: Runtime) -> None:
                 if ev.to_state == "open":
                     m.tenant_breaker_trips.labels(label, tenant).inc()
                     log.warning("tenant breaker %s %s: open (%s)", label, tenant, ev.cause)
+
+
+def refresh_endpoints(m: Metrics, name: str, be: BackendRuntime, now: float) -> None:
+    assert be.endpoints is not None
+    for key, st in be.endpoints.by_key.items():
+        m.endpoint_in_flight.labels(name, key).set(st.in_flight)
+        m.endpoint_kv_reserved.labels(name, key).set(st.kv_in_use)
+        m.endpoint_usable.labels(name, key).set(1 if st.usable(now) else 0)
+        if st.spec.metrics_url and kv_source(st.sample) == "reservations":
+            m.kv_usage.labels(f"{name}@{key}").set(reserved_fraction(st.kv_in_use, st.spec.kv_capacity_tokens) or 0.0)
 
 
 async def run_monitor(rt: Runtime) -> None:

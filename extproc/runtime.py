@@ -17,6 +17,7 @@ from typing import Any
 
 from extproc import tokenizer
 from extproc.backends import BackendRuntime
+from extproc.endpoints import pool_status
 from extproc.estimate import DecodeRates
 from extproc.metrics import Metrics
 from extproc.policy.completions import CompletionEstimator
@@ -183,6 +184,7 @@ def backend_status(be: BackendRuntime, now: float) -> dict[str, Any]:
                "budget_tokens": None if be.spec.kv_capacity_tokens is None else int(be.kv_budget(now)),
                "reservation": be.spec.kv_reservation},
         "adaptive": None if be.latency is None else be.latency.snapshot(now),
+        "endpoints": pool_status(be.endpoints, now),  # a pool's replicas; None for one address
     }
 
 

@@ -34,6 +34,7 @@ from extproc.tokenizer import TokenizerFailed, estimate
 log = logging.getLogger("sluice.stream")
 
 KEY_HEADERS = ("authorization", "x-api-key")
+ENDPOINT_HEADER = "x-sluice-endpoint"  # where a pool's ORIGINAL_DST cluster connects (envoyconfig)
 REQUEST_HEADERS = frozenset({":path", ":method", "content-length", *KEY_HEADERS})
 RESPONSE_HEADERS = frozenset({":status", "content-type"})
 # Refusals that come after the prompt was counted, for a reason retrying cannot fix:
@@ -184,8 +185,11 @@ class StreamProcessor:
             if gw.unknown_paths == "reject":
                 raise Reject("unknown_path", f"Unknown path {path.split('?', 1)[0]!r}.", code="not_found")
             self.rt.metrics.child(self.rt.metrics.requests, tenant.name, "passthrough").inc()
-            return msg.headers_response("request_headers", {**self._identity_headers(), **new_path},
-                                        KEY_HEADERS if gw.strip_api_key else (), mode_override=msg.SKIP_REST)
+            dest = self._passthrough_destination()  # overwrites a client's; else a client's is removed
+            return msg.headers_response("request_headers", {**self._identity_headers(), **new_path, **dest},
+                                        (*(KEY_HEADERS if gw.strip_api_key else ()), *(() if dest else
+                                                                                      (ENDPOINT_HEADER,))),
+                                        mode_override=msg.SKIP_REST)
         if headers.get(":method", "POST") != "POST":
             raise Reject("bad_request", f"{path} takes POST.", code="method_not_allowed")
         length = headers.get("content-length")
@@ -273,6 +277,9 @@ class StreamProcessor:
 
         new_body = upstream_body(req, ticket.completion, ticket.model.name)
         set_headers = {**self._identity_headers(), "x-sluice-backend": ticket.backend.name}
+        dest = self._destination(ticket)
+        if dest is not None:
+            set_headers[ENDPOINT_HEADER] = dest  # the pool cluster (ORIGINAL_DST) connects there
         if new_body is not None:
             set_headers["content-length"] = str(len(new_body))
         remove = KEY_HEADERS if gw.strip_api_key else ()
@@ -285,6 +292,21 @@ class StreamProcessor:
         self.forwarded = True
         yield msg.body_response("request_body", new_body, set_headers, remove, clear_route_cache=True,
                                 metadata={msg.METADATA_NAMESPACE: out_headers})
+
+    def _destination(self, ticket: Ticket) -> str | None:
+        hold, eps = ticket.hold, ticket.runtime.endpoints
+        if eps is not None and hold is not None and hold.endpoint is not None:
+            self.rt.metrics.child(self.rt.metrics.endpoint_picks, ticket.backend.name, hold.endpoint).inc()
+            return eps.by_key[hold.endpoint].destination
+        if eps is not None:  # shadowed slots: no placement was made; any usable endpoint
+            return eps.any_destination(self.rt.clock())
+        return None
+
+    def _passthrough_destination(self) -> dict[str, str]:
+        """A pass-through path goes to the first backend (the catch-all route); a pool needs an endpoint."""
+        eps = self.rt.backends[self.policy.backends[0].name].endpoints
+        dest = eps.any_destination(self.rt.clock()) if eps is not None else None
+        return {ENDPOINT_HEADER: dest} if dest is not None else {}
 
     def _precheck_budget(self, adm: Admission) -> None:
         """A tenant that cannot pay for one token is refused before its body is read or tokenized."""

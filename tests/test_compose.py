@@ -107,8 +107,12 @@ def envoy_config() -> dict[str, Any]:
 
 
 def clusters() -> dict[str, tuple[str, int]]:
+    """Cluster -> (host, port); a pool's ORIGINAL_DST cluster -> ("x-sluice-endpoint", 0)."""
     out = {}
     for c in envoy_config()["static_resources"]["clusters"]:
+        if c.get("type") == "ORIGINAL_DST":
+            out[c["name"]] = (c["original_dst_lb_config"]["http_header_name"], 0)
+            continue
         sa = c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
         out[c["name"]] = (sa["address"], sa["port_value"])
     return out
@@ -197,14 +201,18 @@ def test_envoy_reaches_extproc_and_the_backends_by_service_name(compose_policy_d
     assert admin_host == "0.0.0.0"
     assert found.pop("sluice_drain") == ("extproc", admin_port)
     policy = load_policy(compose_policy_dir)
-    assert found == {b.name: (b.host, b.port) for b in policy.backends}
-    for backend in policy.backends:
-        assert backend.host in SERVICES, f"backend {backend.name} points at {backend.host}, not a service"
-        assert listen_port(backend.host) == backend.port
-        assert flag(command(backend.host), "--host") == "0.0.0.0"
-        if backend.metrics_url:
-            url = urlsplit(backend.metrics_url)
-            assert (url.hostname, url.port) == (backend.host, backend.port)
+    assert found == {b.name: ("x-sluice-endpoint", 0) if b.is_pool else (b.host, b.port) for b in policy.backends}
+    assert any(b.is_pool for b in policy.backends), "the demo serves sim-llama-8b from a pool"
+    places = [(b.name, e.host, e.port, e.metrics_url) for b in policy.backends if b.is_pool for e in b.endpoints]
+    places += [(b.name, b.host, b.port, b.metrics_url) for b in policy.backends if not b.is_pool]
+    for name, host, port, metrics_url in places:
+        assert host in SERVICES, f"backend {name} points at {host}, not a service"
+        assert listen_port(host) == port
+        assert flag(command(host), "--host") == "0.0.0.0"
+        assert SERVICES["extproc"]["depends_on"][host]["condition"] == "service_healthy"
+        if metrics_url:
+            url = urlsplit(metrics_url)
+            assert (url.hostname, url.port) == (host, port)
 
 
 def test_published_ports_match_what_listens() -> None:

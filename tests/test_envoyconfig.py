@@ -576,3 +576,21 @@ def test_response_headers_come_from_request_side_metadata() -> None:
     assert "receiving_namespaces" in text and "sluice" in text
     for name in ("x-ratelimit-remaining-tokens", "x-sluice-degraded"):
         assert f"%DYNAMIC_METADATA(sluice:{name})%" in text
+
+
+def test_a_pool_is_an_original_dst_cluster_reading_x_sluice_endpoint(tmp_path: Path) -> None:
+    backends = (BackendRoute("pool", "127.0.0.1", 8000, pool=True), BackendRoute("big", "localhost", 8001))
+    cfg = render_bootstrap(backends, EnvoyOptions())
+    pool = clusters(cfg)["pool"]
+    assert pool["type"] == "ORIGINAL_DST" and pool["lb_policy"] == "CLUSTER_PROVIDED"
+    assert pool["original_dst_lb_config"] == {"use_http_header": True, "http_header_name": "x-sluice-endpoint"}
+    assert "load_assignment" not in pool
+    # The usage path's upstream filters sit on whatever cluster serves the request.
+    (opts,) = pool["typed_extension_protocol_options"].values()
+    assert [f["name"] for f in opts["http_filters"]] == [
+        "envoy.filters.http.ai_protocol_manager", "envoy.filters.http.upstream_codec"]
+    assert clusters(cfg)["big"]["type"] == "STRICT_DNS"
+    path = write_config(tmp_path / "envoy.yaml", backends, EnvoyOptions())
+    result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr

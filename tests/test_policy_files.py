@@ -16,6 +16,7 @@ from extproc.policy.schema import (
     BreakerOverride,
     BreakerSettings,
     Degrade,
+    Endpoint,
     Gateway,
     Limits,
     Model,
@@ -427,7 +428,8 @@ def test_cli_hash_key() -> None:
 # -- docs -------------------------------------------------------------------------------
 
 # Dataclass fields whose YAML spelling differs.
-YAML_NAMES = {(Backend, "host"): "address", (Backend, "port"): "address", (Tenant, "key_hashes"): "keys"}
+YAML_NAMES = {(Backend, "host"): "address", (Backend, "port"): "address", (Tenant, "key_hashes"): "keys",
+              (Endpoint, "host"): "address", (Endpoint, "port"): "address"}
 
 
 def policy_reference() -> str:
@@ -445,7 +447,7 @@ def test_readme_documents_every_policy_field() -> None:
     section = policy_reference()
     missing = []
     for cls in (Gateway, Model, Backend, Tier, Tenant, WatermarkSettings, BreakerSettings, Degrade,
-                BreakerOverride, AdaptiveSettings):
+                BreakerOverride, AdaptiveSettings, Endpoint):
         for f in dataclasses.fields(cls):
             name = YAML_NAMES.get((cls, f.name), f.name)
             if not re.search(rf"\b{re.escape(name)}\b", section):

@@ -10,7 +10,7 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["AdaptiveSettings", "Backend", "BreakerOverride", "BreakerSettings", "Degrade", "Gateway", "Limits",
+__all__ = ["AdaptiveSettings", "Backend", "Endpoint", "BreakerOverride", "BreakerSettings", "Degrade", "Gateway", "Limits",
            "Model", "Policy", "Tenant", "Tier", "WatermarkSettings", "hash_key", "KV_RESERVATIONS", "TPM_PRECHARGES"]
 
 KV_RESERVATIONS = ("worst_case", "learned")
@@ -137,6 +137,26 @@ class Model:
 
 
 @dataclass(frozen=True)
+class Endpoint:
+    """One engine replica of a pool: where it listens, where it reports, what it holds.
+
+    ``kv_capacity_tokens`` and ``max_concurrency`` are resolved at parse time (the
+    endpoint's own value, else the backend's), so they are never None for a budget
+    the backend sets.
+    """
+
+    host: str
+    port: int
+    metrics_url: str | None = None
+    kv_capacity_tokens: int | None = None
+    max_concurrency: int = 64
+
+    @property
+    def key(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
 class Backend:
     name: str
     host: str
@@ -166,6 +186,14 @@ class Backend:
     # with "max_tokens" (the default): "learned" charges the excess at settle instead.
     tpm_precharge: str = "max_tokens"
     adaptive_concurrency: AdaptiveSettings = field(default_factory=AdaptiveSettings)
+    # A pool: the engine replicas serving this backend's models (extproc.endpoints). Empty
+    # for the simple case (one ``address``). With endpoints, ``max_concurrency`` and
+    # ``kv_capacity_tokens`` above are the pool's sums: the admission budget.
+    endpoints: tuple[Endpoint, ...] = ()
+
+    @property
+    def is_pool(self) -> bool:
+        return bool(self.endpoints)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from extproc.policy.model import (
     BreakerOverride,
     BreakerSettings,
     Degrade,
+    Endpoint,
     Gateway,
     Limits,
     Model,
@@ -42,7 +43,7 @@ from extproc.policy.schema_parse import (
     _tiers,
 )
 
-__all__ = ["AdaptiveSettings", "Backend", "BreakerOverride", "BreakerSettings", "Degrade", "Gateway", "Limits", "Model", "Policy",
+__all__ = ["AdaptiveSettings", "Backend", "BreakerOverride", "BreakerSettings", "Degrade", "Endpoint", "Gateway", "Limits", "Model", "Policy",
            "PolicyError", "Problem", "Tenant", "Tier", "WatermarkSettings", "build_policy", "hash_key",
            "ENGINES", "KNOWN_ENCODINGS", "MAX_QUEUE_WAIT_MS", "SECTIONS", "SHADOW_RULES"]
 

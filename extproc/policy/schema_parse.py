@@ -18,6 +18,7 @@ from extproc.policy.model import (
     BreakerOverride,
     BreakerSettings,
     Degrade,
+    Endpoint,
     Gateway,
     Model,
     Tenant,
@@ -104,7 +105,47 @@ def _metric_names(r: Reader, m: Mapping[str, Any], path: Path) -> dict[str, tupl
 
 _BACKEND_FIELDS = ("name", "address", "max_concurrency", "models", "metrics_url", "engine", "metric_names",
                    "watermark", "breaker", "kv_capacity_tokens", "kv_block_size", "kv_overcommit",
-                   "kv_reservation", "learned_quantile", "tpm_precharge", "adaptive_concurrency")
+                   "kv_reservation", "learned_quantile", "tpm_precharge", "adaptive_concurrency",
+                   "endpoints")
+_ENDPOINT_FIELDS = ("address", "metrics_url", "kv_capacity_tokens", "max_concurrency")
+
+
+def _address(r: Reader, address: str | None, path: Path) -> tuple[str, int]:
+    if address is None:
+        return "", 0
+    host, _, port_s = address.rpartition(":")
+    if not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        r.fail((*path, "address"), f"expected host:port, got {address!r}")
+        return "", 0
+    return host, int(port_s)
+
+
+def _endpoints(r: Reader, m: Mapping[str, Any], path: Path, max_concurrency: int,
+               kv_capacity: int | None) -> tuple[Endpoint, ...]:
+    """A pool's endpoints, each with its budgets resolved (its own, else the backend's).
+
+    The list is the policy's today; a discovery source (DNS A records of a headless
+    service) would produce the same tuple and hand it to ``extproc.endpoints``."""
+    raw = m.get("endpoints")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not raw:
+        r.fail((*path, "endpoints"), "expected a non-empty list of endpoints (address, metrics_url)")
+        return ()
+    out: list[Endpoint] = []
+    seen: set[str] = set()
+    for k, item in enumerate(raw):
+        ep: Path = (*path, "endpoints", k)
+        em = r.mapping(item, ep, _ENDPOINT_FIELDS)
+        host, port = _address(r, r.get(em, ep, "address", str), ep)
+        e = Endpoint(host=host, port=port, metrics_url=r.get(em, ep, "metrics_url", str, None),
+                     kv_capacity_tokens=r.get(em, ep, "kv_capacity_tokens", int, kv_capacity, minimum=1),
+                     max_concurrency=r.get(em, ep, "max_concurrency", int, max_concurrency, minimum=1))
+        if e.key in seen:
+            r.fail((*ep, "address"), f"duplicate endpoint {e.key!r}")
+        seen.add(e.key)
+        out.append(e)
+    return tuple(out)
 
 
 def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
@@ -116,14 +157,19 @@ def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
         path: Path = ("backends", i)
         m = r.mapping(item, path, _BACKEND_FIELDS)
         name = r.name(m, path)
-        address = r.get(m, path, "address", str)
-        host, port = "", 0
-        if address is not None:
-            host, _, port_s = address.rpartition(":")
-            if not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
-                r.fail((*path, "address"), f"expected host:port, got {address!r}")
-            else:
-                port = int(port_s)
+        max_concurrency = r.get(m, path, "max_concurrency", int, 64, minimum=1)
+        kv_capacity = r.get(m, path, "kv_capacity_tokens", int, None, minimum=1)
+        endpoints = _endpoints(r, m, path, max_concurrency, kv_capacity)
+        if endpoints:
+            if "address" in m or "metrics_url" in m:
+                r.fail((*path, "endpoints"), "a pool lists address and metrics_url per endpoint, not on the backend")
+            # The pool's admission budget is the sum of its endpoints'; placement checks each.
+            host, port = endpoints[0].host, endpoints[0].port
+            max_concurrency = sum(e.max_concurrency for e in endpoints)
+            caps = [e.kv_capacity_tokens for e in endpoints]
+            kv_capacity = None if any(c is None for c in caps) else sum(c for c in caps if c is not None)
+        else:
+            host, port = _address(r, r.get(m, path, "address", str), path)
         models = []
         raw_models = m.get("models")
         if not isinstance(raw_models, list) or not raw_models:
@@ -144,10 +190,10 @@ def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
             ))
         out.append(Backend(
             name=name or "", host=host, port=port,
-            max_concurrency=r.get(m, path, "max_concurrency", int, 64, minimum=1),
+            max_concurrency=max_concurrency,
             models=tuple(models),
-            metrics_url=r.get(m, path, "metrics_url", str, None),
-            kv_capacity_tokens=r.get(m, path, "kv_capacity_tokens", int, None, minimum=1),
+            metrics_url=None if endpoints else r.get(m, path, "metrics_url", str, None),
+            kv_capacity_tokens=kv_capacity,
             kv_block_size=r.get(m, path, "kv_block_size", int, 16, minimum=1),
             kv_overcommit=float(r.get(m, path, "kv_overcommit", (int, float), 1.0, minimum=1)),
             engine=r.get(m, path, "engine", str, "vllm", choices=ENGINES),
@@ -158,6 +204,7 @@ def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
             learned_quantile=_quantile(r, m, path),
             tpm_precharge=r.get(m, path, "tpm_precharge", str, "max_tokens", choices=TPM_PRECHARGES),
             adaptive_concurrency=_adaptive(r, m.get("adaptive_concurrency"), (*path, "adaptive_concurrency")),
+            endpoints=endpoints,
         ))
     return tuple(out)
 

@@ -180,3 +180,23 @@ def test_unusable_metrics_show_as_a_banner_and_no_series_as_a_badge(operator: Co
     assert "metrics-problem-sim" not in page and "no series yet" in page and "metrics unusable" not in page
     # The full page carries the same region.
     assert "no series yet" in operator.client.get("/").get_data(as_text=True)
+
+
+def test_pool_endpoints_show_under_their_backend(operator: Console) -> None:
+    body = report(0.5)
+    body["backends"]["sim"]["endpoints"] = [
+        {"address": "10.0.0.1:8000", "usable": True, "draining": False, "kv_usage": 0.61, "kv_source": "engine",
+         "metrics_reason": "ok", "waiting": 1, "breaker": {"state": "closed"},
+         "slots": {"total": 32, "in_use": 7}, "kv": {"capacity_tokens": 32768, "reserved_tokens": 20000}},
+        {"address": "10.0.0.2:8000", "usable": False, "draining": False, "kv_usage": None,
+         "kv_source": "saturated", "metrics_reason": "unreachable", "waiting": None, "breaker": {"state": "open"},
+         "slots": {"total": 16, "in_use": 0}, "kv": {"capacity_tokens": 16384, "reserved_tokens": 0}},
+    ]
+    assert post_status(operator, body).status_code == 200
+    page = operator.client.get("/overview/backends", headers={"HX-Request": "true"}).get_data(as_text=True)
+    first = page.split('id="endpoint-sim-10-0-0-1-8000"', 1)[1].split("</tr>", 1)[0]
+    assert "10.0.0.1:8000" in first and "61%" in first.replace(" ", "") and "7/32" in first
+    assert "20,000/32,768 reserved" in first or "20000/32768 reserved" in first
+    assert "closed" in first and "ejected" not in first
+    second = page.split('id="endpoint-sim-10-0-0-2-8000"', 1)[1].split("</tr>", 1)[0]
+    assert "ejected" in second and "open" in second and "unreachable" in second

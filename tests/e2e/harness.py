@@ -133,11 +133,13 @@ class Stack:
 
     def start_envoy(self) -> None:
         assert self.policy_doc is not None
-        gw = build_policy(self.policy_doc).gateway
+        policy = build_policy(self.policy_doc)
+        gw = policy.gateway
         opts = EnvoyOptions(listen_port=self.envoy_port, admin_port=self.envoy_admin_port,
                             extproc_port=self.grpc_port, drain_port=self.admin_port,
                             **gateway_options(gw))  # type: ignore[arg-type]
-        routes = [BackendRoute("sim", "127.0.0.1", self.sim_port)]
+        # A pool (the first backend lists endpoints) gets the ORIGINAL_DST cluster.
+        routes = [BackendRoute("sim", "127.0.0.1", self.sim_port, pool=policy.backends[0].is_pool)]
         cfg = write_config(self.workdir / "envoy.yaml", routes, opts)
         # access-log lines reach envoy.log within 0.25 s (the default flush interval is 10 s)
         p = Proc("envoy", [envoy_binary(), "-c", str(cfg), "--disable-hot-restart", "-l", "warning",

@@ -1,0 +1,217 @@
+"""Per-endpoint state of a pool: each replica's watermark, breaker, reservations, slots.
+
+The pool's ``BackendRuntime`` keeps the admission budget (the tier guarantees and
+the burst pool hold per pool); an ``EndpointSet`` places what it admits
+(``extproc.policy.placement``) and tracks what each endpoint holds.
+
+The endpoints come from a list: today the policy's ``endpoints:``, on every reload
+(``sync``). A discovery source would call ``sync`` with what it found. An endpoint
+that leaves the list drains: it takes no new requests, and is forgotten once its
+last request has finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+from dataclasses import dataclass, field
+
+from extproc.policy.breaker import Breaker, BreakerState, Outcome
+from extproc.policy.placement import Candidate, Placement, largest_capacity, pick
+from extproc.policy.schema import Backend, BreakerSettings, Endpoint
+from extproc.policy.watermark import WatermarkController
+
+UNUSABLE_METRICS = ("no_data", "unreachable", "stale")
+
+
+def resolve(host: str) -> str | None:
+    """The IP Envoy's ORIGINAL_DST cluster is told to connect to (it takes no names).
+
+    None while the name does not resolve: the endpoint is not picked, and the monitor
+    tries again at every scrape (``resolve_later``)."""
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return None
+
+
+async def resolve_later(st: EndpointState) -> None:
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(st.spec.host, st.spec.port, family=socket.AF_INET, type=socket.SOCK_STREAM)
+    except OSError:
+        return
+    if infos:
+        st.ip = str(infos[0][4][0])
+
+
+@dataclass
+class EndpointState:
+    spec: Endpoint
+    ip: str | None  # None until the host name resolves
+    wm: WatermarkController
+    breaker: Breaker
+    kv_in_use: int = 0
+    in_flight: int = 0
+    draining: bool = False
+    sample: object | None = None  # the last scrape.Sample
+    overcommit: float = 1.0  # the backend's kv_overcommit: reservations may exceed the cache this many times
+
+    @property
+    def key(self) -> str:
+        return self.spec.key
+
+    @property
+    def destination(self) -> str:
+        """The x-sluice-endpoint value: ip:port."""
+        return f"{self.ip}:{self.spec.port}"
+
+    def metrics_state(self, now: float) -> str:
+        return self.wm.state(now).reason if self.spec.metrics_url else "ok"
+
+    def usable(self, now: float) -> bool:
+        if self.ip is None or self.draining or self.breaker.state(now) == BreakerState.OPEN:
+            return False
+        return self.metrics_state(now) not in UNUSABLE_METRICS
+
+    def scale(self, now: float) -> float:
+        return self.wm.scale(now) if self.spec.metrics_url else 1.0
+
+    def candidate(self, now: float) -> Candidate:
+        waiting = 0.0
+        st = self.wm.state(now) if self.spec.metrics_url else None
+        if st is not None and st.smoothed_waiting is not None:
+            waiting = st.smoothed_waiting
+        return Candidate(key=self.key, usable=self.usable(now), kv_in_use=self.kv_in_use,
+                         kv_capacity=self.spec.kv_capacity_tokens, kv_scale=self.scale(now) * self.overcommit,
+                         in_flight=self.in_flight, max_concurrency=self.spec.max_concurrency, waiting=waiting)
+
+
+@dataclass
+class EndpointSet:
+    """The endpoints of one pool, keyed by ``host:port``."""
+
+    by_key: dict[str, EndpointState] = field(default_factory=dict)
+    breaker_settings: BreakerSettings | None = None
+
+    @classmethod
+    def create(cls, spec: Backend, now: float) -> EndpointSet:
+        s = cls()
+        s.sync(spec, now)
+        return s
+
+    def sync(self, spec: Backend, now: float) -> None:
+        """Follow the policy's list: new endpoints join, changed ones are updated in place
+        (their reservations stay), missing ones drain."""
+        from extproc.backends import breaker_config, watermark_controller  # one place builds both
+
+        wanted = {e.key: e for e in spec.endpoints}
+        new_breakers = self.breaker_settings is not None and spec.breaker != self.breaker_settings
+        self.breaker_settings = spec.breaker
+        for key, st in list(self.by_key.items()):
+            if key not in wanted:
+                st.draining = True
+                if st.in_flight == 0:
+                    del self.by_key[key]
+        for key, e in wanted.items():
+            st = self.by_key.get(key)
+            if st is None:
+                self.by_key[key] = EndpointState(e, resolve(e.host), watermark_controller(spec),
+                                                 Breaker(breaker_config(spec.breaker), now))
+                continue
+            st.draining = False
+            if st.spec != e:
+                st.spec = e
+            if st.ip is None:
+                st.ip = resolve(e.host)
+            st.wm = st.wm if _same_watermark(st, spec) else watermark_controller(spec)
+            if new_breakers:
+                st.breaker = Breaker(breaker_config(spec.breaker), now)
+        for st in self.by_key.values():
+            st.overcommit = spec.kv_overcommit
+
+    def candidates(self, now: float) -> list[Candidate]:
+        return [st.candidate(now) for st in self.by_key.values()]
+
+    def largest_capacity(self) -> int | None:
+        return largest_capacity([Candidate(k, True, 0, st.spec.kv_capacity_tokens, 1.0, 0, 1)
+                                 for k, st in self.by_key.items() if not st.draining])
+
+    def place(self, kv: int, now: float) -> Placement | None:
+        got = pick(self.candidates(now), kv)
+        if got is not None:
+            st = self.by_key[got.key]
+            st.kv_in_use += kv
+            st.in_flight += 1
+        return got
+
+    def fits_somewhere(self, kv: int, now: float) -> bool:
+        return pick(self.candidates(now), kv) is not None
+
+    def release(self, key: str, kv: int) -> None:
+        st = self.by_key.get(key)
+        if st is None:
+            return
+        st.kv_in_use -= kv
+        st.in_flight -= 1
+        if st.draining and st.in_flight <= 0:
+            del self.by_key[key]
+
+    def record(self, key: str, outcome: Outcome, latency_s: float | None, now: float) -> Outcome:
+        """Record on the endpoint's breaker; returns what the pool's breakers should hear.
+
+        A failure while another endpoint is still usable is blamed on this endpoint
+        alone: the pool's breakers hear ``CANCELLED`` (not counted, a half-open probe's
+        place goes back), so one dead replica does not open the whole pool. Once no
+        endpoint is usable, failures are the pool's."""
+        st = self.by_key.get(key)
+        if st is None:
+            return outcome
+        st.breaker.record(outcome, latency_s, now)
+        if outcome == Outcome.FAILURE and any(o.usable(now) for k, o in self.by_key.items() if k != key):
+            return Outcome.CANCELLED
+        return outcome
+
+    def any_destination(self, now: float) -> str | None:
+        """Where a pass-through request (no reservation) goes: the least busy usable endpoint."""
+        usable = [st for st in self.by_key.values() if st.usable(now)] or \
+            [st for st in self.by_key.values() if not st.draining and st.ip is not None]
+        if not usable:
+            return None
+        return min(usable, key=lambda st: (st.in_flight, st.key)).destination
+
+
+def _same_watermark(st: EndpointState, spec: Backend) -> bool:
+    w = spec.watermark
+    return (st.wm.high, st.wm.low, st.wm.floor, st.wm.stale_after_s) == (w.high, w.low, w.floor, w.stale_after_s)
+
+
+def endpoint_status(st: EndpointState, now: float) -> dict[str, object]:
+    """One endpoint in the status report (and so in the console's Overview)."""
+    from extproc.scrape import scrape_status  # scrape imports aiohttp; keep this module light
+
+    snap = st.breaker.snapshot(now)
+    return {
+        "address": st.key, "destination": st.destination if st.ip is not None else None, "draining": st.draining, "usable": st.usable(now),
+        **scrape_status(st.sample, st.kv_in_use, st.spec.kv_capacity_tokens, st.spec.metrics_url is not None),
+        "metrics_reason": st.metrics_state(now),
+        "waiting": getattr(st.sample, "waiting", None),
+        "preemptions": getattr(st.sample, "preemptions", None),
+        "scale": round(st.scale(now), 4),
+        "breaker": {"state": snap.get("state"), "retry_after_s": snap.get("cooldown_left_s"),
+                    "trips": snap.get("trips", 0)},
+        "slots": {"total": st.spec.max_concurrency, "in_use": st.in_flight},
+        "kv": {"capacity_tokens": st.spec.kv_capacity_tokens, "reserved_tokens": st.kv_in_use},
+    }
+
+
+def pool_status(eps: EndpointSet | None, now: float) -> list[dict[str, object]] | None:
+    if eps is None:
+        return None
+    return [endpoint_status(st, now) for st in eps.by_key.values()]

@@ -1,0 +1,83 @@
+"""Where an admitted request goes in a pool: the endpoint picking score. Pure.
+
+Admission (the pool's slot pool and KV budget) decides *whether*; this decides
+*where*. An endpoint is a candidate only if it is usable (breaker not open, metrics
+neither unreachable nor stale: silence counts as full), has a free slot of its own,
+and the request's KV footprint fits in its budget (``kv_capacity_tokens`` scaled by
+that endpoint's watermark). A lone request fits an empty endpoint whose whole cache
+holds it, as on a single backend, so a large prompt cannot starve while the scale is
+low. Among candidates the score, lowest first, is:
+
+1. the fraction of the endpoint's KV budget still free *after* placing the request,
+   negated (most headroom wins: long prompts land where they fit best, and endpoints
+   of different sizes fill in proportion);
+2. the engine's waiting queue (a queueing engine is past its batch capacity);
+3. Sluice's requests in flight there, as a fraction of the endpoint's slots;
+4. the endpoint's key, so the choice is deterministic.
+
+No candidate: ``None``, and the request waits in the pool's queue as it does when the
+pool's own budget is spent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    key: str  # "host:port"
+    usable: bool
+    kv_in_use: int  # Sluice's reservations on this endpoint
+    kv_capacity: int | None  # None: no KV bound, only slots
+    kv_scale: float  # the endpoint's watermark scale in (0, 1]
+    in_flight: int
+    max_concurrency: int
+    waiting: float = 0.0  # the engine's own queue, 0 when it does not export one
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    key: str
+    score: tuple[float, float, float, str]
+
+
+def fits(c: Candidate, kv: int) -> bool:
+    """Whether ``kv`` more tokens and one more request fit on ``c``."""
+    if not c.usable or c.in_flight >= c.max_concurrency:
+        return False
+    if c.kv_capacity is None:
+        return True
+    if c.kv_in_use + kv <= c.kv_capacity * c.kv_scale:
+        return True
+    return c.kv_in_use == 0 and kv <= c.kv_capacity
+
+
+def score(c: Candidate, kv: int) -> tuple[float, float, float, str]:
+    if c.kv_capacity is None:
+        headroom = 1.0
+    else:
+        budget = max(c.kv_capacity * c.kv_scale, 1.0)
+        headroom = (budget - c.kv_in_use - kv) / budget
+    return (-headroom, max(c.waiting, 0.0), c.in_flight / max(c.max_concurrency, 1), c.key)
+
+
+def pick(candidates: Iterable[Candidate], kv: int) -> Placement | None:
+    """The best endpoint for a request of KV footprint ``kv``, or None if it fits nowhere."""
+    best: Placement | None = None
+    for c in candidates:
+        if not fits(c, kv):
+            continue
+        s = score(c, kv)
+        if best is None or s < best.score:
+            best = Placement(c.key, s)
+    return best
+
+
+def largest_capacity(candidates: Iterable[Candidate]) -> int | None:
+    """The biggest single cache in the pool: a footprint above it fits nowhere, ever."""
+    caps = [c.kv_capacity for c in candidates]
+    if not caps or any(cap is None for cap in caps):
+        return None
+    return max(cap for cap in caps if cap is not None)
