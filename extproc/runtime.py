@@ -21,6 +21,7 @@ from extproc.estimate import DecodeRates
 from extproc.metrics import Metrics
 from extproc.policy.completions import CompletionEstimator
 from extproc.policy.schema import Policy
+from extproc.policy.share import local_share, zero_shares
 from extproc.policy.state import TokenState
 from extproc.scrape import scrape_status
 from extproc.store import open_state, state_url
@@ -35,8 +36,12 @@ OFFLOAD_CHARS = tokenizer.SLICE_CHARS
 
 class Runtime:
     def __init__(self, policy: Policy, *, clock: Callable[[], float] = time.monotonic,
-                 replica_id: str | None = None) -> None:
+                 replica_id: str | None = None, share: int = 1) -> None:
         self.clock = clock
+        # One of ``share`` worker processes on a shared store: per-process limits (slots,
+        # KV, concurrency caps) are cut to this process's part (extproc.policy.share).
+        self.share = share
+        policy = self._local(policy)
         self.metrics = Metrics()
         self.replica_id = replica_id or f"{socket.gethostname()}-{os.getpid()}"
         # gateway.state (or $SLUICE_REDIS_URL) is read once: a store is not swapped live.
@@ -83,7 +88,17 @@ class Runtime:
         """True when limits are kept in a store shared by every replica (not in this process)."""
         return bool(getattr(self.state, "shared", False))
 
+    def _local(self, policy: Policy) -> Policy:
+        if self.share == 1:
+            return policy
+        local = local_share(policy, self.share)
+        for what in zero_shares(local):
+            log.warning("one of %d workers: %s in this worker's share (floor(limit / %d))",
+                        self.share, what, self.share)
+        return local
+
     def swap(self, policy: Policy, etag: str = "") -> None:
+        policy = self._local(policy)
         if state_url(policy.gateway) != self.state_url:
             log.warning("gateway.state changed to %r: restart extproc to move state there", policy.gateway.state)
         self._load_encodings(policy)
