@@ -53,6 +53,11 @@ async def _serve(args: argparse.Namespace) -> int:
             await asyncio.wait_for(client.fetch_policy_once(), timeout=5)
         except Exception as exc:  # noqa: BLE001 - any failure: start from files, keep polling
             print(f"console not reachable at start ({exc}); using {args.policy} until it is", flush=True)
+    leases = None
+    if runtime.slot_leases is not None:
+        # A replica admits from its leased part of each backend's pool: lease before serving.
+        await _first_leases(runtime)
+        leases = asyncio.create_task(runtime.run_leases())
     ghost, gport = _hostport(args.grpc)
     ahost, aport = _hostport(args.admin)
     server = await serve(runtime, ghost, gport, reuse_port=args.worker_index is not None)
@@ -70,6 +75,8 @@ async def _serve(args: argparse.Namespace) -> int:
     await stop.wait()
     watcher.cancel()
     monitor.cancel()
+    if leases is not None:
+        leases.cancel()
     # Let in-flight streams finish their current message; Envoy retries nothing, so be brief.
     await server.stop(grace=2)
     await admin.cleanup()
@@ -89,6 +96,20 @@ def _shared_store(policy_dir: str) -> bool:
         return state_url(load_policy(policy_dir).gateway) != "memory"
     except (PolicyError, OSError):
         return bool(os.environ.get(ENV_URL))
+
+
+async def _first_leases(runtime: object, timeout_s: float = 3.0) -> None:
+    """Wait (briefly) for the store's registration, then take the first pool leases."""
+    from extproc.runtime import Runtime
+
+    assert isinstance(runtime, Runtime) and runtime.slot_leases is not None
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not runtime.slot_leases.registry.member and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.02)
+    try:
+        await runtime.lease_tick()
+    except Exception as exc:  # noqa: BLE001 - the lease task keeps trying
+        print(f"slot leases not taken at start ({exc}); admitting nothing until they are", flush=True)
 
 
 def _validate(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ mid-request never changes the rules a request was admitted under, and accounting
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -20,11 +21,12 @@ from extproc.backends import BackendRuntime
 from extproc.estimate import DecodeRates
 from extproc.metrics import Metrics
 from extproc.policy.completions import CompletionEstimator
-from extproc.policy.schema import Policy
-from extproc.policy.share import local_share, zero_shares
+from extproc.policy.schema import Backend, Policy
+from extproc.policy.share import leased_view, local_share, zero_shares
 from extproc.policy.state import TokenState
 from extproc.scrape import scrape_status
 from extproc.store import open_state, state_url
+from extproc.store.slot_leases import PoolLease, SlotLeases
 from extproc.token_pool import TokenPool
 
 log = logging.getLogger("sluice.runtime")
@@ -41,7 +43,6 @@ class Runtime:
         # One of ``share`` worker processes on a shared store: per-process limits (slots,
         # KV, concurrency caps) are cut to this process's part (extproc.policy.share).
         self.share = share
-        policy = self._local(policy)
         self.metrics = Metrics()
         self.replica_id = replica_id or f"{socket.gethostname()}-{os.getpid()}"
         # gateway.state (or $SLUICE_REDIS_URL) is read once: a store is not swapped live.
@@ -50,6 +51,13 @@ class Runtime:
         starter = getattr(self.state, "start", None)
         if starter is not None:
             starter()  # a shared store registers this replica before the first request
+        # With a shared store, backends' slots and KV are leased from pools in it.
+        self.slot_leases: SlotLeases | None = None
+        if self.shared_state:
+            st: Any = self.state
+            self.slot_leases = SlotLeases(st.client, st.registry, st.prefix)
+        self.full_policy = policy
+        policy = self._local(policy)
         self.token_pool = TokenPool()
         self.encodings: dict[str, tokenizer.Counter] = {}
         self.policy = policy
@@ -70,14 +78,25 @@ class Runtime:
             if model.encoding not in self.encodings:
                 self.encodings[model.encoding] = tokenizer.Counter(model.encoding)
 
+    def _configured(self, spec: Backend, policy: Policy) -> tuple[Backend, Policy]:
+        """The backend as this replica admits to it: its leased part of the pool, if leased."""
+        if self.slot_leases is None:
+            return spec, policy
+        lease = self.slot_leases.leases.get(spec.name)
+        return leased_view(spec, policy, self.full_policy, 0 if lease is None else lease.slots)
+
     def _sync_backends(self, policy: Policy) -> None:
         now = self.clock()
         for spec in policy.backends:
             be = self.backends.get(spec.name)
+            local_spec, local_policy = self._configured(spec, policy)
             if be is None:
-                self.backends[spec.name] = BackendRuntime.create(spec, policy, now)
+                be = self.backends[spec.name] = BackendRuntime.create(local_spec, local_policy, now)
             else:
-                be.reconfigure(spec, policy, now)
+                be.reconfigure(local_spec, local_policy, now)
+            if self.slot_leases is not None:
+                lease = self.slot_leases.leases.get(spec.name)
+                be.kv_lease = 0 if lease is None else lease.kv
         # A removed backend keeps its runtime until its in-flight requests settle;
         # they hold references to it, so dropping it from the map is enough.
         for name in [n for n in self.backends if n not in {b.name for b in policy.backends}]:
@@ -89,9 +108,10 @@ class Runtime:
         return bool(getattr(self.state, "shared", False))
 
     def _local(self, policy: Policy) -> Policy:
+        self.full_policy = policy
         if self.share == 1:
             return policy
-        local = local_share(policy, self.share)
+        local = local_share(policy, self.share, pools=self.slot_leases is None)
         for what in zero_shares(local):
             log.warning("one of %d workers: %s in this worker's share (floor(limit / %d))",
                         self.share, what, self.share)
@@ -107,6 +127,41 @@ class Runtime:
         self.etag = etag
         self.state.forget(set(policy.tenants))
         log.info("policy swapped: %d tenants, %d backends", len(policy.tenants), len(policy.backends))
+
+    # -- slot and KV leases (a shared store) ---------------------------------------------
+    async def lease_tick(self) -> int:
+        """One check of every backend's pool lease; applies the changed ones. Returns how many."""
+        if self.slot_leases is None:
+            return 0
+        usage = {}
+        for spec in self.full_policy.backends:
+            be = self.backends.get(spec.name)
+            if be is not None:
+                kv_pool = 0 if spec.kv_capacity_tokens is None else int(spec.kv_capacity_tokens * spec.kv_overcommit)
+                usage[spec.name] = (spec.max_concurrency, kv_pool, be.pool.in_use().total, be.kv_in_use)
+        changed = await self.slot_leases.tick(usage, self._apply_lease)
+        return len(changed)
+
+    def _apply_lease(self, name: str, lease: PoolLease) -> None:
+        be = self.backends.get(name)
+        spec = next((b for b in self.policy.backends if b.name == name), None)
+        if be is None or spec is None:
+            return
+        now = self.clock()
+        local_spec, local_policy = self._configured(spec, self.policy)
+        be.reconfigure(local_spec, local_policy, now)
+        be.kv_lease = lease.kv
+        be.pump(now)
+
+    async def run_leases(self) -> None:
+        """Keep the pool leases (``extproc.store.slot_leases``) until cancelled."""
+        assert self.slot_leases is not None
+        while True:
+            try:
+                await self.lease_tick()
+            except Exception:  # noqa: BLE001 - a bug here must not stop the leases being renewed
+                log.exception("slot leases: tick failed")
+            await asyncio.sleep(self.slot_leases.check_s)
 
     # -- per-tenant bookkeeping for status reports ------------------------------
     def track(self, tenant: str, delta: int) -> None:
@@ -151,6 +206,8 @@ class Runtime:
     def status(self) -> dict[str, Any]:
         now = self.clock()
         st = self.state.snapshot(now)
+        if self.slot_leases is not None and isinstance(st.get("store"), dict):
+            st["store"]["slot_leases"] = self.slot_leases.snapshot()
         st["backends"] = {name: backend_status(be, now) for name, be in self.backends.items()}
         st["policy_etag"] = self.etag
         st["tenants"] = self.tenant_status(now)
@@ -170,6 +227,8 @@ class Runtime:
 
     def close(self) -> None:
         self.token_pool.close()
+        if self.slot_leases is not None:
+            self.slot_leases.release_all_sync(getattr(self.state, "url", None))
         closer = getattr(self.state, "close", None)
         if closer is not None:
             closer()  # a shared store gets its leases back

@@ -100,12 +100,17 @@ def test_workers_with_redis_share_one_grpc_port_and_stop_together(redis_server: 
             time.sleep(0.1)
         assert _listeners(grpc_port) == 2, "both workers listen on the gRPC port (SO_REUSEPORT)"
         full = load_policy(POLICY).backends[0]
+        leased = []
         for i in range(2):
             st = _state(admin_port + i)
             assert st["store"]["kind"] == "redis" and st["store"]["member"].startswith(f"host-a-{i}#"), st["store"]
-            slots = st["backends"][full.name]["slots"]
-            assert slots["total"] == full.max_concurrency // 2, slots
-            assert st["backends"][full.name]["kv"]["capacity_tokens"] == (full.kv_capacity_tokens or 0) // 2
+            # Each worker admits from its lease on the backend's pool in Redis (extproc/store/slot_leases.py).
+            pool = st["store"]["slot_leases"]["pools"][full.name]
+            assert pool["pool"] == full.max_concurrency and pool["leased"] > 0, pool
+            assert st["backends"][full.name]["slots"]["total"] == pool["leased"]
+            leased.append(pool["leased"])
+            assert st["tenants"]  # the policy's tenants, with the per-process caps cut to floor(cap / 2)
+        assert sum(leased) <= full.max_concurrency, leased
         parent.send_signal(signal.SIGTERM)
         assert parent.wait(15) == 0
         assert _listeners(grpc_port) == 0

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from extproc.policy.model import Backend, Policy, Tenant, Tier
 
-__all__ = ["local_share", "zero_shares"]
+__all__ = ["leased_view", "local_share", "zero_shares"]
 
 
 def _part(value: int, n: int) -> int:
@@ -38,7 +38,7 @@ def _tenant(t: Tenant, n: int) -> Tenant:
     return t if t.max_concurrency is None else replace(t, max_concurrency=_part(t.max_concurrency, n))
 
 
-def local_share(policy: Policy, n: int) -> Policy:
+def local_share(policy: Policy, n: int, pools: bool = True) -> Policy:
     """``policy`` with each per-process limit cut to ``floor(limit / n)``; unchanged for n = 1.
 
     Cut: a backend's ``max_concurrency`` and ``kv_capacity_tokens``, a tier's
@@ -46,11 +46,17 @@ def local_share(policy: Policy, n: int) -> Policy:
     ``max_concurrency``. Not cut: TPM and RPM (kept in the shared store) and queue
     depths (a queue holds no capacity). The sum of the tiers' guarantees stays within
     the backend's slots: ``sum(floor(g / n)) <= floor(sum(g) / n) <= floor(total / n)``.
+    ``pools=False`` leaves backends' slots and KV (and the tiers' guarantees) alone: for
+    a store that leases them (``extproc.store.slot_leases``).
     """
     if n < 1:
         raise ValueError(f"a share of {n} processes")
     if n == 1:
         return policy
+    if not pools:
+        return replace(policy, tiers={name: replace(t, max_concurrency=_part(t.max_concurrency, n))
+                                      for name, t in policy.tiers.items()},
+                       tenants={name: _tenant(t, n) for name, t in policy.tenants.items()}, _limits={})
     backends = tuple(_backend(b, n) for b in policy.backends)
     by_name = {b.name: b for b in backends}
     by_model = {m: (by_name[b.name], model) for m, (b, model) in policy.by_model.items()}
@@ -65,3 +71,24 @@ def zero_shares(policy: Policy) -> list[str]:
     out += [f"tier {t.name}: max_concurrency 0" for t in policy.tiers.values() if t.max_concurrency == 0]
     out += [f"tenant {t.name}: max_concurrency 0" for t in policy.tenants.values() if t.max_concurrency == 0]
     return out
+
+
+def leased_view(spec: Backend, policy: Policy, full: Policy, slots: int) -> tuple[Backend, Policy]:
+    """A backend and the policy it is configured from when ``slots`` of its pool are leased.
+
+    ``spec``'s ``max_concurrency`` becomes ``slots``; each tier's ``guaranteed_slots``
+    and ``burst_slots`` on it are cut in proportion, ``floor(g × slots / pool)`` (from
+    ``full``, the policy as written), so they fit the lease. KV is leased separately
+    (``BackendRuntime.kv_lease``).
+    """
+    pool = next((b.max_concurrency for b in full.backends if b.name == spec.name), spec.max_concurrency)
+
+    def cut(x: int) -> int:
+        return 0 if pool <= 0 else x * slots // pool
+
+    tiers = {}
+    for name, t in policy.tiers.items():
+        f = full.tiers.get(name, t)
+        tiers[name] = replace(t, guaranteed_slots=cut(f.guaranteed_slots),
+                              burst_slots=None if f.burst_slots is None else cut(f.burst_slots))
+    return replace(spec, max_concurrency=slots), replace(policy, tiers=tiers, _limits={})
