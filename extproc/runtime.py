@@ -20,12 +20,14 @@ from extproc import tokenizer
 from extproc.backends import BackendRuntime
 from extproc.estimate import DecodeRates
 from extproc.metrics import Metrics
+from extproc.policy.breaker import Breaker
 from extproc.policy.completions import CompletionEstimator
 from extproc.policy.schema import Backend, Policy
 from extproc.policy.share import leased_view, local_share, zero_shares
 from extproc.policy.state import TokenState
 from extproc.scrape import scrape_status
 from extproc.store import open_state, state_url
+from extproc.store.shared_breakers import SharedBreakers
 from extproc.store.slot_leases import PoolLease, SlotLeases
 from extproc.token_pool import TokenPool
 
@@ -34,6 +36,8 @@ log = logging.getLogger("sluice.runtime")
 # A prompt that fits in one slice is counted at once: it costs no more than one slice
 # of the fair scheduler, which is the most any stream waits for another's count.
 OFFLOAD_CHARS = tokenizer.SLICE_CHARS
+# How often breaker trips are exchanged with the other replicas (a shared store).
+BREAKER_SYNC_S = 0.25
 
 
 class Runtime:
@@ -53,9 +57,11 @@ class Runtime:
             starter()  # a shared store registers this replica before the first request
         # With a shared store, backends' slots and KV are leased from pools in it.
         self.slot_leases: SlotLeases | None = None
+        self.shared_breakers: SharedBreakers | None = None
         if self.shared_state:
             st: Any = self.state
             self.slot_leases = SlotLeases(st.client, st.registry, st.prefix)
+            self.shared_breakers = SharedBreakers(st.client, lambda: st.registry.member, st.prefix)
         self.full_policy = policy
         policy = self._local(policy)
         self.token_pool = TokenPool()
@@ -156,12 +162,27 @@ class Runtime:
     async def run_leases(self) -> None:
         """Keep the pool leases (``extproc.store.slot_leases``) until cancelled."""
         assert self.slot_leases is not None
+        breakers_at = 0.0
         while True:
             try:
                 await self.lease_tick()
             except Exception:  # noqa: BLE001 - a bug here must not stop the leases being renewed
                 log.exception("slot leases: tick failed")
+            if self.shared_breakers is not None and self.clock() >= breakers_at:
+                breakers_at = self.clock() + BREAKER_SYNC_S
+                try:
+                    await self.shared_breakers.sync(self.breakers(), self.clock())
+                except Exception as exc:  # noqa: BLE001 - the store down: breakers stay local
+                    log.debug("shared breakers: %s", exc)
             await asyncio.sleep(self.slot_leases.check_s)
+
+    def breakers(self) -> dict[str, Breaker]:
+        """Every backend's and model route's breaker, by the name they are shared under."""
+        out: dict[str, Breaker] = {}
+        for name, be in self.backends.items():
+            out[name] = be.breaker
+            out.update({f"{name}/{model}": b for model, b in be.route_breakers.items()})
+        return out
 
     # -- per-tenant bookkeeping for status reports ------------------------------
     def track(self, tenant: str, delta: int) -> None:
@@ -208,6 +229,8 @@ class Runtime:
         st = self.state.snapshot(now)
         if self.slot_leases is not None and isinstance(st.get("store"), dict):
             st["store"]["slot_leases"] = self.slot_leases.snapshot()
+        if self.shared_breakers is not None and isinstance(st.get("store"), dict):
+            st["store"]["breakers"] = self.shared_breakers.snapshot()
         st["backends"] = {name: backend_status(be, now) for name, be in self.backends.items()}
         st["policy_etag"] = self.etag
         st["tenants"] = self.tenant_status(now)
