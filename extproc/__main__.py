@@ -128,10 +128,11 @@ def _envoy_config(args: argparse.Namespace) -> int:
 
     policy = load_policy(args.policy)
     lhost, lport = _hostport(args.listen)
-    ehost, eport = _hostport(args.extproc)
+    (ehost, eport), *more = [_hostport(a) for a in args.extproc.split(",")]
     dhost, dport = _hostport(args.extproc_admin)
     opts = EnvoyOptions(listen_host=lhost, listen_port=lport, admin_port=args.admin_port,
-                        extproc_host=ehost, extproc_port=eport, drain_host=dhost, drain_port=dport,
+                        extproc_host=ehost, extproc_port=eport, extproc_more=tuple(more),
+                        drain_host=dhost, drain_port=dport,
                         **gateway_options(policy.gateway))  # type: ignore[arg-type]
     routes = [BackendRoute(b.name, b.host, b.port, tuple(m.name for m in b.models)) for b in policy.backends]
     write_config(args.output, routes, opts)
@@ -167,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("-o", "--output", required=True)
     e.add_argument("--listen", default="127.0.0.1:10000")
     e.add_argument("--admin-port", type=int, default=9901)
-    e.add_argument("--extproc", default="127.0.0.1:50051")
+    e.add_argument("--extproc", default="127.0.0.1:50051",
+                   help="extproc's gRPC address; several replicas comma-separated (Envoy balances the streams)")
     e.add_argument("--extproc-admin", default="127.0.0.1:9100",
                    help="extproc's --admin address, where Envoy drains oversized uploads")
     k = sub.add_parser("hash-key", help="print the sha256 form of an API key for the policy")
