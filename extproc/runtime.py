@@ -227,6 +227,7 @@ class Runtime:
     def status(self) -> dict[str, Any]:
         now = self.clock()
         st = self.state.snapshot(now)
+        st.setdefault("store", {"kind": "memory", "up": True})
         if self.slot_leases is not None and isinstance(st.get("store"), dict):
             st["store"]["slot_leases"] = self.slot_leases.snapshot()
         if self.shared_breakers is not None and isinstance(st.get("store"), dict):
