@@ -56,7 +56,7 @@ async def _serve(args: argparse.Namespace) -> int:
     leases = None
     if runtime.slot_leases is not None:
         # A replica admits from its leased part of each backend's pool: lease before serving.
-        await _first_leases(runtime)
+        await runtime.first_leases()
         leases = asyncio.create_task(runtime.run_leases())
     ghost, gport = _hostport(args.grpc)
     ahost, aport = _hostport(args.admin)
@@ -96,20 +96,6 @@ def _shared_store(policy_dir: str) -> bool:
         return state_url(load_policy(policy_dir).gateway) != "memory"
     except (PolicyError, OSError):
         return bool(os.environ.get(ENV_URL))
-
-
-async def _first_leases(runtime: object, timeout_s: float = 3.0) -> None:
-    """Wait (briefly) for the store's registration, then take the first pool leases."""
-    from extproc.runtime import Runtime
-
-    assert isinstance(runtime, Runtime) and runtime.slot_leases is not None
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not runtime.slot_leases.registry.member and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.02)
-    try:
-        await runtime.lease_tick()
-    except Exception as exc:  # noqa: BLE001 - the lease task keeps trying
-        print(f"slot leases not taken at start ({exc}); admitting nothing until they are", flush=True)
 
 
 def _validate(args: argparse.Namespace) -> int:

@@ -159,6 +159,21 @@ class Runtime:
         be.kv_lease = lease.kv
         be.pump(now)
 
+    async def first_leases(self, timeout_s: float = 3.0) -> None:
+        """Before serving: wait (briefly) for the store's registration, then take the pool leases.
+
+        Until then a replica on a shared store has 0 slots on every backend."""
+        if self.slot_leases is None:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.slot_leases.registry.member and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        try:
+            await self.lease_tick()
+        except Exception as exc:  # noqa: BLE001 - run_leases keeps trying
+            log.warning("slot leases not taken at start (%s); admitting nothing until they are", exc)
+
     async def run_leases(self) -> None:
         """Keep the pool leases (``extproc.store.slot_leases``) until cancelled."""
         assert self.slot_leases is not None
