@@ -188,3 +188,32 @@ def test_a_replica_paused_past_its_ttl_is_fenced_and_registers_again(redis_serve
             p.kill()
             p.wait()
         h.close()
+
+
+def test_redis_gone_the_lease_holds_until_its_deadline_then_a_local_share(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    server = RedisServer(tmp_path_factory.mktemp("gone")).start()
+    loop = asyncio.new_event_loop()
+    client = connect(server.url, socket_timeout_s=0.2)
+    t = [100.0]
+    try:
+        registry = Registry("r", "gone", 10.0)
+        leases = SlotLeases(client, registry, "gone", ttl_s=10.0, timeout_s=0.2, clock=lambda: t[0])
+        loop.run_until_complete(registry.beat(client, "", t[0]))
+        registry.observe(4, t[0])  # four replicas seen in the last ttl
+        usage = {"b": (POOL, 0, 8, 0)}  # 8 slots in use: wants 8 + a block
+        loop.run_until_complete(leases.tick(usage))
+        held = leases.leases["b"].slots
+        assert held > POOL // 4
+        server.kill()
+        t[0] += 5.0  # renewal due, Redis gone: the lease is kept until its deadline
+        loop.run_until_complete(leases.tick(usage))
+        assert leases.leases["b"].slots == held and leases.errors == 1
+        t[0] += 5.5  # past the deadline: floor(pool / the most replicas seen) = 4
+        changed = loop.run_until_complete(leases.tick(usage))
+        assert leases.leases["b"].slots == POOL // 4 and "b" in changed
+    finally:
+        server.stop()
+        with contextlib.suppress(Exception):
+            loop.run_until_complete(client.aclose())
+        loop.close()
