@@ -8,7 +8,10 @@ STAMP := $(VENV)/.installed-stamp
 # Debian packages by what needs them: the browser test drives Debian's chromium (never a
 # downloaded browser) and needs a font to render text; the shared-state tests start redis-server.
 TEST_SYSTEM_PACKAGES := chromium fonts-dejavu-core redis-server
-DEMO_SYSTEM_PACKAGES :=
+# `make demo REPLICAS=3`: three extproc replicas behind one Envoy, sharing a local
+# redis-server (port 6380, bench/demo.py), which is then installed too.
+REPLICAS ?= 1
+DEMO_SYSTEM_PACKAGES := $(if $(filter-out 1,$(REPLICAS)),redis-server,)
 
 .PHONY: install system-packages-test system-packages-demo demo test test-unit test-e2e bench lint envoy-config clean
 
@@ -28,7 +31,7 @@ system-packages-demo:
 	@sh bench/system_packages.sh $(DEMO_SYSTEM_PACKAGES)
 
 demo: install system-packages-demo
-	$(PY) -m bench.demo
+	$(PY) -m bench.demo --replicas $(REPLICAS)
 
 test: install system-packages-test
 	$(PY) -m pytest -q

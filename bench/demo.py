@@ -14,11 +14,17 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.procs import find_envoy
+from bench.redis_server import RedisServer
+from extproc.store import ENV_URL
 
 ROOT = Path(__file__).resolve().parents[1]
+# REPLICAS > 1: replica i (from 0) serves gRPC on 50051 + i and admin on 9100 + i; they
+# share a redis-server on 6380 (not 6379, where a system Redis may already run).
+GRPC_PORT, ADMIN_PORT, REDIS_PORT = 50051, 9100, 6380
 
 
 def wait(url: str, proc: subprocess.Popen, timeout: float = 30) -> None:
@@ -38,12 +44,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--policy", default=str(ROOT / "policies"))
     ap.add_argument("--time-scale", default="1.0", help="simulated backend speed-up")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help=f"extproc replicas; more than 1 share a local redis-server on port {REDIS_PORT}")
     args = ap.parse_args()
     py = sys.executable
     envoy = find_envoy()
     cfg = ROOT / "envoy" / "demo.yaml"
-    subprocess.run([py, "-m", "extproc", "envoy-config", args.policy, "-o", str(cfg)], check=True, cwd=ROOT)
+    grpc = ",".join(f"127.0.0.1:{GRPC_PORT + i}" for i in range(args.replicas))
+    subprocess.run([py, "-m", "extproc", "envoy-config", args.policy, "-o", str(cfg), "--extproc", grpc],
+                   check=True, cwd=ROOT)
     procs: list[subprocess.Popen] = []
+    stop_redis: list[Callable[[], None]] = []
 
     def start(*cmd: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         p = subprocess.Popen(list(cmd), cwd=ROOT, env={**os.environ, **(env or {})})
@@ -67,16 +78,29 @@ def main() -> int:
         con = start(py, "-m", "console", "serve", "--db", str(ROOT / "var" / "console.db"), "--policy", args.policy,
                     "--host", "127.0.0.1", "--port", "8080", "--demo", env=secret)
         wait("http://127.0.0.1:8080/healthz", con)
-        ep = start(py, "-m", "extproc", "serve", "--policy", args.policy, "--console-url", "http://127.0.0.1:8080",
-                   "--replica-id", "demo-1", env=secret)
-        wait("http://127.0.0.1:9100/healthz", ep)
+        store = {}
+        if args.replicas > 1:
+            redis = RedisServer(ROOT / "var" / "redis", port=REDIS_PORT).start()
+            stop_redis.append(redis.stop)
+            store = {ENV_URL: redis.url}
+        for i in range(args.replicas):
+            ep = start(py, "-m", "extproc", "serve", "--policy", args.policy, "--console-url",
+                       "http://127.0.0.1:8080", "--replica-id", f"demo-{i + 1}",
+                       "--grpc", f"127.0.0.1:{GRPC_PORT + i}", "--admin", f"127.0.0.1:{ADMIN_PORT + i}",
+                       env={**secret, **store})
+            wait(f"http://127.0.0.1:{ADMIN_PORT + i}/healthz", ep)
         env = start(str(envoy), "-c", str(cfg), "--disable-hot-restart", "-l", "warning")
         wait("http://127.0.0.1:9901/ready", env)
-        print("""
+        replicas = "\n".join(f"  extproc  -> demo-{i + 1}: gRPC 127.0.0.1:{GRPC_PORT + i}, "
+                              f"http://127.0.0.1:{ADMIN_PORT + i}/metrics  /healthz  /debug/state"
+                              for i in range(args.replicas))
+        if store:
+            replicas += f"\n  redis    -> {store[ENV_URL]}   (slots, KV, TPM/RPM and breaker trips shared)"
+        print(f"""
 Sluice demo is up (Ctrl-C stops everything):
   clients  -> http://127.0.0.1:10000/v1/chat/completions   (keys: sk-demo-premium, sk-demo-free, sk-demo-batch)
   console  -> http://127.0.0.1:8080/   (operator credentials printed above)
-  extproc  -> http://127.0.0.1:9100/metrics  /healthz  /debug/state
+{replicas}
   envoy    -> http://127.0.0.1:9901/
   backends -> sim-llama-8b: a pool of two simulated vLLM engines, Sluice picks the endpoint
               http://127.0.0.1:8000/metrics  (endpoint 1: 32,768 tokens of KV cache)
@@ -86,7 +110,7 @@ Sluice demo is up (Ctrl-C stops everything):
 try:
   curl -s http://127.0.0.1:10000/v1/chat/completions -H 'authorization: Bearer sk-demo-premium' \\
        -H 'content-type: application/json' \\
-       -d '{"model":"sim-llama-8b","messages":[{"role":"user","content":"hello"}]}'
+       -d '{{"model":"sim-llama-8b","messages":[{{"role":"user","content":"hello"}}]}}'
 """, flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
@@ -102,6 +126,8 @@ try:
                 p.wait(5)
             except subprocess.TimeoutExpired:
                 p.kill()
+        for stop in stop_redis:
+            stop()
         print("demo stopped")
     return 0
 

@@ -32,6 +32,7 @@ SERVICES = {"sim": ("simbackend", 8000), "sim-small": ("simbackend-small", 8001)
 # a pool endpoint's loopback port -> its compose service
 ENDPOINT_SERVICES = {8000: "simbackend", 8002: "simbackend-2"}
 EXTPROC = ("extproc", 50051)
+EXTPROC_REPLICAS = ("extproc", "extproc-2")  # the compose services Envoy balances ext_proc over
 EXTPROC_ADMIN_PORT = 9100  # also where Envoy drains oversized uploads
 LISTEN = ("0.0.0.0", 10000)
 ENVOY_ADMIN_PORT = 9901
@@ -83,7 +84,7 @@ def render(out: Path = OUT, policies: Path = ROOT / "policies") -> list[Path]:
             shutil.copy(f, merged / f.name)
         shutil.copy(backends, merged / BACKENDS_FILE)
         subprocess.run([sys.executable, "-m", "extproc", "envoy-config", str(merged), "-o", str(envoy),
-                        "--listen", f"{LISTEN[0]}:{LISTEN[1]}", "--extproc", f"{EXTPROC[0]}:{EXTPROC[1]}",
+                        "--listen", f"{LISTEN[0]}:{LISTEN[1]}", "--extproc", ",".join(f"{r}:{EXTPROC[1]}" for r in EXTPROC_REPLICAS),
                         "--extproc-admin", f"{EXTPROC[0]}:{EXTPROC_ADMIN_PORT}",
                         "--admin-port", str(ENVOY_ADMIN_PORT)], check=True, cwd=ROOT, capture_output=True)
     return [backends, envoy]

@@ -29,7 +29,15 @@ async def _serve(args: argparse.Namespace) -> int:
     from extproc.server import serve
 
     policy = load_policy(args.policy)
-    runtime = Runtime(policy)
+    worker = args.worker_index is not None
+    replica_id = f"{args.replica_id}-{args.worker_index}" if worker else args.replica_id
+    runtime = Runtime(policy, replica_id=replica_id, share=args.workers if worker else 1)
+    if worker and args.workers > 1 and not runtime.shared_state:
+        from extproc.workers import refusal
+
+        print(refusal(args.workers, shared_state=False), file=sys.stderr)
+        runtime.close()
+        return 2
     client = None
     if args.console_url:
         from extproc.console_client import ConsoleClient
@@ -39,12 +47,17 @@ async def _serve(args: argparse.Namespace) -> int:
         if not args.console_token and token_file:
             # A file (a container secret) beats the variable: it is the more deliberate choice.
             token = Path(token_file).read_text(encoding="utf-8").strip().splitlines()[0].strip()
-        client = ConsoleClient(runtime, args.console_url, token, args.replica_id)
+        client = ConsoleClient(runtime, args.console_url, token, replica_id)
         try:
             # Start from the console's policy when it answers; the files are the fallback.
             await asyncio.wait_for(client.fetch_policy_once(), timeout=5)
         except Exception as exc:  # noqa: BLE001 - any failure: start from files, keep polling
             print(f"console not reachable at start ({exc}); using {args.policy} until it is", flush=True)
+    leases = None
+    if runtime.slot_leases is not None:
+        # A replica admits from its leased part of each backend's pool: lease before serving.
+        await runtime.first_leases()
+        leases = asyncio.create_task(runtime.run_leases())
     ghost, gport = _hostport(args.grpc)
     ahost, aport = _hostport(args.admin)
     server = await serve(runtime, ghost, gport, reuse_port=args.worker_index is not None)
@@ -62,11 +75,27 @@ async def _serve(args: argparse.Namespace) -> int:
     await stop.wait()
     watcher.cancel()
     monitor.cancel()
+    if leases is not None:
+        leases.cancel()
     # Let in-flight streams finish their current message; Envoy retries nothing, so be brief.
     await server.stop(grace=2)
     await admin.cleanup()
     runtime.close()
     return 0
+
+
+def _shared_store(policy_dir: str) -> bool:
+    """Whether gateway.state (or $SLUICE_REDIS_URL) names a store the workers share.
+
+    Read from the policy files (with ``--console-url`` they are the fallback policy);
+    each worker checks again with the policy it starts from.
+    """
+    from extproc.store import ENV_URL, state_url
+
+    try:
+        return state_url(load_policy(policy_dir).gateway) != "memory"
+    except (PolicyError, OSError):
+        return bool(os.environ.get(ENV_URL))
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -85,10 +114,11 @@ def _envoy_config(args: argparse.Namespace) -> int:
 
     policy = load_policy(args.policy)
     lhost, lport = _hostport(args.listen)
-    ehost, eport = _hostport(args.extproc)
+    (ehost, eport), *more = [_hostport(a) for a in args.extproc.split(",")]
     dhost, dport = _hostport(args.extproc_admin)
     opts = EnvoyOptions(listen_host=lhost, listen_port=lport, admin_port=args.admin_port,
-                        extproc_host=ehost, extproc_port=eport, drain_host=dhost, drain_port=dport,
+                        extproc_host=ehost, extproc_port=eport, extproc_more=tuple(more),
+                        drain_host=dhost, drain_port=dport,
                         **gateway_options(policy.gateway))  # type: ignore[arg-type]
     routes = [BackendRoute(b.name, b.host, b.port, tuple(m.name for m in b.models), pool=b.is_pool) for b in policy.backends]
     write_config(args.output, routes, opts)
@@ -112,8 +142,11 @@ def main(argv: list[str] | None = None) -> int:
                    "(or $SLUICE_CONSOLE_TOKEN_FILE)")
     s.add_argument("--replica-id", default=socket.gethostname(), help="this replica's name in the console")
     s.add_argument("--workers", type=int, default=1,
-                   help="processes sharing the gRPC port (SO_REUSEPORT); worker i serves admin on port + i")
-    s.add_argument("--worker-index", type=int, help="set by --workers for each child: bind with SO_REUSEPORT")
+                   help="processes sharing the gRPC port (SO_REUSEPORT); worker i serves admin on port + i and "
+                   "reports as <replica-id>-<i>; N > 1 needs a shared store (gateway.state or "
+                   "$SLUICE_REDIS_URL) and gives each worker floor(limit / N) of the slots, KV and "
+                   "concurrency caps")
+    s.add_argument("--worker-index", type=int, help="set by --workers for each child: bind with SO_REUSEPORT, serve as worker i of N")
     v = sub.add_parser("validate", help="check policy files; prints file:line: message per problem")
     v.add_argument("policy")
     e = sub.add_parser("envoy-config", help="render the Envoy bootstrap from the policy's backends")
@@ -121,17 +154,17 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("-o", "--output", required=True)
     e.add_argument("--listen", default="127.0.0.1:10000")
     e.add_argument("--admin-port", type=int, default=9901)
-    e.add_argument("--extproc", default="127.0.0.1:50051")
+    e.add_argument("--extproc", default="127.0.0.1:50051",
+                   help="extproc's gRPC address; several replicas comma-separated (Envoy balances the streams)")
     e.add_argument("--extproc-admin", default="127.0.0.1:9100",
                    help="extproc's --admin address, where Envoy drains oversized uploads")
     k = sub.add_parser("hash-key", help="print the sha256 form of an API key for the policy")
     k.add_argument("key")
     args = ap.parse_args(argv)
-    if args.cmd == "serve" and args.workers != 1:
+    if args.cmd == "serve" and args.workers != 1 and args.worker_index is None:
         from extproc.workers import refusal, supervise
 
-        # The one check to flip when a shared state store (the Redis TokenState) is configured.
-        why = refusal(args.workers, shared_state=False)
+        why = refusal(args.workers, shared_state=_shared_store(args.policy))
         if why:
             print(why, file=sys.stderr)
             return 2

@@ -84,6 +84,7 @@ class BackendRuntime:
     priorities: dict[str, int] = field(default_factory=dict)
     latency: AdaptiveLimit | None = None  # the SLO-driven concurrency limit, if a tier sets an SLO
     endpoints: EndpointSet | None = None  # a pool's replicas (extproc.endpoints); None for one address
+    kv_lease: int | None = None  # KV tokens leased from a pool shared by replicas (extproc.store.slot_leases)
 
     @classmethod
     def create(cls, spec: Backend, policy: Policy, now: float) -> BackendRuntime:
@@ -228,7 +229,10 @@ class BackendRuntime:
 
     def kv_budget(self, now: float) -> float:
         cap = self.spec.kv_capacity_tokens
-        return float("inf") if cap is None else cap * self.spec.kv_overcommit * self.scale(now)
+        if cap is None:
+            return float("inf")
+        budget = cap * self.spec.kv_overcommit * self.scale(now)
+        return budget if self.kv_lease is None else min(budget, self.kv_lease)
 
     def kv_fits(self, kv: int, now: float, tier: str | None = None) -> bool:
         """Whether ``kv`` more tokens fit, leaving room a more important waiter is owed.
@@ -242,8 +246,9 @@ class BackendRuntime:
             return True
         # A lone request always fits a scaled-down budget if it fits the whole cache:
         # otherwise a large prompt could starve forever while the scale is low.
-        return (self.kv_in_use == 0 and self.spec.kv_capacity_tokens is not None
-                and kv <= self.spec.kv_capacity_tokens)
+        cap = self.spec.kv_capacity_tokens
+        return (self.kv_in_use == 0 and cap is not None
+                and kv <= (cap if self.kv_lease is None else min(cap, self.kv_lease)))
 
     def _kv_owed_above(self, tier: str, now: float) -> int:
         """The KV need of the most important waiter, of a tier above ``tier``, that does not fit."""

@@ -97,11 +97,13 @@ def _cluster(
     return cluster
 
 
-def extproc_cluster(name: str, host: str, port: int, max_requests: int) -> Cluster:
+def extproc_cluster(name: str, host: str, port: int, max_requests: int,
+                    more: tuple[tuple[str, int], ...] = ()) -> Cluster:
+    """The ext_proc cluster; ``more`` adds replicas as endpoints (Envoy balances the streams)."""
     # No HTTP/2 connection_keepalive: grpc-core servers answer pings more frequent than
     # 5 min on an idle connection with GOAWAY (too_many_pings). ext_proc runs next to Envoy,
     # so a dead server shows up as a reset connection anyway.
-    return _cluster(
+    cluster = _cluster(
         name,
         host,
         port,
@@ -111,6 +113,9 @@ def extproc_cluster(name: str, host: str, port: int, max_requests: int) -> Clust
         ),
         max_requests=max_requests,
     )
+    endpoints = cluster.load_assignment.endpoints[0].lb_endpoints
+    endpoints.extend(LbEndpoint(endpoint=Endpoint(address=socket_address(h, p))) for h, p in more)
+    return cluster
 
 
 def backend_cluster(name: str, host: str, port: int, connect_timeout: datetime.timedelta) -> Cluster:

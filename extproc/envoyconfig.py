@@ -180,6 +180,7 @@ class EnvoyOptions:
     admin_port: int = 9901
     extproc_host: str = "127.0.0.1"
     extproc_port: int = 50051
+    extproc_more: tuple[tuple[str, int], ...] = ()  # further extproc replicas: more endpoints of its cluster
     message_timeout_ms: int = 2000  # per ext_proc message
     # upper bound a server may ask for with override_message_timeout (queued requests)
     max_message_timeout_ms: int = 120000
@@ -485,7 +486,7 @@ def render_bootstrap(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> di
             listeners=[_listener(backends, opts)],
             clusters=[
                 extproc_cluster(EXTPROC_CLUSTER, opts.extproc_host, opts.extproc_port,
-                                opts.extproc_max_requests),
+                                opts.extproc_max_requests, opts.extproc_more),
                 *(pool_cluster(b.name, _ms(opts.backend_connect_timeout_ms)) if b.pool else
                   backend_cluster(b.name, b.host, b.port, _ms(opts.backend_connect_timeout_ms))
                   for b in backends),

@@ -7,6 +7,7 @@ mid-request never changes the rules a request was admitted under, and accounting
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -20,11 +21,15 @@ from extproc.backends import BackendRuntime
 from extproc.endpoints import pool_status
 from extproc.estimate import DecodeRates
 from extproc.metrics import Metrics
+from extproc.policy.breaker import Breaker
 from extproc.policy.completions import CompletionEstimator
-from extproc.policy.schema import Policy
+from extproc.policy.schema import Backend, Policy
+from extproc.policy.share import leased_view, local_share, zero_shares
 from extproc.policy.state import TokenState
 from extproc.scrape import scrape_status
 from extproc.store import open_state, state_url
+from extproc.store.shared_breakers import SharedBreakers
+from extproc.store.slot_leases import PoolLease, SlotLeases
 from extproc.token_pool import TokenPool
 
 log = logging.getLogger("sluice.runtime")
@@ -32,12 +37,17 @@ log = logging.getLogger("sluice.runtime")
 # A prompt that fits in one slice is counted at once: it costs no more than one slice
 # of the fair scheduler, which is the most any stream waits for another's count.
 OFFLOAD_CHARS = tokenizer.SLICE_CHARS
+# How often breaker trips are exchanged with the other replicas (a shared store).
+BREAKER_SYNC_S = 0.25
 
 
 class Runtime:
     def __init__(self, policy: Policy, *, clock: Callable[[], float] = time.monotonic,
-                 replica_id: str | None = None) -> None:
+                 replica_id: str | None = None, share: int = 1) -> None:
         self.clock = clock
+        # One of ``share`` worker processes on a shared store: per-process limits (slots,
+        # KV, concurrency caps) are cut to this process's part (extproc.policy.share).
+        self.share = share
         self.metrics = Metrics()
         self.replica_id = replica_id or f"{socket.gethostname()}-{os.getpid()}"
         # gateway.state (or $SLUICE_REDIS_URL) is read once: a store is not swapped live.
@@ -46,6 +56,15 @@ class Runtime:
         starter = getattr(self.state, "start", None)
         if starter is not None:
             starter()  # a shared store registers this replica before the first request
+        # With a shared store, backends' slots and KV are leased from pools in it.
+        self.slot_leases: SlotLeases | None = None
+        self.shared_breakers: SharedBreakers | None = None
+        if self.shared_state:
+            st: Any = self.state
+            self.slot_leases = SlotLeases(st.client, st.registry, st.prefix)
+            self.shared_breakers = SharedBreakers(st.client, lambda: st.registry.member, st.prefix)
+        self.full_policy = policy
+        policy = self._local(policy)
         self.token_pool = TokenPool()
         self.encodings: dict[str, tokenizer.Counter] = {}
         self.policy = policy
@@ -66,14 +85,25 @@ class Runtime:
             if model.encoding not in self.encodings:
                 self.encodings[model.encoding] = tokenizer.Counter(model.encoding)
 
+    def _configured(self, spec: Backend, policy: Policy) -> tuple[Backend, Policy]:
+        """The backend as this replica admits to it: its leased part of the pool, if leased."""
+        if self.slot_leases is None:
+            return spec, policy
+        lease = self.slot_leases.leases.get(spec.name)
+        return leased_view(spec, policy, self.full_policy, 0 if lease is None else lease.slots)
+
     def _sync_backends(self, policy: Policy) -> None:
         now = self.clock()
         for spec in policy.backends:
             be = self.backends.get(spec.name)
+            local_spec, local_policy = self._configured(spec, policy)
             if be is None:
-                self.backends[spec.name] = BackendRuntime.create(spec, policy, now)
+                be = self.backends[spec.name] = BackendRuntime.create(local_spec, local_policy, now)
             else:
-                be.reconfigure(spec, policy, now)
+                be.reconfigure(local_spec, local_policy, now)
+            if self.slot_leases is not None:
+                lease = self.slot_leases.leases.get(spec.name)
+                be.kv_lease = 0 if lease is None else lease.kv
         # A removed backend keeps its runtime until its in-flight requests settle;
         # they hold references to it, so dropping it from the map is enough.
         for name in [n for n in self.backends if n not in {b.name for b in policy.backends}]:
@@ -84,7 +114,18 @@ class Runtime:
         """True when limits are kept in a store shared by every replica (not in this process)."""
         return bool(getattr(self.state, "shared", False))
 
+    def _local(self, policy: Policy) -> Policy:
+        self.full_policy = policy
+        if self.share == 1:
+            return policy
+        local = local_share(policy, self.share, pools=self.slot_leases is None)
+        for what in zero_shares(local):
+            log.warning("one of %d workers: %s in this worker's share (floor(limit / %d))",
+                        self.share, what, self.share)
+        return local
+
     def swap(self, policy: Policy, etag: str = "") -> None:
+        policy = self._local(policy)
         if state_url(policy.gateway) != self.state_url:
             log.warning("gateway.state changed to %r: restart extproc to move state there", policy.gateway.state)
         self._load_encodings(policy)
@@ -93,6 +134,71 @@ class Runtime:
         self.etag = etag
         self.state.forget(set(policy.tenants))
         log.info("policy swapped: %d tenants, %d backends", len(policy.tenants), len(policy.backends))
+
+    # -- slot and KV leases (a shared store) ---------------------------------------------
+    async def lease_tick(self) -> int:
+        """One check of every backend's pool lease; applies the changed ones. Returns how many."""
+        if self.slot_leases is None:
+            return 0
+        usage = {}
+        for spec in self.full_policy.backends:
+            be = self.backends.get(spec.name)
+            if be is not None:
+                kv_pool = 0 if spec.kv_capacity_tokens is None else int(spec.kv_capacity_tokens * spec.kv_overcommit)
+                usage[spec.name] = (spec.max_concurrency, kv_pool, be.pool.in_use().total, be.kv_in_use)
+        changed = await self.slot_leases.tick(usage, self._apply_lease)
+        return len(changed)
+
+    def _apply_lease(self, name: str, lease: PoolLease) -> None:
+        be = self.backends.get(name)
+        spec = next((b for b in self.policy.backends if b.name == name), None)
+        if be is None or spec is None:
+            return
+        now = self.clock()
+        local_spec, local_policy = self._configured(spec, self.policy)
+        be.reconfigure(local_spec, local_policy, now)
+        be.kv_lease = lease.kv
+        be.pump(now)
+
+    async def first_leases(self, timeout_s: float = 3.0) -> None:
+        """Before serving: wait (briefly) for the store's registration, then take the pool leases.
+
+        Until then a replica on a shared store has 0 slots on every backend."""
+        if self.slot_leases is None:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.slot_leases.registry.member and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        try:
+            await self.lease_tick()
+        except Exception as exc:  # noqa: BLE001 - run_leases keeps trying
+            log.warning("slot leases not taken at start (%s); admitting nothing until they are", exc)
+
+    async def run_leases(self) -> None:
+        """Keep the pool leases (``extproc.store.slot_leases``) until cancelled."""
+        assert self.slot_leases is not None
+        breakers_at = 0.0
+        while True:
+            try:
+                await self.lease_tick()
+            except Exception:  # noqa: BLE001 - a bug here must not stop the leases being renewed
+                log.exception("slot leases: tick failed")
+            if self.shared_breakers is not None and self.clock() >= breakers_at:
+                breakers_at = self.clock() + BREAKER_SYNC_S
+                try:
+                    await self.shared_breakers.sync(self.breakers(), self.clock())
+                except Exception as exc:  # noqa: BLE001 - the store down: breakers stay local
+                    log.debug("shared breakers: %s", exc)
+            await asyncio.sleep(self.slot_leases.check_s)
+
+    def breakers(self) -> dict[str, Breaker]:
+        """Every backend's and model route's breaker, by the name they are shared under."""
+        out: dict[str, Breaker] = {}
+        for name, be in self.backends.items():
+            out[name] = be.breaker
+            out.update({f"{name}/{model}": b for model, b in be.route_breakers.items()})
+        return out
 
     # -- per-tenant bookkeeping for status reports ------------------------------
     def track(self, tenant: str, delta: int) -> None:
@@ -137,6 +243,11 @@ class Runtime:
     def status(self) -> dict[str, Any]:
         now = self.clock()
         st = self.state.snapshot(now)
+        st.setdefault("store", {"kind": "memory", "up": True})
+        if self.slot_leases is not None and isinstance(st.get("store"), dict):
+            st["store"]["slot_leases"] = self.slot_leases.snapshot()
+        if self.shared_breakers is not None and isinstance(st.get("store"), dict):
+            st["store"]["breakers"] = self.shared_breakers.snapshot()
         st["backends"] = {name: backend_status(be, now) for name, be in self.backends.items()}
         st["policy_etag"] = self.etag
         st["tenants"] = self.tenant_status(now)
@@ -156,6 +267,8 @@ class Runtime:
 
     def close(self) -> None:
         self.token_pool.close()
+        if self.slot_leases is not None:
+            self.slot_leases.release_all_sync(getattr(self.state, "url", None))
         closer = getattr(self.state, "close", None)
         if closer is not None:
             closer()  # a shared store gets its leases back

@@ -8,10 +8,13 @@ exposes its own ``/metrics`` and ``/healthz``, and Prometheus scrapes them as se
 targets, the same way it scrapes separate replicas. (A shared admin would have to
 merge the workers' registries, and ``/debug/state`` would have to pick one.)
 
-Until limits live in a store the workers share, N > 1 is refused: each process would
-keep its own token buckets, slot pools and queues, so a tenant's TPM, its concurrency
-cap and a backend's slots would each be multiplied by N. ``refusal`` is the one check
-to change when the shared state (the Redis ``TokenState``) lands.
+N > 1 needs a store the workers share (``gateway.state`` or ``$SLUICE_REDIS_URL``
+naming Redis): without one each process would keep its own token buckets, so a
+tenant's TPM and RPM would be multiplied by N, and ``refusal`` says so. With one, TPM
+and RPM hold across the workers (the Redis ``TokenState``); slots, KV reservations and
+concurrency caps are still counted in each process, so each worker enforces
+``floor(limit / N)`` of them (``extproc.policy.share``): together never more than the
+limit. Worker ``i`` reports as ``<replica-id>-<i>``.
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ def refusal(workers: int, shared_state: bool) -> str | None:
     if workers > 1 and not shared_state:
         return (f"--workers {workers} refused: token buckets, concurrency slots and admission queues are kept "
                 "in each process, so every limit would be enforced per worker (TPM, RPM and slots multiplied by "
-                f"{workers}). Run one worker per replica until a shared state store is configured.")
+                f"{workers}). Configure a shared state store (gateway.state: redis://host:port, or "
+                "$SLUICE_REDIS_URL), or run one worker per replica.")
     return None
 
 
-def worker_argv(argv: Sequence[str], index: int, admin_port: int) -> list[str]:
-    """The command line of worker ``index``: the parent's, one worker, its own admin port."""
+def worker_argv(argv: Sequence[str], index: int, admin_port: int, workers: int = 1) -> list[str]:
+    """The command line of worker ``index`` of ``workers``: the parent's, with its own admin port."""
     out: list[str] = []
     skip = False
     for i, a in enumerate(argv):
@@ -47,7 +51,7 @@ def worker_argv(argv: Sequence[str], index: int, admin_port: int) -> list[str]:
             skip = "=" not in a and i + 1 < len(argv)
             continue
         out.append(a)
-    return [*out, "--workers", "1", "--worker-index", str(index), "--admin", f"{_admin_host(argv)}:{admin_port}"]
+    return [*out, "--workers", str(workers), "--worker-index", str(index), "--admin", f"{_admin_host(argv)}:{admin_port}"]
 
 
 def _admin_host(argv: Sequence[str]) -> str:
@@ -67,7 +71,7 @@ def supervise(argv: Sequence[str], workers: int, admin_port: int) -> int:
     its own, the rest are stopped too and its status returned (a supervisor such as
     systemd or Kubernetes restarts the whole set, which keeps the workers alike).
     """
-    children = [subprocess.Popen([sys.executable, "-m", "extproc", *worker_argv(argv, i, admin_port + i)])
+    children = [subprocess.Popen([sys.executable, "-m", "extproc", *worker_argv(argv, i, admin_port + i, workers)])
                 for i in range(workers)]
     stopping = False
 

@@ -30,6 +30,8 @@ import render  # noqa: E402  (docker/render.py is a script, not a package)
 
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
+SLUICE = sorted(name for name in SERVICES if name != "redis")  # built from this repository
+REPLICAS = ("extproc", "extproc-2")
 IMAGE_ROOT = "/app"
 
 
@@ -96,7 +98,7 @@ def listen_port(service: str) -> int:
     cmd = command(service)
     if "--port" in cmd:
         return int(flag(cmd, "--port"))
-    if service == "extproc":
+    if service in REPLICAS:
         return hostport(flag(cmd, "--grpc"))[1]
     raise AssertionError(f"no listening port known for {service}")
 
@@ -106,16 +108,29 @@ def envoy_config() -> dict[str, Any]:
     return yaml.safe_load(path.read_text())
 
 
+def endpoints(cluster: dict[str, Any]) -> list[tuple[str, int]]:
+    out = []
+    for lb in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]:
+        sa = lb["endpoint"]["address"]["socket_address"]
+        out.append((sa["address"], sa["port_value"]))
+    return out
+
+
 def clusters() -> dict[str, tuple[str, int]]:
-    """Cluster -> (host, port); a pool's ORIGINAL_DST cluster -> ("x-sluice-endpoint", 0)."""
+    """Cluster -> its endpoint; a pool's ORIGINAL_DST cluster -> ("x-sluice-endpoint", 0); the
+    ext_proc cluster (one endpoint per replica) is left out."""
     out = {}
     for c in envoy_config()["static_resources"]["clusters"]:
         if c.get("type") == "ORIGINAL_DST":
             out[c["name"]] = (c["original_dst_lb_config"]["http_header_name"], 0)
-            continue
-        sa = c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
-        out[c["name"]] = (sa["address"], sa["port_value"])
+        elif c["name"] != "sluice_extproc":
+            (out[c["name"]],) = endpoints(c)
     return out
+
+
+def extproc_endpoints() -> list[tuple[str, int]]:
+    (c,) = [c for c in envoy_config()["static_resources"]["clusters"] if c["name"] == "sluice_extproc"]
+    return endpoints(c)
 
 
 @pytest.fixture(scope="module")
@@ -131,11 +146,13 @@ def compose_policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def test_the_four_services_with_health_checks() -> None:
-    assert {"envoy", "extproc", "console", "simbackend"} <= set(SERVICES)
+def test_the_services_with_health_checks() -> None:
+    assert {"envoy", "console", "simbackend", "redis", *REPLICAS} <= set(SERVICES)
     for name, svc in SERVICES.items():
         check = svc.get("healthcheck", {})
         assert check.get("test") and check.get("interval"), f"{name} has no health check"
+        if name == "redis":
+            continue
         build = svc["build"]
         assert build["context"] == "." and (ROOT / build["dockerfile"]).is_file(), name
         assert svc["image"] == SERVICES["envoy"]["image"], "one image for every service"
@@ -157,7 +174,7 @@ def _help(cmd: list[str]) -> str:
     return done.stdout
 
 
-@pytest.mark.parametrize("service", sorted(SERVICES))
+@pytest.mark.parametrize("service", SLUICE)
 def test_command_exists_and_takes_its_flags(service: str) -> None:
     cmd = command(service)
     if cmd[0] == "envoy":
@@ -176,7 +193,7 @@ def test_command_exists_and_takes_its_flags(service: str) -> None:
             assert arg in text, f"{service}: `python -m {cmd[2]}` does not know {arg}"
 
 
-@pytest.mark.parametrize("service", sorted(SERVICES))
+@pytest.mark.parametrize("service", SLUICE)
 def test_mounted_and_referenced_paths_exist(service: str) -> None:
     for source in bind_mounts(service).values():
         assert (ROOT / source).exists(), f"{service} mounts ./{source}, which does not exist"
@@ -193,9 +210,10 @@ def test_mounted_and_referenced_paths_exist(service: str) -> None:
 
 def test_envoy_reaches_extproc_and_the_backends_by_service_name(compose_policy_dir: Path) -> None:
     found = clusters()
-    grpc_host, grpc_port = hostport(flag(command("extproc"), "--grpc"))
-    assert grpc_host == "0.0.0.0"
-    assert found.pop("sluice_extproc") == ("extproc", grpc_port)
+    for replica in REPLICAS:
+        assert hostport(flag(command(replica), "--grpc"))[0] == "0.0.0.0"
+    # Envoy balances the ext_proc streams over every replica, by service name
+    assert extproc_endpoints() == [(r, listen_port(r)) for r in REPLICAS]
     # oversized uploads are drained on extproc's admin port, which must listen beyond loopback
     admin_host, admin_port = hostport(flag(command("extproc"), "--admin"))
     assert admin_host == "0.0.0.0"
@@ -221,27 +239,46 @@ def test_published_ports_match_what_listens() -> None:
     published = {service: [int(p.split(":")[-1]) for p in svc.get("ports", [])] for service, svc in SERVICES.items()}
     assert listener["port_value"] in published["envoy"]
     assert listen_port("console") in published["console"]
-    assert hostport(flag(command("extproc"), "--admin"))[1] in published["extproc"]
+    for replica in REPLICAS:
+        assert any(p.endswith(f":{hostport(flag(command(replica), '--admin'))[1]}")
+                   for p in SERVICES[replica]["ports"])
+    host_ports = [p.rsplit(":", 1)[0] for r in REPLICAS for p in SERVICES[r]["ports"]]
+    assert len(set(host_ports)) == len(host_ports), "each replica's admin port published on its own host port"
 
 
-def test_extproc_reports_to_the_console() -> None:
-    url = urlsplit(flag(command("extproc"), "--console-url"))
+@pytest.mark.parametrize("replica", REPLICAS)
+def test_extproc_reports_to_the_console(replica: str) -> None:
+    url = urlsplit(flag(command(replica), "--console-url"))
     assert url.hostname in SERVICES and url.hostname == "console"
     assert url.port == listen_port("console")
     token = "SLUICE_CONSOLE_TOKEN"
-    assert SERVICES["extproc"]["environment"][token] == SERVICES["console"]["environment"][token]
-    deps = SERVICES["extproc"]["depends_on"]
-    assert all(deps[s]["condition"] == "service_healthy" for s in ("console", "simbackend"))
+    assert SERVICES[replica]["environment"][token] == SERVICES["console"]["environment"][token]
+    deps = SERVICES[replica]["depends_on"]
+    assert all(deps[s]["condition"] == "service_healthy" for s in ("console", "simbackend", "redis"))
 
 
-@pytest.mark.parametrize("service", sorted(SERVICES))
+def test_the_replicas_share_one_redis() -> None:
+    redis = SERVICES["redis"]
+    port = int(flag([str(c) for c in redis["command"]], "--port"))
+    assert redis["image"].startswith("redis:") and "redis-cli" in redis["healthcheck"]["test"]
+    assert str(port) in redis["healthcheck"]["test"]
+    ids = set()
+    for replica in REPLICAS:
+        url = urlsplit(SERVICES[replica]["environment"]["SLUICE_REDIS_URL"])
+        assert (url.scheme, url.hostname, url.port) == ("redis", "redis", port)
+        ids.add(flag(command(replica), "--replica-id"))
+    assert len(ids) == len(REPLICAS), "each replica its own id"
+    assert set(SERVICES["envoy"]["depends_on"]) == set(REPLICAS)
+
+
+@pytest.mark.parametrize("service", SLUICE)
 def test_health_checks_probe_the_right_port(service: str) -> None:
     text = " ".join(SERVICES[service]["healthcheck"]["test"])
     url = urlsplit(re.search(r"http://[^'\" ]+", text).group(0))  # type: ignore[union-attr]
     if service == "envoy":
         admin = envoy_config()["admin"]["address"]["socket_address"]
         assert (url.hostname, url.port, url.path) == (admin["address"], admin["port_value"], "/ready")
-    elif service == "extproc":
+    elif service in REPLICAS:
         assert url.port == hostport(flag(command(service), "--admin"))[1] and url.path == "/healthz"
     else:
         assert url.port == listen_port(service)

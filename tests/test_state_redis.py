@@ -373,6 +373,7 @@ def test_two_runtimes_share_a_tenants_budget_through_the_stream_path(
         rts = [Runtime(build_policy(doc), replica_id=f"stream{i}") for i in range(2)]
         for rt in rts:
             rt.backends["b"].has_metrics = False
+            await rt.first_leases()  # a shared store leases the backend's slots (extproc/store/slot_leases.py)
         first = await exchange(rts[0], hdr, body(10), response(200))
         second = await exchange(rts[1], hdr, body(800), response(200))
         third = await exchange(rts[0], hdr, body(800))

@@ -1,15 +1,24 @@
-"""``extproc serve --workers N``: refused until limits are shared; the machinery under it."""
+"""``extproc serve --workers N``: refused without a shared store; with Redis, N workers on one port."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 from bench.procs import ROOT, free_port, http_ok, tcp_open
+from bench.redis_server import RedisServer
+from extproc.policy.share import local_share
+from extproc.policyfile import load_policy
+from extproc.store import ENV_URL
 from extproc.workers import refusal, worker_argv
+from tests.redis_server import redis_server_fixture  # noqa: F401 - the redis_server fixture
 
 POLICY = str(ROOT / "policies")
 
@@ -23,12 +32,13 @@ def _up(check: object, *args: object) -> bool:
 
 def test_more_than_one_worker_is_refused_with_the_reason() -> None:
     grpc_port, admin_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != ENV_URL}  # the example policy: gateway.state memory
     done = subprocess.run([sys.executable, "-m", "extproc", "serve", "--workers", "2", "--policy", POLICY,
                            "--grpc", f"127.0.0.1:{grpc_port}", "--admin", f"127.0.0.1:{admin_port}"],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+                          capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "--workers 2 refused" in done.stderr
-    assert "per worker" in done.stderr and "shared state store" in done.stderr
+    assert "per worker" in done.stderr and "shared state store" in done.stderr and ENV_URL in done.stderr
     assert not _up(tcp_open, grpc_port), "nothing may be listening after a refusal"
 
 
@@ -44,6 +54,24 @@ def test_each_worker_gets_one_worker_and_its_own_admin_port() -> None:
     assert worker_argv(argv, 2, 9102) == ["serve", "--policy", "p", "--grpc", "127.0.0.1:50051", "--workers", "1",
                                           "--worker-index", "2", "--admin", "0.0.0.0:9102"]
     assert worker_argv(["serve", "--workers=2"], 0, 9100)[-2:] == ["--admin", "127.0.0.1:9100"]
+    assert worker_argv(argv, 1, 9101, 3)[-6:] == ["--workers", "3", "--worker-index", "1", "--admin", "0.0.0.0:9101"]
+
+
+def test_each_worker_gets_floor_of_the_per_process_limits() -> None:
+    policy = load_policy(POLICY)
+    local = local_share(policy, 3)
+    assert local_share(policy, 1) is policy
+    for b, mine in zip(policy.backends, local.backends, strict=True):
+        assert mine.max_concurrency == b.max_concurrency // 3
+        assert mine.kv_capacity_tokens == (None if b.kv_capacity_tokens is None else b.kv_capacity_tokens // 3)
+        assert local.by_model[b.models[0].name][0] is mine  # admission finds the cut backend by model
+    for name, t in policy.tiers.items():
+        mine = local.tiers[name]
+        assert (mine.max_concurrency, mine.guaranteed_slots) == (t.max_concurrency // 3, t.guaranteed_slots // 3)
+        assert (mine.tpm, mine.rpm, mine.max_queue_depth) == (t.tpm, t.rpm, t.max_queue_depth)  # shared or no capacity
+    tenant = next(iter(local.tenants.values()))
+    assert local.limits(tenant).max_concurrency == policy.limits(policy.tenants[tenant.name]).max_concurrency // 3
+    assert policy.limits(policy.tenants[tenant.name]).max_concurrency > local.limits(tenant).max_concurrency
 
 
 def _listeners(port: int) -> int:
@@ -52,12 +80,17 @@ def _listeners(port: int) -> int:
     return sum(1 for r in rows if r.split()[1].endswith(f":{port:04X}") and r.split()[3] == "0A")
 
 
-def test_workers_share_one_grpc_port_and_stop_together() -> None:
-    # The machinery the refusal guards, driven directly: two workers, one port.
+def _state(admin_port: int) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/debug/state", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def test_workers_with_redis_share_one_grpc_port_and_stop_together(redis_server: RedisServer) -> None:
     grpc_port, admin_port = free_port(), free_port()
-    argv = ["serve", "--policy", POLICY, "--grpc", f"127.0.0.1:{grpc_port}", "--admin", f"127.0.0.1:{admin_port}"]
-    code = f"import sys; from extproc.workers import supervise; sys.exit(supervise({argv!r}, 2, {admin_port}))"
-    parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, start_new_session=True)
+    parent = subprocess.Popen([sys.executable, "-m", "extproc", "serve", "--workers", "2", "--policy", POLICY,
+                               "--grpc", f"127.0.0.1:{grpc_port}", "--admin", f"127.0.0.1:{admin_port}",
+                               "--replica-id", "host-a"], cwd=ROOT, start_new_session=True,
+                              env={**os.environ, ENV_URL: redis_server.url})
     try:
         deadline = time.monotonic() + 30
         while not (_up(http_ok, f"http://127.0.0.1:{admin_port}/healthz")
@@ -66,6 +99,18 @@ def test_workers_share_one_grpc_port_and_stop_together() -> None:
             assert time.monotonic() < deadline, "the workers did not come up"
             time.sleep(0.1)
         assert _listeners(grpc_port) == 2, "both workers listen on the gRPC port (SO_REUSEPORT)"
+        full = load_policy(POLICY).backends[0]
+        leased = []
+        for i in range(2):
+            st = _state(admin_port + i)
+            assert st["store"]["kind"] == "redis" and st["store"]["member"].startswith(f"host-a-{i}#"), st["store"]
+            # Each worker admits from its lease on the backend's pool in Redis (extproc/store/slot_leases.py).
+            pool = st["store"]["slot_leases"]["pools"][full.name]
+            assert pool["pool"] == full.max_concurrency and pool["leased"] > 0, pool
+            assert st["backends"][full.name]["slots"]["total"] == pool["leased"]
+            leased.append(pool["leased"])
+            assert st["tenants"]  # the policy's tenants, with the per-process caps cut to floor(cap / 2)
+        assert sum(leased) <= full.max_concurrency, leased
         parent.send_signal(signal.SIGTERM)
         assert parent.wait(15) == 0
         assert _listeners(grpc_port) == 0

@@ -1,0 +1,224 @@
+"""A backend's slots and KV reservations shared by every replica: leases in Redis, in blocks.
+
+Each replica holds a lease on a part of each backend's pool: ``s`` slots and ``k`` KV
+tokens, one sorted-set entry per holder (the replica's registry member,
+``<id>#<epoch>``) scored by a Redis-time deadline (``ttl_s``, default 10 s), its
+amounts in a hash beside it. The replica admits from its lease locally, with the pure
+slot pool and KV rule unchanged (its ``BackendRuntime`` is configured with the leased
+amounts as its ``max_concurrency`` and ``kv_capacity_tokens``), so a request costs no
+round trip.
+
+The lease is kept at ``in use + block`` (block = ``ceil(pool / (4 × live
+replicas))``, the same for KV): a check every ``check_s`` (50 ms) asks for more when
+fewer than half a block is spare and gives back what exceeds two blocks; otherwise
+the lease is renewed every ttl/3. One script (``SLOT_LEASE``) per backend and
+exchange: it purges expired holders first, then grants ``min(want, pool − what the
+others hold)``, so the leases together never exceed the pool. Asking is absolute ("I
+want to hold s, k"), so a retried exchange is harmless.
+
+Fencing: the script grants nothing to a member that is not alive in the registry
+(expired or gone) and drops what it held; the replica sets its lease to 0 (it admits
+nothing new; its requests in flight finish) until the registry's heartbeat registers
+it again under a new epoch. A replica that dies gives its lease back when the lease
+expires: within ttl; the survivors see the room at their next check.
+
+Bounds: the slots in use by all replicas ≤ the pool, except while a fenced replica's
+requests in flight finish. A hot replica can lease at least ``pool − (N − 1) ×
+block`` ≈ ``pool × (3N + 1) / (4N)`` while the others are idle; a request finding its
+replica's lease full waits (queue) or is refused until the next check (≤ ``check_s``).
+Redis unreachable: the lease is used until its local deadline, then cut to
+``floor(pool / the most replicas seen in the last ttl)`` until Redis answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from extproc.store.registry import Registry
+
+log = logging.getLogger("sluice.store")
+
+# KEYS[1]: the pool's holders (sorted set, score: Redis-time deadline), KEYS[2]: their
+# amounts (hash member -> "slots kv"), KEYS[3]: the replica registry.
+# ARGV: member, want slots, want kv, pool slots, pool kv, ttl, now ('' = Redis TIME).
+# Returns {granted slots, granted kv, slots the others hold}; granted -1: fenced.
+SLOT_LEASE = r"""
+local now
+if ARGV[7] ~= '' then now = tonumber(ARGV[7]) else
+  local t = redis.call('TIME'); now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local m = ARGV[1]
+local alive = redis.call('ZSCORE', KEYS[3], m)
+if not alive or tonumber(alive) < now then
+  redis.call('ZREM', KEYS[1], m); redis.call('HDEL', KEYS[2], m)
+  return {-1, 0, 0}
+end
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. string.format('%.17g', now))
+for _, d in ipairs(dead) do redis.call('HDEL', KEYS[2], d) end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. string.format('%.17g', now))
+local os_, ok_ = 0, 0
+local raw = redis.call('HGETALL', KEYS[2])
+for i = 1, #raw, 2 do
+  if raw[i] ~= m then
+    local s, k = string.match(raw[i + 1], '(%S+) (%S+)')
+    os_, ok_ = os_ + tonumber(s), ok_ + tonumber(k)
+  end
+end
+local gs = math.max(0, math.min(tonumber(ARGV[2]), tonumber(ARGV[4]) - os_))
+local gk = math.max(0, math.min(tonumber(ARGV[3]), tonumber(ARGV[5]) - ok_))
+if gs == 0 and gk == 0 then
+  redis.call('ZREM', KEYS[1], m); redis.call('HDEL', KEYS[2], m)
+else
+  redis.call('HSET', KEYS[2], m, gs .. ' ' .. gk)
+  redis.call('ZADD', KEYS[1], string.format('%.17g', now + tonumber(ARGV[6])), m)
+end
+return {gs, gk, os_}
+"""
+
+
+@dataclass
+class PoolLease:
+    """This replica's lease on one backend's pool."""
+
+    pool_slots: int
+    pool_kv: int  # 0: the backend has no KV budget
+    slots: int = 0
+    kv: int = 0
+    renew_at: float = -math.inf  # local time of the next renewal
+    expires: float = -math.inf  # local deadline of the lease (Redis's is never earlier)
+    others: int = 0
+
+
+def block(pool: int, live: int) -> int:
+    """The lease's headroom: ``ceil(pool / (4 × live))``, at least 1 (0 for an empty pool)."""
+    return 0 if pool <= 0 else max(1, -(-pool // (4 * max(1, live))))
+
+
+def want(pool: int, in_use: int, held: int, live: int) -> int | None:
+    """What to hold next: ``in use + block`` when spare < block / 2 or > 2 blocks; None: keep."""
+    b = block(pool, live)
+    spare = held - in_use
+    if 2 * spare < b or spare > 2 * b:
+        return min(pool, in_use + b)
+    return None
+
+
+class SlotLeases:
+    """Every backend's pool lease of one replica; ``run`` keeps them (see the module docstring)."""
+
+    def __init__(self, client: Any, registry: Registry, prefix: str = "sluice", *, ttl_s: float = 10.0,
+                 check_s: float = 0.05, timeout_s: float = 0.1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.client, self.registry, self.prefix = client, registry, prefix
+        self.ttl_s, self.check_s, self.timeout_s, self.clock = ttl_s, check_s, timeout_s, clock
+        self.leases: dict[str, PoolLease] = {}
+        self.fenced = 0  # times an exchange found this replica's member gone
+        self.errors = 0
+        self._script = client.register_script(SLOT_LEASE)
+
+    def keys(self, backend: str) -> list[str]:
+        return [f"{self.prefix}:slots:{backend}", f"{self.prefix}:slots:{backend}:held", self.registry.keys[0]]
+
+    def lease(self, backend: str, pool_slots: int, pool_kv: int) -> PoolLease:
+        ls = self.leases.get(backend)
+        if ls is None:
+            ls = self.leases[backend] = PoolLease(pool_slots, pool_kv)
+        ls.pool_slots, ls.pool_kv = pool_slots, pool_kv
+        return ls
+
+    async def exchange(self, backend: str, slots: int, kv: int) -> PoolLease:
+        """Ask to hold ``slots`` and ``kv`` of ``backend``'s pool; the lease as granted."""
+        ls = self.leases[backend]
+        now = self.clock()
+        member = self.registry.member
+        # Shrink here before Redis hears of it (it may hand the rest to another replica at
+        # once); grow only when Redis answers. So this side never holds more than Redis says.
+        ls.slots, ls.kv = min(ls.slots, slots), min(ls.kv, kv)
+        if not member:
+            ls.slots, ls.kv = 0, 0
+            return ls
+        got = await asyncio.wait_for(
+            self._script(keys=self.keys(backend),
+                         args=[member, slots, kv, ls.pool_slots, ls.pool_kv, repr(self.ttl_s), ""]),
+            self.timeout_s)
+        gs, gk, others = (int(x) for x in got)
+        if gs < 0:
+            self.fenced += 1
+            log.warning("slot leases: replica %s is fenced (its registration expired): %s lease dropped until "
+                        "it registers again", member, backend)
+            self.registry.beat_at = -math.inf  # the store's next heartbeat finds it fenced and registers anew
+            ls.slots, ls.kv, ls.others = 0, 0, 0
+            ls.renew_at = -math.inf
+            return ls
+        ls.slots, ls.kv, ls.others = gs, gk, others
+        ls.expires = now + self.ttl_s
+        ls.renew_at = now + self.ttl_s / 3
+        return ls
+
+    async def tick(self, usage: dict[str, tuple[int, int, int, int]],
+                   apply: Callable[[str, PoolLease], None] | None = None) -> dict[str, PoolLease]:
+        """One check: ``usage`` backend -> (pool slots, pool kv, slots in use, kv in use).
+
+        ``apply`` is called with each lease that changed, a shrink before it is sent (so
+        the backend admits within it before Redis gives the rest away), a grant when it
+        arrives. Returns the leases that changed.
+        """
+        live = self.registry.live
+        changed: dict[str, PoolLease] = {}
+        for name in [n for n in self.leases if n not in usage]:
+            with contextlib.suppress(Exception):
+                await self.exchange(name, 0, 0)
+            del self.leases[name]
+        for name, (ps, pk, used_s, used_k) in usage.items():
+            ls = self.lease(name, ps, pk)
+            before = (ls.slots, ls.kv)
+            ws = want(ps, used_s, ls.slots, live)
+            wk = want(pk, used_k, ls.kv, live) if pk > 0 else None
+            now = self.clock()
+            if ws is None and wk is None and now < ls.renew_at:
+                continue
+            ask_s, ask_k = ls.slots if ws is None else ws, ls.kv if wk is None else wk
+            if apply is not None and (ask_s < ls.slots or ask_k < ls.kv):
+                ls.slots, ls.kv = min(ls.slots, ask_s), min(ls.kv, ask_k)
+                apply(name, ls)
+            try:
+                await self.exchange(name, ask_s, ask_k)
+            except Exception as exc:  # noqa: BLE001 - any store failure: keep the lease until it expires
+                self.errors += 1
+                if now >= ls.expires:
+                    n = max(1, self.registry.most_seen(now) or 1)
+                    ls.slots, ls.kv = min(ls.slots, ps // n), min(ls.kv, pk // n)
+                    log.debug("slot leases: %s: %s; local share %d slots", name, exc, ls.slots)
+            if (ls.slots, ls.kv) != before:
+                changed[name] = ls
+                if apply is not None:
+                    apply(name, ls)
+        return changed
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"fenced": self.fenced, "errors": self.errors,
+                "pools": {n: {"pool": ls.pool_slots, "leased": ls.slots, "others": ls.others,
+                              "pool_kv": ls.pool_kv, "leased_kv": ls.kv} for n, ls in self.leases.items()}}
+
+    def release_all_sync(self, url: str | None) -> None:
+        """Give every lease back at shutdown, through a blocking client."""
+        if url is None or not self.registry.member or not self.leases:
+            return
+        import redis
+
+        try:
+            c = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+            script = c.register_script(SLOT_LEASE)
+            for name, ls in self.leases.items():
+                script(keys=self.keys(name), args=[self.registry.member, 0, 0, ls.pool_slots, ls.pool_kv,
+                                                   repr(self.ttl_s), ""])
+            c.close()
+        except (redis.RedisError, OSError) as exc:
+            log.warning("slot leases not returned at shutdown (%s); they expire in %.0fs", exc, self.ttl_s)

@@ -1,0 +1,219 @@
+"""Slots shared by replicas as leases in Redis (extproc/store/slot_leases.py), on a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from queue import Empty, Queue
+from typing import Any
+
+import pytest
+
+from bench.procs import ROOT
+from bench.redis_server import RedisServer
+from extproc.store.redis_state import connect
+from extproc.store.registry import Registry
+from extproc.store.slot_leases import SlotLeases, block, want
+from tests.redis_server import redis_server_fixture  # noqa: F401 - the redis_server fixture
+from tests.slot_lease_holder import POOL
+
+
+def test_the_lease_is_kept_at_in_use_plus_a_block() -> None:
+    assert block(64, 1) == 16 and block(64, 4) == 4 and block(3, 8) == 1 and block(0, 2) == 0
+    assert want(64, 0, 0, 1) == 16  # nothing held: ask for a block
+    assert want(64, 10, 16, 1) == 26  # 6 spare < half a block: grow
+    assert want(64, 10, 30, 1) is None  # 20 spare: keep (renewed on time)
+    assert want(64, 0, 40, 1) == 16  # 40 spare > two blocks: give back
+    assert want(64, 60, 64, 1) is None or want(64, 60, 64, 1) == 64  # never more than the pool
+
+
+class Holders:
+    """Replicas on one event loop: each its own registry member and lease."""
+
+    def __init__(self, url: str, prefix: str, n: int, ttl: float = 10.0) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.client = connect(url, socket_timeout_s=5.0)
+        self.prefix = prefix
+        self.registries = [Registry(f"r{i}", prefix, ttl) for i in range(n)]
+        self.leases = [SlotLeases(self.client, r, prefix, ttl_s=ttl, timeout_s=5.0) for r in self.registries]
+        for r in self.registries:
+            self.run(r.beat(self.client, "", 0.0))
+        for ls in self.leases:
+            ls.lease("b", POOL, 0)
+
+    def run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    def held_in_redis(self) -> int:
+        raw = self.run(self.client.hgetall(f"{self.prefix}:slots:b:held"))
+        return sum(int(v.split()[0]) for v in raw.values())
+
+    def close(self) -> None:
+        self.run(self.client.aclose())
+        self.loop.close()
+
+
+@pytest.fixture
+def holders(redis_server: RedisServer, request: pytest.FixtureRequest) -> Iterator[Holders]:
+    h = Holders(redis_server.url, f"t{abs(hash(request.node.name))}", 4)
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def test_concurrent_holders_never_exceed_the_pool(holders: Holders) -> None:
+    rng = random.Random(7)
+
+    async def churn(i: int, rounds: int, samples: list[int]) -> None:
+        for _ in range(rounds):
+            # What each replica may admit against (its local lease) is sampled while the
+            # exchanges of the others are in flight.
+            task = asyncio.ensure_future(holders.leases[i].exchange("b", rng.randint(0, POOL), 0))
+            samples.append(sum(ls.leases["b"].slots for ls in holders.leases))
+            await task
+            samples.append(sum(ls.leases["b"].slots for ls in holders.leases))
+
+    samples: list[int] = []
+
+    async def all_of_them() -> None:
+        await asyncio.gather(*(churn(i, 200, samples) for i in range(4)))
+
+    holders.run(all_of_them())
+    assert len(samples) == 1600 and max(samples) <= POOL, max(samples)
+    assert max(samples) == POOL  # the pool was used up at times: the bound was tested, not idle
+    assert holders.held_in_redis() == sum(ls.leases["b"].slots for ls in holders.leases) <= POOL
+
+
+def test_a_member_not_in_the_registry_is_fenced_and_gets_nothing(holders: Holders) -> None:
+    a = holders.leases[0]
+    assert holders.run(a.exchange("b", 5, 0)).slots == 5
+    holders.run(holders.client.zrem(f"{holders.prefix}:replicas", holders.registries[0].member))
+    assert holders.run(a.exchange("b", 5, 0)).slots == 0
+    assert a.fenced == 1 and holders.held_in_redis() == 0  # what it held is dropped with it
+
+
+def _lines(p: subprocess.Popen[str]) -> Queue[str]:
+    q: Queue[str] = Queue()
+
+    def read() -> None:
+        assert p.stdout is not None
+        for line in p.stdout:
+            q.put(line.strip())
+
+    threading.Thread(target=read, daemon=True).start()
+    return q
+
+
+def _expect(q: Queue[str], prefix: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            line = q.get(timeout=max(0.01, deadline - time.monotonic()))
+        except Empty:
+            raise AssertionError(f"no {prefix!r} line within {timeout}s") from None
+        if line.startswith(prefix):
+            return line
+
+
+def _holder(url: str, prefix: str, ttl: float, want_: int) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "tests.slot_lease_holder", url, prefix, str(ttl), str(want_)],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+
+
+def test_a_killed_replicas_slots_come_back_within_ttl_and_one_renewal(redis_server: RedisServer) -> None:
+    ttl = 1.5
+    h = Holders(redis_server.url, "kill", 1, ttl)
+    p = _holder(redis_server.url, "kill", ttl, POOL)
+    try:
+        q = _lines(p)
+        assert _expect(q, "held", 20) == f"held {POOL}"
+        assert h.run(h.leases[0].exchange("b", POOL, 0)).slots == 0  # the other replica holds the whole pool
+        p.send_signal(signal.SIGKILL)
+        p.wait(5)
+        killed = time.monotonic()
+        renewal = ttl / 3
+        got = 0
+        while got < POOL:
+            assert time.monotonic() - killed < ttl + renewal + 1.0, "the dead replica's slots did not come back"
+            h.run(h.registries[0].beat(h.client, "", time.monotonic()))
+            got = h.run(h.leases[0].exchange("b", POOL, 0)).slots
+            time.sleep(0.05)
+        back = time.monotonic() - killed
+        print(f"slots back {back:.2f}s after SIGKILL (ttl {ttl}s)")
+        assert ttl - renewal - 0.2 < back, "they came back before the lease could have expired"
+        assert h.held_in_redis() == POOL  # all of it, once: nothing double-released
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        h.close()
+
+
+def test_a_replica_paused_past_its_ttl_is_fenced_and_registers_again(redis_server: RedisServer) -> None:
+    ttl = 1.0
+    h = Holders(redis_server.url, "pause", 1, ttl)
+    p = _holder(redis_server.url, "pause", ttl, 6)
+    try:
+        q = _lines(p)
+        first = _expect(q, "member", 20)
+        assert _expect(q, "held", 20) == "held 6"
+        p.send_signal(signal.SIGSTOP)
+        time.sleep(ttl + 0.5)
+        h.run(h.registries[0].beat(h.client, "", 0.0))  # another replica's heartbeat purges the expired member
+        assert h.run(h.leases[0].exchange("b", POOL, 0)).slots == POOL  # its slots are free again
+        p.send_signal(signal.SIGCONT)
+        seen: list[str] = []
+        deadline = time.monotonic() + 10
+        while not ("fenced" in seen and "held 0" in seen and any(x.startswith("member") for x in seen)):
+            assert time.monotonic() < deadline, seen
+            with contextlib.suppress(Empty):
+                seen.append(q.get(timeout=0.1))
+        assert "fenced" in seen  # it may not renew what is no longer its ...
+        assert "held 0" in seen and f"held {POOL}" not in seen  # ... nor take back the slots now held by another
+        again = next(x for x in seen if x.startswith("member"))
+        assert again != first and again.startswith("member holder#")  # registered again, a new epoch
+        h.run(h.registries[0].beat(h.client, "", 0.0))
+        assert h.held_in_redis() == POOL and h.run(h.leases[0].exchange("b", POOL, 0)).slots == POOL
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()
+        h.close()
+
+
+def test_redis_gone_the_lease_holds_until_its_deadline_then_a_local_share(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    server = RedisServer(tmp_path_factory.mktemp("gone")).start()
+    loop = asyncio.new_event_loop()
+    client = connect(server.url, socket_timeout_s=0.2)
+    t = [100.0]
+    try:
+        registry = Registry("r", "gone", 10.0)
+        leases = SlotLeases(client, registry, "gone", ttl_s=10.0, timeout_s=0.2, clock=lambda: t[0])
+        loop.run_until_complete(registry.beat(client, "", t[0]))
+        registry.observe(4, t[0])  # four replicas seen in the last ttl
+        usage = {"b": (POOL, 0, 8, 0)}  # 8 slots in use: wants 8 + a block
+        loop.run_until_complete(leases.tick(usage))
+        held = leases.leases["b"].slots
+        assert held > POOL // 4
+        server.kill()
+        t[0] += 5.0  # renewal due, Redis gone: the lease is kept until its deadline
+        loop.run_until_complete(leases.tick(usage))
+        assert leases.leases["b"].slots == held and leases.errors == 1
+        t[0] += 5.5  # past the deadline: floor(pool / the most replicas seen) = 4
+        changed = loop.run_until_complete(leases.tick(usage))
+        assert leases.leases["b"].slots == POOL // 4 and "b" in changed
+    finally:
+        server.stop()
+        with contextlib.suppress(Exception):
+            loop.run_until_complete(client.aclose())
+        loop.close()
