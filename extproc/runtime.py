@@ -25,6 +25,8 @@ from extproc.policy.state import TokenState
 from extproc.scrape import scrape_status
 from extproc.store import open_state, state_url
 from extproc.token_pool import TokenPool
+from extproc.ttft_counts import BOUNDS_MS as TTFT_BOUNDS_MS
+from extproc.ttft_counts import TtftCounts
 
 log = logging.getLogger("sluice.runtime")
 
@@ -56,6 +58,7 @@ class Runtime:
         self.decode_rates = DecodeRates()  # for usage estimates when none arrives
         # Learned completion lengths: runtime state, so they survive policy swaps.
         self.completions = CompletionEstimator()
+        self.ttft_counts = TtftCounts()  # for the console's TTFT percentiles, across reloads
         self._load_encodings(policy)
         self._sync_backends(policy)
         self.metrics.policy_ok.set(1)
@@ -137,6 +140,9 @@ class Runtime:
         now = self.clock()
         st = self.state.snapshot(now)
         st["backends"] = {name: backend_status(be, now) for name, be in self.backends.items()}
+        st["ttft_bounds_ms"] = list(TTFT_BOUNDS_MS)
+        for name, b in st["backends"].items():
+            b["ttft_counts"] = self.ttft_counts.report(name)
         st["policy_etag"] = self.etag
         st["tenants"] = self.tenant_status(now)
         st["completions"] = self.completions.snapshot()
