@@ -8,9 +8,8 @@ first body chunk) and how many tokens it produced. From those:
   arrival (tokenizing and queue wait included), inter-token latency (the stream's
   time after its first token divided by its other output tokens: no per-chunk work)
   and the end-to-end duration;
-* samples for the backend's adaptive concurrency limit: the TTFT from admission divided
-  by its tier's SLO, fed at the first byte (``record_first_byte``), and at settle the ITL
-  divided by its SLO. Queue wait is left
+* a sample for the backend's adaptive concurrency limit: the TTFT from admission and
+  the ITL, each divided by its tier's SLO, the worse of the two. Queue wait is left
   out on purpose: it is what a lower limit causes, so counting it would make the
   limit chase its own tail down to the floor;
 * the completion length (per choice) for the learned estimator.
@@ -62,25 +61,9 @@ def completion_tokens(rt: Runtime, ticket: Ticket, tenant: str, tier: str) -> Re
                        est.tokens if spec.tpm_precharge == "learned" else cap, est.source)
 
 
-def record_first_byte(ticket: Ticket, tier: Tier, status: int, first_byte: float) -> bool:
-    """Feed the TTFT sample to the adaptive limit at the first byte, not at settle: a
-    stream's settle comes its whole duration later, and so would the controller's reaction
-    to slow first tokens. True when the sample went in (settle then leaves TTFT out)."""
-    ctl = ticket.runtime.latency
-    if ctl is None or not tier.ttft_p99_ms or not ticket.admitted_at or not 0 < status < 400:
-        return False
-    ttft = max(0.0, first_byte - ticket.admitted_at)
-    # The request still holds its slot: in_use counts it.
-    ctl.observe(tier.name, ttft * 1000.0 / tier.ttft_p99_ms, ticket.admitted_at,
-                ticket.runtime.pool.in_use().total, first_byte)
-    return True
-
-
 def record_settle(rt: Runtime, ticket: Ticket, tenant: str, tier: Tier, *, how: str, status: int,
-                  arrived: float, first_byte: float | None, now: float, usage: Usage | None, n: int,
-                  ttft_fed: bool = False) -> None:
-    """Observe one settled, forwarded request (after its slot went back). ``ttft_fed``: its
-    TTFT already went to the adaptive limit at the first byte (``record_first_byte``)."""
+                  arrived: float, first_byte: float | None, now: float, usage: Usage | None, n: int) -> None:
+    """Observe one settled, forwarded request (after its slot went back)."""
     if not ticket.admitted_at or first_byte is None or not 0 < status < 400:
         return
     m = rt.metrics
@@ -106,7 +89,7 @@ def record_settle(rt: Runtime, ticket: Ticket, tenant: str, tier: Tier, *, how: 
     if ctl is None:
         return
     ratios = []
-    if tier.ttft_p99_ms and not ttft_fed:
+    if tier.ttft_p99_ms:
         ratios.append(ttft * 1000.0 / tier.ttft_p99_ms)
     if tier.itl_p99_ms and itl is not None:
         ratios.append(itl * 1000.0 / tier.itl_p99_ms)

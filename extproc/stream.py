@@ -81,7 +81,6 @@ class StreamProcessor:
         self.finished = False  # an immediate response ended the exchange
         self.status = 0
         self.first_byte_s: float | None = None
-        self.ttft_fed = False  # the TTFT went to the adaptive limit at the first byte
         self.arrived_s = rt.clock()  # the stream starts with the request's headers
         self.forwarded = False  # the request went on to the backend
         self.tracker: SSETracker | JSONTracker | None = None
@@ -374,7 +373,6 @@ class StreamProcessor:
             code = msg.attribute(request, "response.code")
             self.status = int(code) if isinstance(code, (int, float)) else 200
             self.first_byte_s = self.rt.clock()
-            self._observe_first_byte()
         assert self.req is not None
         responses = self.req.kind == "responses"
         if self.req.stream and self.status < 400:
@@ -391,7 +389,6 @@ class StreamProcessor:
         except ValueError:
             self.status = 0
         self.first_byte_s = self.rt.clock()
-        self._observe_first_byte()
         self.sse = "text/event-stream" in headers.get("content-type", "")
         # Envoy synthesizes trailers only for a successful response it read the usage
         # of: an error response has nothing to bill and its end is not waited for.
@@ -448,22 +445,13 @@ class StreamProcessor:
         else:
             m.child(m.tokens_excess, name).inc(actual - self.reserved)
 
-    def _observe_first_byte(self) -> None:
-        if self.ticket is None or self.tenant is None or self.first_byte_s is None or not self.admitted:
-            return
-        try:
-            self.ttft_fed = latency.record_first_byte(self.ticket, self.policy.tiers[self.tenant.tier],
-                                                      self.status, self.first_byte_s)
-        except Exception:  # observing must never break the response
-            log.exception("latency observation failed")
-
     def _observe_latency(self, t: Ticket, how: str, now: float) -> None:
         assert self.tenant is not None and self.req is not None
         usage = self._reported_usage()
         try:
             latency.record_settle(self.rt, t, self.tenant.name, self.policy.tiers[self.tenant.tier], how=how,
                                   status=self.status, arrived=self.arrived_s, first_byte=self.first_byte_s,
-                                  now=now, usage=usage, n=self.req.n, ttft_fed=self.ttft_fed)
+                                  now=now, usage=usage, n=self.req.n)
         except Exception:  # observing must never keep the rest of settle from running
             log.exception("latency observation failed")
 

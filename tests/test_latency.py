@@ -206,36 +206,6 @@ def test_slow_first_tokens_lower_the_limit_and_put_lower_tiers_under_pressure() 
     rt.close()
 
 
-def test_the_limit_sees_a_slow_first_token_at_the_first_byte_not_at_settle() -> None:
-    clock = Clock()
-    rt = Runtime(make_policy(slo=True), clock=clock)
-    be = rt.backends["b"]
-    be.has_metrics = False
-    assert be.latency is not None
-    # Long streams: 0.6 s to the first token (SLO 200 ms), then 30 s of output each.
-    reqs = [Request(rt, clock) for _ in range(16)]
-    for r in reqs:
-        r.admit(100)
-    clock.now += 0.6
-    for r in reqs:
-        r.send(chunk(b'{"choices": [], ', False))
-        clock.now += 0.1
-    clock.now += 1.0
-    be.latency.update(clock.now)
-    # Cut while every stream is still running: the samples came with the first bytes.
-    assert be.latency.limit(clock.now) < 16 and rt.status()["in_flight"] == 16
-    limit = be.latency.limit(clock.now)
-    samples = be.latency.snapshot(clock.now)
-    clock.now += 30.0
-    usage = json.dumps({"usage": {"prompt_tokens": 8, "completion_tokens": 10}}).encode()[1:]
-    for r in reqs:
-        r.send(chunk(usage, True))
-    # Settle adds no second TTFT sample (ITL has no SLO here): the limit is not cut twice.
-    assert be.latency.limit(clock.now) >= limit and samples["limit"] == limit
-    assert rt.status()["in_flight"] == 0 and rt.status()["ledger"]["balanced"]
-    rt.close()
-
-
 def test_estimates_and_the_limit_survive_a_policy_reload() -> None:
     clock = Clock()
     rt = Runtime(make_policy(reservation="learned", slo=True), clock=clock)
