@@ -111,14 +111,15 @@ class Headline:
     mode: str = "preempt"
 
 
-def measure_capacity(workdir: Path, mix: Mix, mode: str, seconds: float, warm: float, log: Any) -> Capacity:
+def measure_capacity(workdir: Path, mix: Mix, mode: str, seconds: float, warm: float, log: Any,
+                     sim_extra: tuple[str, ...] = ()) -> Capacity:
     rows = load_trace()
     reqs = sample_mix(rows, 20000, mix, seed=3)
     fit = KV_BLOCKS * BLOCK / mean_kv_tokens(reqs)
     workers = math.ceil(1.5 * fit)
     log(f"capacity: closed loop, {workers} clients ({fit:.1f} fill the KV cache on average), {seconds:.0f} s")
     with Gateway(workdir / "capacity", Ports()) as gw:
-        gw.start_sim("sim", gw.ports.sim, sim_args(mode))
+        gw.start_sim("sim", gw.ports.sim, [*sim_args(mode), *sim_extra])
         url = f"http://127.0.0.1:{gw.ports.sim}"
         t0 = time.monotonic()
         res = asyncio.run(closed_loop(url, KEYS, iter(reqs), workers, seconds, t0))
@@ -179,10 +180,11 @@ def standalone_litellm_latency(workdir: Path, log: Any = print) -> dict[str, flo
         return litellm_latency(gw)
 
 
-def _start(key: str, gw: Gateway, cap: Capacity, mode: str, run: ConfigRun) -> dict[str, int]:
+def _start(key: str, gw: Gateway, cap: Capacity, mode: str, run: ConfigRun,
+           sim_extra: tuple[str, ...] = ()) -> dict[str, int]:
     """Start configuration ``key``'s processes; returns the pids whose CPU to follow."""
     ports = gw.ports
-    gw.start_sim("sim", ports.sim, sim_args(mode))
+    gw.start_sim("sim", ports.sim, [*sim_args(mode), *sim_extra])
     pids = {"backend": gw.procs["sim"].pid}
     policy_dir = example_policy(gw.workdir / "policies", {"sim": ports.sim, "sim-small": ports.small})
     doc = load_policy_doc(policy_dir)
@@ -190,7 +192,7 @@ def _start(key: str, gw: Gateway, cap: Capacity, mode: str, run: ConfigRun) -> d
     sim_route = BackendRoute("sim", "127.0.0.1", ports.sim)
     if key in SLUICE:
         variant_policy(policy_dir, key)
-        gw.start_sim("small", ports.small, [*sim_args(mode), "--model", FALLBACK_MODEL])
+        gw.start_sim("small", ports.small, [*sim_args(mode), *sim_extra, "--model", FALLBACK_MODEL])
         gw.start_extproc(policy_dir)
         cfg = envoy_config("sluice", [sim_route, BackendRoute("sim-small", "127.0.0.1", ports.small)], opts)
         pids["extproc"] = gw.procs["extproc"].pid
@@ -255,14 +257,15 @@ def sim_admin(port: int, cfg: dict[str, Any]) -> None:
 
 
 def run_config(key: str, workdir: Path, sched: Schedule, cap: Capacity, mode: str, drain_s: float,
-               log: Any, events: list[tuple[float, dict[str, Any]]] | None = None
-               ) -> tuple[ConfigRun, dict[str, float] | None]:
-    """``events``: (seconds after the start, /admin/config body) sent to the backend mid-run."""
+               log: Any, events: list[tuple[float, dict[str, Any]]] | None = None,
+               sim_extra: tuple[str, ...] = ()) -> tuple[ConfigRun, dict[str, float] | None]:
+    """``events``: (seconds after the start, /admin/config body) sent to the backend mid-run;
+    ``sim_extra``: more simulated-backend flags (``--chunked-prefill``)."""
     run = ConfigRun(key, NAMES[key])
     latency = None
     gw = Gateway(workdir / key, Ports())
     try:
-        pids = _start(key, gw, cap, mode, run)
+        pids = _start(key, gw, cap, mode, run, sim_extra)
         _warm_up(gw.url, KEYS)
         if key == "c":
             latency = litellm_latency(gw)

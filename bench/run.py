@@ -6,7 +6,7 @@
     python -m bench.run --only headline      # or tpm, soak, overhead, tokenizer
     python -m bench.run --only headline --configs ad
     python -m bench.run --only slowdown          # decode speed halved for 20 s: (e) vs (f)
-    python -m bench.run --only longprompt        # 12 documents of 16k-30k tokens on steady chat
+    python -m bench.run --only longprompt        # 12 documents of 16k-24k tokens on steady chat
     python -m bench.run --only pool              # 3 engines: Envoy round-robin / least-request / Sluice picking
 
 Progress goes to stderr. The first run installs LiteLLM into ``bench/.litellm-venv``

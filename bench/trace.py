@@ -22,7 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE_PATH = ROOT.parent / "shared" / "data" / "azure-llm-trace-2023" / "AzureLLMInferenceTrace_conv.csv"
+_TRACE = Path("shared") / "data" / "azure-llm-trace-2023" / "AzureLLMInferenceTrace_conv.csv"
+# Beside the checkout, or beside the directory of worktrees (a git worktree two levels down).
+TRACE_PATH = next((p / _TRACE for p in (ROOT.parent, ROOT.parent.parent) if (p / _TRACE).exists()),
+                  ROOT.parent / _TRACE)
 
 CHAT_MODEL = "sim-llama-8b"  # context window 8192 in the example policy
 LONG_MODEL = "sim-llama-8b-long"  # 32768: where the batch tenant's documents go

@@ -16,6 +16,7 @@ from typing import Any
 
 from sqlite_utils import Database
 
+from console import ttft
 from console.store import Store
 
 SAMPLE_KEEP_S = 3600.0
@@ -47,10 +48,13 @@ def ingest(store: Store, replica: str, status: Mapping[str, Any], now: float,
         db.execute("INSERT INTO replicas (id, last_seen, status) VALUES (?, ?, ?) "
                    "ON CONFLICT (id) DO UPDATE SET last_seen = excluded.last_seen, status = excluded.status",
                    [replica, now, json.dumps(status)])
+        bounds, prev_bounds = ttft.bounds_of(status), ttft.bounds_of(prev)
         for name, b in as_map(status.get("backends")).items():
             if known is not None and str(name) not in known:
                 continue
             b = as_map(b)
+            ttft.ingest_backend(db, now, replica, str(name), b.get("ttft_counts"),
+                                as_map(as_map(prev.get("backends")).get(name)).get("ttft_counts"), bounds, prev_bounds)
             db.execute("INSERT INTO kv_samples (at, replica, backend, kv_usage, running, waiting, scale) "
                        "VALUES (?, ?, ?, ?, ?, ?, ?)",
                        [now, replica, str(name), num(b.get("kv_usage")), num(b.get("running")),
@@ -91,6 +95,7 @@ def prune(store: Store, now: float, forget_after: float = FORGET_AFTER_S) -> Non
         db.execute("DELETE FROM replicas WHERE last_seen < ?", [now - forget_after])
         db.execute("DELETE FROM kv_samples WHERE at < ?", [now - SAMPLE_KEEP_S])
         db.execute("DELETE FROM tenant_events WHERE at < ?", [now - SAMPLE_KEEP_S])
+        ttft.prune(db, now - SAMPLE_KEEP_S)
         db.execute("DELETE FROM breaker_events WHERE at < ?", [now - EVENT_KEEP_S])
 
 

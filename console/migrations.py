@@ -147,10 +147,28 @@ def _tenant_overrides(db: Database) -> None:
     """)
 
 
+def _ttft_samples(db: Database) -> None:
+    _statements(db, """
+    -- Increments of a replica's cumulative TTFT bucket counts per backend and tier, one
+    -- row per report that saw new requests: summed over a window, they give percentiles
+    -- across replicas. bounds and counts are JSON lists (counts has one more: overflow).
+    CREATE TABLE ttft_samples (
+        at REAL NOT NULL,
+        replica TEXT NOT NULL,
+        backend TEXT NOT NULL,
+        tier TEXT NOT NULL,
+        bounds TEXT NOT NULL,
+        counts TEXT NOT NULL
+    );
+    CREATE INDEX ttft_samples_backend_at ON ttft_samples (backend, at)
+    """)
+
+
 MIGRATIONS: list[Migration] = [
     (1, "initial schema", _initial),
     (2, "server-side sessions and login throttling", _sessions),
     (3, "tenants and keys as overrides", _tenant_overrides),
+    (4, "TTFT bucket increments per backend and tier", _ttft_samples),
 ]
 
 

@@ -1,4 +1,4 @@
-"""A server-rendered SVG sparkline of KV-cache usage: no chart library, no script.
+"""A server-rendered SVG sparkline (KV-cache usage, TTFT): no chart library, no script.
 
 Only presentation attributes (no ``style``), so the page's CSP needs no
 'unsafe-inline'. Gaps in the samples (no replica reporting) break the line.
@@ -15,14 +15,17 @@ LOW_WATERMARK = 0.70
 
 
 def svg(points: Sequence[tuple[float, float]], since: float, until: float, *, width: int = 240,
-        height: int = 40, gap_s: float = 30.0, label: str = "KV usage") -> Markup:
+        height: int = 40, gap_s: float = 30.0, label: str = "KV usage", top: float = 1.0,
+        marks: Sequence[tuple[float, str]] = ((HIGH_WATERMARK, "#d9534f"), (LOW_WATERMARK, "#e0a800"))) -> Markup:
+    """``top``: the value drawn at the top edge; ``marks``: dashed lines (value, color)."""
     span = max(until - since, 1e-9)
+    top = top if top > 0 else 1.0
 
     def x(t: float) -> float:
         return round((min(max(t, since), until) - since) / span * width, 1)
 
     def y(v: float) -> float:
-        return round(height - min(max(v, 0.0), 1.0) * height, 1)
+        return round(height - min(max(v / top, 0.0), 1.0) * height, 1)
 
     runs: list[list[tuple[float, float]]] = []
     last_t: float | None = None
@@ -37,7 +40,7 @@ def svg(points: Sequence[tuple[float, float]], since: float, until: float, *, wi
         f"<title>{escape(label)}: {len(points)} samples over the last {round(span / 60)} min</title>",
         f'<rect x="0" y="0" width="{width}" height="{height}" fill="#f6f7f9"/>',
     ]
-    for mark, color in ((HIGH_WATERMARK, "#d9534f"), (LOW_WATERMARK, "#e0a800")):
+    for mark, color in marks:
         parts.append(f'<line class="watermark" x1="0" x2="{width}" y1="{y(mark)}" y2="{y(mark)}" '
                      f'stroke="{color}" stroke-width="0.6" stroke-dasharray="3 2"/>')
     for run in runs:

@@ -70,6 +70,7 @@ def record_settle(rt: Runtime, ticket: Ticket, tenant: str, tier: Tier, *, how: 
     labels = (ticket.backend.name, tier.name)
     ttft = max(0.0, first_byte - ticket.admitted_at)
     m.child(m.ttft, *labels).observe(ttft)
+    rt.ttft_counts.observe(*labels, ttft)
     m.child(m.ttft_arrival, *labels).observe(max(0.0, first_byte - arrived))
     done = how == "end_of_stream"
     out = usage.completion_tokens // max(1, n) if usage is not None else None

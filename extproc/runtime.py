@@ -31,6 +31,8 @@ from extproc.store import open_state, state_url
 from extproc.store.shared_breakers import SharedBreakers
 from extproc.store.slot_leases import PoolLease, SlotLeases
 from extproc.token_pool import TokenPool
+from extproc.ttft_counts import BOUNDS_MS as TTFT_BOUNDS_MS
+from extproc.ttft_counts import TtftCounts
 
 log = logging.getLogger("sluice.runtime")
 
@@ -76,6 +78,7 @@ class Runtime:
         self.decode_rates = DecodeRates()  # for usage estimates when none arrives
         # Learned completion lengths: runtime state, so they survive policy swaps.
         self.completions = CompletionEstimator()
+        self.ttft_counts = TtftCounts()  # for the console's TTFT percentiles, across reloads
         self._load_encodings(policy)
         self._sync_backends(policy)
         self.metrics.policy_ok.set(1)
@@ -249,6 +252,9 @@ class Runtime:
         if self.shared_breakers is not None and isinstance(st.get("store"), dict):
             st["store"]["breakers"] = self.shared_breakers.snapshot()
         st["backends"] = {name: backend_status(be, now) for name, be in self.backends.items()}
+        st["ttft_bounds_ms"] = list(TTFT_BOUNDS_MS)
+        for name, b in st["backends"].items():
+            b["ttft_counts"] = self.ttft_counts.report(name)
         st["policy_etag"] = self.etag
         st["tenants"] = self.tenant_status(now)
         st["completions"] = self.completions.snapshot()

@@ -101,6 +101,11 @@ def test_settle_observes_ttft_itl_and_duration_per_backend_and_tier() -> None:
     snap = rt.status()["completions"]
     assert {(e["kind"], e["name"]) for e in snap["estimates"]} == {("tenant", "p"), ("tier", "premium")}
     assert rt.status()["in_flight"] == 0 and rt.status()["ledger"]["balanced"]
+    # The console's TTFT percentiles: cumulative bucket counts per tier in the status report.
+    st = rt.status()
+    bounds, counts = st["ttft_bounds_ms"], st["backends"]["b"]["ttft_counts"]
+    assert list(counts) == ["premium"] and len(counts["premium"]) == len(bounds) + 1
+    assert counts["premium"][bounds.index(300)] == 1 and sum(counts["premium"]) == 1  # 0.3 s: the 300 ms bucket
     rt.close()
 
 
@@ -123,6 +128,7 @@ def test_failed_responses_teach_nothing() -> None:
     r.respond(ttft=0.1, rest=0.1, completion=0, status=500)
     assert rt.metrics.registry.get_sample_value("sluice_ttft_seconds_count", {"backend": "b", "tier": "premium"}) \
         is None
+    assert rt.status()["backends"]["b"]["ttft_counts"] == {}
     assert len(rt.completions) == 0
     rt.close()
 

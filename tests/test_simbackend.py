@@ -735,3 +735,55 @@ def test_cli_prints_listening_line() -> None:
         proc.terminate()
         proc.wait(10)
     assert proc.returncode == 0
+
+
+# ---- chunked prefill (vLLM V1 scheduling) ----------------------------------------------
+def test_chunked_prefill_admits_long_prompts_by_their_first_chunk_and_thrashes() -> None:
+    # 256 blocks x 16 = 4096 tokens; three 1,800-token prompts generating 200 each. Whole
+    # prompts, only two fit at once; chunk by chunk all three are admitted, and they
+    # outgrow the cache: the newest is preempted (recompute) again and again.
+    cfg = SimConfig(kv_blocks=256, block_size=16, chunked_prefill=True, max_num_batched_tokens=128)
+    e = Engine(cfg)
+    seqs = [Sequence(prompt_tokens=1800, max_tokens=200) for _ in range(3)]
+    for s in seqs:
+        e.add(s, 0.0)
+    out = e.step(0.0)  # the first chunk of the first prompt takes the whole budget
+    assert out.kind == "prefill" and e.running == [seqs[0]] and seqs[0].prefill_left == 1672
+    assert seqs[0].blocks == 8 and not out.emitted
+    assert out.duration == pytest.approx((cfg.ttft_ms + cfg.prefill_ms_per_1k_tokens * 0.128) / 1000)
+    now, peak = drive(e)
+    assert e.preemptions_total >= 2 and peak >= 0.95
+    assert all(s.state == "finished" and s.generated == 200 for s in seqs)
+    assert e.free_blocks == e.total_blocks and not e.running and not e.waiting
+    assert e.prompt_tokens_total == 3 * 1800
+
+
+def test_chunked_prefill_mixes_decode_with_prompt_chunks() -> None:
+    cfg = SimConfig(kv_blocks=1000, block_size=16, chunked_prefill=True, max_num_batched_tokens=256)
+    e = Engine(cfg)
+    chat = Sequence(prompt_tokens=100, max_tokens=50)
+    e.add(chat, 0.0)
+    out = e.step(0.0)
+    assert out.emitted == {chat: 1}  # a prompt that fits one chunk emits its first token
+    doc = Sequence(prompt_tokens=1000, max_tokens=5)
+    e.add(doc, out.duration)
+    out = e.step(out.duration)
+    # The chat sequence keeps decoding while the document's first chunk (255 tokens) runs.
+    assert out.emitted == {chat: 2} and doc.prefill_left == 1000 - 255
+    assert out.duration == pytest.approx(
+        (cfg.ttft_ms + cfg.prefill_ms_per_1k_tokens * 0.255) / 1000 + e.decode_ms(1, chat.kv_tokens(-1), 0) / 1000)
+    drive(e)
+    assert chat.generated == 50 and doc.generated == 5 and e.preemptions_total == 0
+    assert e.free_blocks == e.total_blocks
+
+
+def test_chunked_prefill_without_room_to_grow_preempts_like_whole_prefill() -> None:
+    # The same overload as test_engine_runs_out_of_kv_and_preempts, scheduled the V1 way.
+    e = Engine(SimConfig(kv_blocks=64, block_size=16, chunked_prefill=True))
+    seqs = [Sequence(prompt_tokens=200, max_tokens=200, natural_stop=True) for _ in range(8)]
+    for s in seqs:
+        e.add(s, 0.0)
+    drive(e)
+    assert e.preemptions_total > 0
+    assert all(s.state == "finished" and s.generated == 200 and s.finish_reason == "stop" for s in seqs)
+    assert e.free_blocks == e.total_blocks

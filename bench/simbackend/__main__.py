@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="prompt tokens per prefill step (default: max-model-len)",
     )
+    p.add_argument("--chunked-prefill", action="store_true",
+                   help="vLLM V1 scheduling: prompts in chunks of max-num-batched-tokens mixed with decode")
     setting("--watermark", "fraction of blocks kept free at admission")
     setting(
         "--mode", "out of KV: preempt the newest sequence, or fail everything (oom)", choices=MODES

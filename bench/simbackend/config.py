@@ -19,6 +19,9 @@ class SimConfig:
     # Prompt tokens prefilled in one step; None means max_model_len (vLLM's default
     # without chunked prefill). The first waiting prompt is always allowed.
     max_num_batched_tokens: int | None = None
+    # vLLM V1's scheduling: prompts prefilled in chunks of max_num_batched_tokens mixed
+    # with decode, blocks allocated chunk by chunk (see engine.py).
+    chunked_prefill: bool = False
     # vLLM keeps 1 % of the blocks free when admitting, so running sequences can grow.
     watermark: float = 0.01
     mode: str = "preempt"

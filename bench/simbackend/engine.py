@@ -7,6 +7,15 @@ What is modelled, because the gateway's behaviour depends on it:
 - KV blocks are a hard budget: a sequence holds ceil(kv_tokens / block_size) blocks and
   takes a new one whenever it grows past a block boundary.
 - Admission is FCFS with a watermark; a prefill step stalls decoding (no chunked prefill).
+  With ``chunked_prefill`` (vLLM V1's default) a step instead mixes every running
+  sequence's next token with prompt chunks of up to ``max_num_batched_tokens`` tokens:
+  running sequences are scheduled first (a partly prefilled one continues its prompt),
+  then waiting ones are admitted while their *first chunk's* blocks fit, and a sequence
+  that cannot get a block preempts the newest running one; no admission follows a
+  preemption in the same step. Blocks are taken chunk by chunk, so several long prompts
+  can be admitted together and then outgrow the cache: the recompute thrash vLLM shows
+  under a burst of long prompts. Such a step costs its prefill part (as below, for the
+  chunk tokens) plus its decode part.
 - Latency depends on load the way it does on a GPU (constants in ``SimConfig``):
 
     prefill step = ttft_ms + prefill_ms_per_1k_tokens x (prompt tokens in the step) / 1000
@@ -57,6 +66,7 @@ class Sequence:
     admit_order: int = 0
     first_token_at: float | None = None
     prefilled_once: bool = False
+    prefill_left: int = 0  # chunked prefill: KV tokens still to compute in this residency
     num_preemptions: int = 0
     finish_reason: str | None = None
     error: tuple[int, str] | None = None
@@ -147,6 +157,9 @@ class Engine:
     # ---- one scheduler iteration ----------------------------------------------------
     def step(self, now: float) -> StepOutcome:
         out = StepOutcome()
+        if self.cfg.chunked_prefill:
+            self._step_chunked(now, out)
+            return out
         admitted = [] if self.paused(now) else self._admit(out)
         if admitted:
             self._prefill(now, admitted, out)
@@ -251,7 +264,11 @@ class Engine:
 
     def _grow(self, seq: Sequence, k: int, now: float, out: StepOutcome) -> bool:
         """Give ``seq`` the blocks for k more tokens, freeing others' if needed."""
-        need = self._blocks_for(seq.kv_tokens(k)) - seq.blocks
+        return self._reserve(seq, seq.kv_tokens(k), now, out)
+
+    def _reserve(self, seq: Sequence, tokens: int, now: float, out: StepOutcome) -> bool:
+        """Give ``seq`` blocks for ``tokens`` KV tokens in all, preempting the newest if needed."""
+        need = self._blocks_for(tokens) - seq.blocks
         while need > self.free_blocks:
             if self.mode == "oom":
                 self._oom(now, out)
@@ -277,6 +294,82 @@ class Engine:
         out.emitted[seq] = seq.generated
         if not seq.wants_tokens:
             self._finish(seq, "stop" if seq.natural_stop else "length", out)
+
+    # ---- chunked prefill (vLLM V1) ----------------------------------------------------
+    def _step_chunked(self, now: float, out: StepOutcome) -> None:
+        budget = self.cfg.batched_tokens_budget
+        prefill = 0
+        decode: list[tuple[Sequence, int]] = []
+        completed: list[Sequence] = []  # their prompt's last chunk ran in this step
+        for seq in list(self.running):
+            if seq.state != "running" or budget <= 0:
+                continue  # preempted earlier in this step, or no budget left
+            if seq.prefill_left > 0:
+                chunk = min(seq.prefill_left, budget)
+                last = chunk == seq.prefill_left
+                done = seq.kv_tokens() - seq.prefill_left + chunk
+                if not self._reserve(seq, done + (seq.n if last and seq.wants_tokens else 0), now, out):
+                    continue
+                seq.prefill_left -= chunk
+                budget -= chunk
+                prefill += chunk
+                if last:
+                    completed.append(seq)
+            elif not seq.wants_tokens and now >= seq.ready_at:
+                self._finish(seq, "stop", out)
+            elif (k := self._due(seq, now)) > 0 and self._grow(seq, k, now, out):
+                decode.append((seq, k))
+                budget -= 1
+        if not out.preempted and not self.paused(now):
+            while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+                seq = self.waiting[0]
+                need = self._admission_blocks(seq)
+                if need > self.total_blocks - self.watermark_blocks:
+                    self.waiting.popleft()
+                    self._too_big(seq, need, out)
+                    continue
+                total = seq.kv_tokens()
+                chunk = min(total, budget)
+                last = chunk == total
+                first = self._blocks_for(chunk + (seq.n if last and seq.wants_tokens else 0))
+                if self.free_blocks - first < self.watermark_blocks:
+                    break
+                self.waiting.popleft()
+                self.free_blocks -= first
+                seq.blocks = first
+                seq.state = "running"
+                seq.prefill_left = total - chunk
+                self._admitted += 1
+                seq.admit_order = self._admitted
+                self.running.append(seq)
+                self.peak_used_blocks = max(self.peak_used_blocks, self.used_blocks)
+                if not seq.prefilled_once:
+                    seq.prefilled_once = True
+                    self.prompt_tokens_total += seq.prompt_tokens
+                budget -= chunk
+                prefill += chunk
+                if last:
+                    completed.append(seq)
+        decode = [(s, k) for s, k in decode if s.state == "running"]
+        if not prefill and not decode:
+            out.wake_at = self._next_wake(now) if not out.finished and not out.failed else now
+            return
+        cfg = self.cfg
+        out.kind = "prefill" if prefill else "decode"
+        if prefill:
+            out.duration += (cfg.ttft_ms + cfg.prefill_ms_per_1k_tokens * prefill / 1000.0) / 1000.0
+        if decode:
+            out.duration += self.decode_ms(len(decode), sum(s.kv_tokens() for s, _ in decode), now) / 1000.0
+        end = now + out.duration
+        for seq, k in decode:
+            self._emit(seq, k, end, out)
+        for seq in completed:
+            if seq.state != "running" or now < seq.ready_at:
+                continue  # preempted later in the step, or a programmed delay
+            if not seq.wants_tokens:
+                self._finish(seq, "stop", out)
+            else:
+                self._emit(seq, 1, end, out)
 
     # ---- endings ----------------------------------------------------------------------
     def _free(self, seq: Sequence) -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 from flask import Blueprint
 
-from console import live, sparkline
+from console import live, sparkline, ttft
 from console.views.common import region, sluice, snapshot
 
 bp = Blueprint("overview", __name__)
@@ -22,9 +22,26 @@ def _context() -> dict[str, Any]:
     backends = live.backend_views(names, reps)
     sparks = {b.name: sparkline.svg(live.kv_series(s.store, b.name, now - SPARK_WINDOW_S), now - SPARK_WINDOW_S,
                                     now, label=f"KV usage of {b.name}, last 15 min") for b in backends}
+    slos = {name: t.ttft_p99_ms for name, t in snap.policy.tiers.items()} if snap else {}
+    ttfts = {b.name: _ttft_rows(s.store, b.name, now, slos) for b in backends}
     manual = {b["backend"]: b for b in snap.doc.get("breakers", [])} if snap else {}
-    return {"backends": backends, "sparks": sparks, "replicas": reps, "manual": manual,
+    return {"backends": backends, "sparks": sparks, "ttfts": ttfts, "replicas": reps, "manual": manual,
             "etag": snap.etag if snap else None, "stale_after": s.config.stale_after_s}
+
+
+def _ttft_rows(store: Any, backend: str, now: float, slos: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per tier: 15-minute TTFT p50 / p99 and a sparkline of the p99 per minute (dashed: the SLO)."""
+    since = now - SPARK_WINDOW_S
+    rows = []
+    for t in ttft.summary(store, backend, since):
+        slo = slos.get(t.tier)
+        top = max([100.0, *(p * 1.1 for _, p in t.series), *([slo * 1.5] if slo else [])])
+        spark = sparkline.svg(t.series, since, now, width=120, height=24, gap_s=90.0, top=top,
+                              marks=[(slo, "#d9534f")] if slo else [],
+                              label=f"TTFT p99 per minute of {t.tier} on {backend}, last 15 min")
+        rows.append({"tier": t.tier, "n": t.n, "p50": t.p50_ms, "p99": t.p99_ms, "slo": slo, "spark": spark,
+                     "over": bool(slo and t.p99_ms is not None and t.p99_ms > slo)})
+    return rows
 
 
 @bp.get("/")

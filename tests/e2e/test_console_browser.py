@@ -127,6 +127,9 @@ def test_operator_steers_the_gateway_from_the_browser(stack: ConsoleStack, brows
         sim_config(stack, kv_usage_override=0.93)
         expect(page.locator("#backend-sim .kv-value")).to_have_text("93 %", timeout=10_000)
         assert page.evaluate("window.sluiceNoReload") == 42, "the page was reloaded"
+        # t-other's request as a free tenant: the free tier's 15-minute TTFT, with its sparkline.
+        expect(page.locator("#ttft-sim-free")).to_contain_text(" ms", timeout=5_000)
+        expect(page.locator("#ttft-sim-free svg.sparkline")).to_have_count(1)
         page.wait_for_timeout(1500)  # one more poll: the sparkline's newest point
         page.screenshot(path=str(tmp_path / "overview.png"), full_page=True)
         if os.environ.get("SLUICE_UPDATE_SCREENSHOT") or not README_SCREENSHOT.exists():
