@@ -16,7 +16,9 @@ import aiohttp
 from extproc.backends import BackendRuntime
 from extproc.endpoints import EndpointState, resolve_later
 from extproc.metrics import Metrics
+from extproc.policy.breaker import Breaker
 from extproc.policy.engine_metrics import EngineMetrics
+from extproc.policy.watermark import WatermarkController
 from extproc.runtime import Runtime
 from extproc.scrape import Sample, engine_metrics, kv_source, reserved_fraction, scrape_once
 
@@ -65,42 +67,36 @@ async def scrape_endpoints(rt: Runtime, name: str, be: BackendRuntime, session: 
 
 
 def apply_endpoint_sample(m: Metrics, label: str, st: EndpointState, sample: Sample, now: float) -> None:
+    # Unreachable: ejected from picking until it answers again.
+    _apply(m, label, st.wm, st.breaker, sample, now, "endpoint")
+
+
+def apply_sample(m: Metrics, name: str, be: BackendRuntime, sample: Sample, now: float) -> None:
+    _apply(m, name, be.wm, be.breaker, sample, now, "backend")
+
+
+def _apply(m: Metrics, label: str, wm: WatermarkController, breaker: Breaker, sample: Sample, now: float,
+           what: str) -> None:
+    """One scrape into a watermark and a breaker: a backend's, or one endpoint's of a pool."""
     source = kv_source(sample)
     if source == "saturated":
-        st.wm.observe(None, None, now)  # unreachable: ejected from picking until it answers again
+        # Unreachable metrics count as saturated, never as idle.
+        wm.observe(None, None, now)
         m.scrape_errors.labels(label).inc()
+        log.debug("scrape of %s failed: %s", label, sample.error)
         return
     if sample.state == "problem":
         m.scrape_errors.labels(label).inc()
-    st.wm.observe(sample.kv_usage if source == "engine" else 0.0, sample.waiting, now)
+    # Without the engine's KV (no KV metric, no series yet, a setup problem) Sluice's own
+    # reservations bound KV (kv_fits against kv_capacity_tokens) and the engine queue alone
+    # drives the watermark: feeding the reservations in as well would count them twice.
+    wm.observe(sample.kv_usage if source == "engine" else 0.0, sample.waiting, now)
     if source == "engine":
         m.kv_usage.labels(label).set(sample.kv_usage or 0.0)
     if sample.waiting is not None:
         m.backend_waiting.labels(label).set(sample.waiting)
-    if sample.preemptions is not None and st.breaker.observe_preemptions(sample.preemptions, now):
-        log.warning("endpoint %s: preemptions rising, its breaker tripped", label)
-
-
-def apply_sample(m: Metrics, name: str, be: BackendRuntime, sample: Sample, now: float) -> None:
-    source = kv_source(sample)
-    if source == "saturated":
-        # Unreachable metrics count as saturated, never as idle.
-        be.wm.observe(None, None, now)
-        m.scrape_errors.labels(name).inc()
-        log.debug("scrape of %s failed: %s", name, sample.error)
-        return
-    if sample.state == "problem":
-        m.scrape_errors.labels(name).inc()
-    # Without the engine's KV (no KV metric, no series yet, a setup problem) Sluice's own
-    # reservations bound KV (kv_fits against kv_capacity_tokens) and the engine queue alone
-    # drives the watermark: feeding the reservations in as well would count them twice.
-    be.wm.observe(sample.kv_usage if source == "engine" else 0.0, sample.waiting, now)
-    if source == "engine":
-        m.kv_usage.labels(name).set(sample.kv_usage or 0.0)
-    if sample.waiting is not None:
-        m.backend_waiting.labels(name).set(sample.waiting)
-    if sample.preemptions is not None and be.breaker.observe_preemptions(sample.preemptions, now):
-        log.warning("backend %s: preemptions rising, breaker tripped", name)
+    if sample.preemptions is not None and breaker.observe_preemptions(sample.preemptions, now):
+        log.warning("%s %s: preemptions rising, breaker tripped", what, label)
 
 
 def report_change(m: Metrics, name: str, url: str, previous: object | None, sample: Sample) -> None:

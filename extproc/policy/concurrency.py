@@ -47,6 +47,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from extproc.policy.model import AdaptiveSettings
+
+_DEFAULTS = AdaptiveSettings()
+
 __all__ = ["AdaptiveConfig", "AdaptiveLimit", "quantile"]
 
 MAX_WINDOW_SAMPLES = 4096
@@ -61,15 +65,16 @@ def quantile(values: list[float], q: float) -> float:
 
 @dataclass(frozen=True)
 class AdaptiveConfig:
+    # The policy's defaults (AdaptiveSettings) are the one source; the ceiling is the backend's.
     ceiling: int
-    floor: int = 2
-    window_s: float = 1.0
-    min_samples: int = 4
-    quantile: float = 0.99
-    tolerance: float = 0.8
-    smoothing: float = 0.5
-    min_gradient: float = 0.5
-    risk_hold_s: float = 5.0
+    floor: int = _DEFAULTS.floor
+    window_s: float = _DEFAULTS.window_s
+    min_samples: int = _DEFAULTS.min_samples
+    quantile: float = _DEFAULTS.quantile
+    tolerance: float = _DEFAULTS.tolerance
+    smoothing: float = _DEFAULTS.smoothing
+    min_gradient: float = _DEFAULTS.min_gradient
+    risk_hold_s: float = _DEFAULTS.risk_hold_s
 
     def __post_init__(self) -> None:
         if self.ceiling < 1:
