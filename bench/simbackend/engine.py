@@ -179,33 +179,43 @@ class Engine:
         admitted: list[Sequence] = []
         budget = self.cfg.batched_tokens_budget
         batched = 0
-        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
-            seq = self.waiting[0]
-            need = self._admission_blocks(seq)
-            if need > self.total_blocks - self.watermark_blocks:
-                # Would never fit, even alone; waiting would block the queue forever.
-                self.waiting.popleft()
-                self._too_big(seq, need, out)
-                continue
+        while len(self.running) < self.cfg.max_num_seqs and (head := self._fitting_head(out)) is not None:
+            seq, need = head
             prefill = seq.kv_tokens()
             if admitted and batched + prefill > budget:
                 break
             if self.free_blocks - need < self.watermark_blocks:
                 break
-            self.waiting.popleft()
-            self.free_blocks -= need
-            seq.blocks = need
-            seq.state = "running"
-            self._admitted += 1
-            seq.admit_order = self._admitted
-            self.running.append(seq)
+            self._start(seq, need)
             admitted.append(seq)
             batched += prefill
-            self.peak_used_blocks = max(self.peak_used_blocks, self.used_blocks)
-            if not seq.prefilled_once:
-                seq.prefilled_once = True
-                self.prompt_tokens_total += seq.prompt_tokens
         return admitted
+
+    def _fitting_head(self, out: StepOutcome) -> tuple[Sequence, int] | None:
+        """The queue's head and the blocks it needs to start; heads that would never fit,
+        even alone, are failed on the way (waiting would block the queue forever)."""
+        while self.waiting:
+            seq = self.waiting[0]
+            need = self._admission_blocks(seq)
+            if need <= self.total_blocks - self.watermark_blocks:
+                return seq, need
+            self.waiting.popleft()
+            self._too_big(seq, need, out)
+        return None
+
+    def _start(self, seq: Sequence, blocks: int) -> None:
+        """Move the queue's head to running, holding ``blocks`` of the cache."""
+        self.waiting.popleft()
+        self.free_blocks -= blocks
+        seq.blocks = blocks
+        seq.state = "running"
+        self._admitted += 1
+        seq.admit_order = self._admitted
+        self.running.append(seq)
+        self.peak_used_blocks = max(self.peak_used_blocks, self.used_blocks)
+        if not seq.prefilled_once:
+            seq.prefilled_once = True
+            self.prompt_tokens_total += seq.prompt_tokens
 
     def _prefill(self, now: float, admitted: list[Sequence], out: StepOutcome) -> None:
         tokens = sum(s.kv_tokens() for s in admitted)
@@ -321,31 +331,17 @@ class Engine:
                 decode.append((seq, k))
                 budget -= 1
         if not out.preempted and not self.paused(now):
-            while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-                seq = self.waiting[0]
-                need = self._admission_blocks(seq)
-                if need > self.total_blocks - self.watermark_blocks:
-                    self.waiting.popleft()
-                    self._too_big(seq, need, out)
-                    continue
+            while budget > 0 and len(self.running) < self.cfg.max_num_seqs \
+                    and (head := self._fitting_head(out)) is not None:
+                seq = head[0]
                 total = seq.kv_tokens()
                 chunk = min(total, budget)
                 last = chunk == total
                 first = self._blocks_for(chunk + (seq.n if last and seq.wants_tokens else 0))
                 if self.free_blocks - first < self.watermark_blocks:
                     break
-                self.waiting.popleft()
-                self.free_blocks -= first
-                seq.blocks = first
-                seq.state = "running"
+                self._start(seq, first)
                 seq.prefill_left = total - chunk
-                self._admitted += 1
-                seq.admit_order = self._admitted
-                self.running.append(seq)
-                self.peak_used_blocks = max(self.peak_used_blocks, self.used_blocks)
-                if not seq.prefilled_once:
-                    seq.prefilled_once = True
-                    self.prompt_tokens_total += seq.prompt_tokens
                 budget -= chunk
                 prefill += chunk
                 if last:
