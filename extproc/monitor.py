@@ -21,6 +21,7 @@ from extproc.policy.engine_metrics import EngineMetrics
 from extproc.policy.watermark import WatermarkController
 from extproc.runtime import Runtime
 from extproc.scrape import Sample, engine_metrics, kv_source, reserved_fraction, scrape_once
+from extproc.series import SeriesPruner
 
 log = logging.getLogger("sluice.monitor")
 TICK_S = 0.1
@@ -39,6 +40,8 @@ async def scrape_backend(rt: Runtime, name: str, session: aiohttp.ClientSession)
         if be.spec.metrics_url:
             sample = await scrape_once(session, be.spec.metrics_url, metric_names(be),
                                        timeout_s=max(0.2, min(interval, 2.0)))
+            if rt.backends.get(name) is not be:
+                return  # removed while scraping: no series for it again
             previous, be.sample = be.sample, sample
             apply_sample(rt.metrics, name, be, sample, rt.clock())
             report_change(rt.metrics, name, be.spec.metrics_url, previous, sample)
@@ -60,6 +63,8 @@ async def scrape_endpoints(rt: Runtime, name: str, be: BackendRuntime, session: 
                                      for st in targets))
     now = rt.clock()
     for st, sample in zip(targets, samples, strict=True):
+        if be.endpoints.by_key.get(st.key) is not st:
+            continue  # drained and forgotten while scraping
         label = f"{name}@{st.key}"
         previous, st.sample = st.sample, sample
         apply_endpoint_sample(rt.metrics, label, st, sample, now)
@@ -170,6 +175,7 @@ def refresh_endpoints(m: Metrics, name: str, be: BackendRuntime, now: float) -> 
 
 async def run_monitor(rt: Runtime) -> None:
     tasks: dict[str, asyncio.Task[None]] = {}
+    pruner = SeriesPruner()  # the series of backends and endpoints that left the policy go
     async with aiohttp.ClientSession() as session:
         try:
             while True:
@@ -178,6 +184,7 @@ async def run_monitor(rt: Runtime) -> None:
                     if t is None or t.done():
                         tasks[name] = asyncio.create_task(scrape_backend(rt, name, session))
                 refresh(rt)
+                pruner.maybe_prune(rt.metrics, rt.backends, rt.clock())
                 await asyncio.sleep(TICK_S)
         finally:
             for t in tasks.values():
