@@ -176,6 +176,9 @@ def refresh_endpoints(m: Metrics, name: str, be: BackendRuntime, now: float) -> 
         m.endpoint_in_flight.labels(name, key).set(st.in_flight)
         m.endpoint_kv_reserved.labels(name, key).set(st.kv_in_use)
         m.endpoint_usable.labels(name, key).set(1 if st.usable(now) else 0)
+        for ev in st.breaker.drain_events():  # labelled backend@host:port, like its scrape gauges
+            m.breaker_transitions.labels(f"{name}@{key}", str(ev.from_state), str(ev.to_state), ev.cause).inc()
+            log.warning("endpoint breaker %s@%s: %s -> %s (%s)", name, key, ev.from_state, ev.to_state, ev.cause)
         if st.spec.metrics_url and kv_source(st.sample, st.spec.kv_capacity_tokens is not None) == "reservations":
             m.kv_usage.labels(f"{name}@{key}").set(reserved_fraction(st.kv_in_use, st.spec.kv_capacity_tokens) or 0.0)
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
 
 from extproc.backends import BackendRuntime, Hold
 from extproc.endpoints import pool_status
+from extproc.monitor import refresh
 from extproc.policy.breaker import BreakerState, Outcome
 from extproc.policy.schema import PolicyError, build_policy
+from extproc.runtime import Runtime
 from tests.test_pool import TWO, doc
 
 A, B = "127.0.0.1:7001", "127.0.0.1:7002"
@@ -146,3 +149,13 @@ def test_a_rebuilt_endpoint_breaker_keeps_the_manual_trip() -> None:
     assert be.endpoints is not None
     assert be.endpoints.by_key[A].breaker.config.cooldown_s == 5
     assert be.endpoints.by_key[A].breaker.state(1.0) is BreakerState.OPEN
+
+
+def test_an_endpoint_trip_is_a_breaker_transition_on_the_replica(caplog: pytest.LogCaptureFixture) -> None:
+    rt = Runtime(build_policy(with_breakers({"backend": "pool", "endpoint": B, "state": "open",
+                                             "reason": "bad GPU"})))
+    with caplog.at_level(logging.WARNING, logger="sluice.monitor"):
+        refresh(rt)
+    assert rt.metrics.registry.get_sample_value("sluice_breaker_transitions_total", {
+        "backend": f"pool@{B}", "from_state": "closed", "to_state": "open", "cause": "manual_open"}) == 1.0
+    assert any(f"endpoint breaker pool@{B}: closed -> open (manual_open)" in r.getMessage() for r in caplog.records)

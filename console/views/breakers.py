@@ -37,6 +37,7 @@ def _context(**extra: Any) -> dict[str, Any]:
     reps = live.replicas(s.store, s.now(), s.config.stale_after_s, s.config.replica_hide_after_s)
     manual = backend_manual(snap.doc) if snap else {}
     return {"names": names, "backends": live.backend_views(names, reps), "manual": manual, "now": s.now(),
+            "manual_endpoints": manual_by_endpoint(snap.doc) if snap else {},
             "history": _history(), "forms": {}, **extra}
 
 

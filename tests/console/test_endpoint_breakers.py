@@ -72,6 +72,7 @@ def test_trip_reset_and_clear_one_endpoint(pool: Console) -> None:
     assert "manual open" not in page.split('id="backend-sim"', 1)[1].split("</tr>", 1)[0]
     state = text_of(pool.client.get("/breakers/state", headers={"HX-Request": "true"}))
     assert "the automatic breaker decides" in state  # the backend's breaker stays automatic
+    assert f"endpoint {B}: forced open by olga" in state and "ECC errors on GPU 3" in state
 
     # A backend trip beside it is its own entry; both are served.
     assert pool.post("/breakers/sim", {"action": "trip", "reason": "whole pool"}).status_code == 200
