@@ -182,6 +182,9 @@ class BackendRuntime:
                 breaker.set_manual(None, "", None, now)
             else:
                 until = None if ov.until is None else now + (ov.until - wall)
+                if until is not None and until <= now:  # expired (an old entry in the files)
+                    breaker.set_manual(None, "", None, now)
+                    continue
                 breaker.set_manual(ov.state, ov.reason, until, now)
 
     @property

@@ -159,3 +159,13 @@ def test_an_endpoint_trip_is_a_breaker_transition_on_the_replica(caplog: pytest.
     assert rt.metrics.registry.get_sample_value("sluice_breaker_transitions_total", {
         "backend": f"pool@{B}", "from_state": "closed", "to_state": "open", "cause": "manual_open"}) == 1.0
     assert any(f"endpoint breaker pool@{B}: closed -> open (manual_open)" in r.getMessage() for r in caplog.records)
+
+
+def test_an_expired_backend_override_in_the_files_does_not_break_the_load() -> None:
+    """Before, ``Breaker.set_manual`` raised for an ``until`` in the past and the replica
+    could not load the policy; an expired entry is now simply not applied."""
+    be = runtime({"backend": "pool", "state": "open", "reason": "old", "until": 1.0},
+                 {"backend": "pool", "endpoint": A, "state": "open", "reason": "old", "until": 1.0})
+    assert be.endpoints is not None
+    assert be.breaker.state(0.0) is BreakerState.CLOSED
+    assert be.endpoints.by_key[A].breaker.state(0.0) is BreakerState.CLOSED
