@@ -63,43 +63,57 @@ BREAKER_ACTIONS = {"trip": "open", "reset": "closed", "clear": None}
 
 
 def set_breaker(state: PolicyState, *, actor: str, backend: str, action: str, reason: str,
-                minutes: float | None) -> EditResult:
-    """Trip (force open), reset (force closed) or clear (back to automatic) a backend's breaker.
+                minutes: float | None, endpoint: str | None = None) -> EditResult:
+    """Trip (force open), reset (force closed) or clear (back to automatic) a backend's breaker,
+    or with ``endpoint`` (``host:port``) that one endpoint's of a pool.
 
     A forced state holds until ``minutes`` pass or it is cleared; the data plane's
     automatic breaker is suspended meanwhile and resumes when the entry goes away.
     """
     with state.edit_lock:
         snap = state.snapshot()
-        if overrides.entity(snap.doc, "breaker", backend) is None:
+        item = overrides.entity(snap.doc, "breaker", backend)
+        if item is None:
             return EditResult(False, [PathProblem(("backend",), f"unknown backend {backend!r}")])
+        if endpoint is not None and endpoint not in overrides.endpoint_addresses(item):
+            known = ", ".join(overrides.endpoint_addresses(item)) or "none: it is not a pool"
+            return EditResult(False, [PathProblem(("endpoint",), f"backend {backend!r} has no endpoint "
+                                                                 f"{endpoint!r} (its endpoints: {known})")])
         now = state.clock()
+        name = overrides.breaker_field(endpoint)
         if action == "clear":
-            return _clear_breaker(state, actor=actor, backend=backend, reason=reason, now=now)
+            return _clear_breaker(state, actor=actor, backend=backend, reason=reason, now=now, endpoint=endpoint)
         until = now + minutes * 60 if minutes else None
         entry = {"backend": backend, "state": BREAKER_ACTIONS[action], "reason": reason,
                  "until": until, "by": actor, "at": now}
+        if endpoint is not None:
+            entry["endpoint"] = endpoint
+        whose = f"endpoint {endpoint}: " if endpoint is not None else ""
         with state.store.write() as db:
-            _deactivate(db, "breaker", backend, overrides.BREAKER_FIELD)
-            _insert(db, "breaker", backend, overrides.BREAKER_FIELD, entry, None, actor, now, reason)
+            _deactivate(db, "breaker", backend, name)
+            _insert(db, "breaker", backend, name, entry, None, actor, now, reason)
             held = f" for {minutes:g} min" if minutes else ""
             audit.record(db, at=now, actor=actor, kind=f"breaker.{action}", target=backend,
-                         summary=f"breaker {'tripped (forced open)' if action == 'trip' else 'reset (forced closed)'}"
+                         summary=f"{whose}breaker {'tripped (forced open)' if action == 'trip' else 'reset (forced closed)'}"
                                  f"{held or ' until cleared'}",
                          reason=reason, detail=entry)
         state.store.policy_changed()
         return EditResult(True)
 
 
-def _clear_breaker(state: PolicyState, *, actor: str, backend: str, reason: str, now: float) -> EditResult:
-    rows = state.store.query("SELECT id FROM overrides WHERE active = 1 AND scope = 'breaker' AND target = ?",
-                             [backend])
+def _clear_breaker(state: PolicyState, *, actor: str, backend: str, reason: str, now: float,
+                   endpoint: str | None = None) -> EditResult:
+    name = overrides.breaker_field(endpoint)
+    rows = state.store.query("SELECT id FROM overrides WHERE active = 1 AND scope = 'breaker' AND target = ? "
+                             "AND field = ?", [backend, name])
     if not rows:
         return EditResult(False, [PathProblem(("action",), "no manual override to clear: the breaker is automatic")])
+    whose = f"endpoint {endpoint}: " if endpoint is not None else ""
     with state.store.write() as db:
-        _deactivate(db, "breaker", backend, overrides.BREAKER_FIELD)
+        _deactivate(db, "breaker", backend, name)
         audit.record(db, at=now, actor=actor, kind="breaker.clear", target=backend,
-                     summary="manual override cleared: the automatic breaker decides again", reason=reason)
+                     summary=f"{whose}manual override cleared: the automatic breaker decides again", reason=reason,
+                     detail={"endpoint": endpoint} if endpoint is not None else None)
     state.store.policy_changed()
     return EditResult(True)
 

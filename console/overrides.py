@@ -24,6 +24,19 @@ TENANT_FIELDS = ("tier", "tpm", "rpm", "max_concurrency")
 BREAKER_FIELD = "manual"
 
 
+def breaker_field(endpoint: str | None = None) -> str:
+    """The override's field: ``manual`` for a backend's breaker, ``manual@host:port`` for
+    one endpoint's of a pool (each endpoint's trip is its own override)."""
+    return BREAKER_FIELD if endpoint is None else f"{BREAKER_FIELD}@{endpoint}"
+
+
+def endpoint_addresses(backend: dict[str, Any]) -> list[str]:
+    """A pool's endpoints as the files list them (``address`` is the endpoint's ``host:port``)."""
+    raw = backend.get("endpoints")
+    return [str(e["address"]) for e in raw if isinstance(e, dict) and isinstance(e.get("address"), str)] \
+        if isinstance(raw, list) else []
+
+
 def tier_fields() -> tuple[str, ...]:
     """The tier's fields as the schema defines them today."""
     return tuple(f for f in schema.Tier.__dataclass_fields__ if f != "name")
@@ -229,20 +242,27 @@ def apply(base: dict[str, Any], overrides: Iterable[Override], now: float,
         out.doc = doc
     else:
         out.applied.extend(fields)
-    # Entries written in the files stay unless the console has its own for that backend.
-    mine = {b.get("backend") for b in breakers}
-    from_files = [b for b in base.get("breakers") or [] if not (isinstance(b, dict) and b.get("backend") in mine)]
-    doc["breakers"] = copy.deepcopy(from_files) + sorted(breakers, key=lambda b: str(b.get("backend")))
+    # Entries written in the files stay unless the console has its own for that backend
+    # (or, for an endpoint's entry, for that endpoint).
+    mine = {_breaker_key(b) for b in breakers}
+    from_files = [b for b in base.get("breakers") or [] if not (isinstance(b, dict) and _breaker_key(b) in mine)]
+    doc["breakers"] = copy.deepcopy(from_files) + sorted(breakers, key=lambda b: tuple(map(str, _breaker_key(b))))
     out.applied.sort(key=lambda o: (o.at, o.id))
     return out
 
 
 def _apply_breaker(doc: dict[str, Any], ov: Override, now: float, breakers: list[dict[str, Any]],
                    out: Applied) -> None:
-    if entity(doc, "breaker", ov.target) is None:
+    backend = entity(doc, "breaker", ov.target)
+    if backend is None:
         out.conflicts.append(Conflict(ov, "missing", f"backend {ov.target!r} is no longer in the policy files"))
         return
     entry = dict(ov.value or {})
+    endpoint = entry.get("endpoint")
+    if endpoint is not None and endpoint not in endpoint_addresses(backend):
+        out.conflicts.append(Conflict(ov, "missing", f"endpoint {endpoint!r} of backend {ov.target!r} is no "
+                                                     "longer in the policy files"))
+        return
     until = entry.get("until")
     if until is not None:
         if until <= now:
@@ -250,6 +270,10 @@ def _apply_breaker(doc: dict[str, Any], ov: Override, now: float, breakers: list
         out.next_expiry = until if out.next_expiry is None else min(out.next_expiry, until)
     breakers.append(entry)
     out.applied.append(ov)
+
+
+def _breaker_key(entry: dict[str, Any]) -> tuple[Any, Any]:
+    return entry.get("backend"), entry.get("endpoint")
 
 
 def _show(value: Any) -> str:

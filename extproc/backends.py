@@ -167,8 +167,11 @@ class BackendRuntime:
 
     def apply_override(self, policy: Policy, now: float, wall: float | None = None) -> None:
         """Apply the policy's manual trips/resets for this backend and its routes, once per change."""
-        mine = {o.model: o for o in policy.breakers if o.backend == self.spec.name}
+        mine = {o.model: o for o in policy.breakers if o.backend == self.spec.name and o.endpoint is None}
         wall = wall if wall is not None else time.time()
+        if self.endpoints is not None:
+            self.endpoints.apply_overrides({o.endpoint: o for o in policy.breakers
+                                            if o.backend == self.spec.name and o.endpoint is not None}, now, wall)
         targets: dict[str | None, Breaker] = {None: self.breaker, **self.route_breakers}
         for model, breaker in targets.items():
             ov = mine.get(model)
@@ -179,6 +182,9 @@ class BackendRuntime:
                 breaker.set_manual(None, "", None, now)
             else:
                 until = None if ov.until is None else now + (ov.until - wall)
+                if until is not None and until <= now:  # expired (an old entry in the files)
+                    breaker.set_manual(None, "", None, now)
+                    continue
                 breaker.set_manual(ov.state, ov.reason, until, now)
 
     @property

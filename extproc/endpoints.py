@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from extproc.policy.breaker import Breaker, BreakerState, Outcome
 from extproc.policy.placement import Candidate, Placement, largest_capacity, pick
-from extproc.policy.schema import Backend, BreakerSettings, Endpoint
+from extproc.policy.schema import Backend, BreakerOverride, BreakerSettings, Endpoint
 from extproc.policy.watermark import WatermarkController
 
 UNUSABLE_METRICS = ("no_data", "unreachable", "stale")
@@ -62,6 +62,7 @@ class EndpointState:
     draining: bool = False
     sample: object | None = None  # the last scrape.Sample
     overcommit: float = 1.0  # the backend's kv_overcommit: reservations may exceed the cache this many times
+    override: BreakerOverride | None = None  # the operator's manual trip/reset applied to ``breaker``
 
     @property
     def key(self) -> str:
@@ -133,8 +134,27 @@ class EndpointSet:
             st.wm = st.wm if _same_watermark(st, spec) else watermark_controller(spec)
             if new_breakers:
                 st.breaker = Breaker(breaker_config(spec.breaker), now)
+                st.override = None  # the new breaker gets the manual state again (apply_overrides)
         for st in self.by_key.values():
             st.overcommit = spec.kv_overcommit
+
+    def apply_overrides(self, mine: dict[str, BreakerOverride], now: float, wall: float) -> None:
+        """The policy's manual trips/resets of single endpoints (``endpoint: host:port``),
+        applied once per change: open ejects the endpoint from picking, closed forces its
+        breaker closed (stale metrics still eject it). ``wall`` converts ``until``."""
+        for key, st in self.by_key.items():
+            ov = mine.get(key)
+            if ov == st.override:
+                continue
+            st.override = ov
+            if ov is None:
+                st.breaker.set_manual(None, "", None, now)
+            else:
+                until = None if ov.until is None else now + (ov.until - wall)
+                if until is not None and until <= now:
+                    st.breaker.set_manual(None, "", None, now)  # expired while in transit
+                    continue
+                st.breaker.set_manual(ov.state, ov.reason, until, now)
 
     def candidates(self, now: float) -> list[Candidate]:
         return [st.candidate(now) for st in self.by_key.values()]
@@ -205,7 +225,7 @@ def endpoint_status(st: EndpointState, now: float) -> dict[str, object]:
         "preemptions": getattr(st.sample, "preemptions", None),
         "scale": round(st.scale(now), 4),
         "breaker": {"state": snap.get("state"), "retry_after_s": snap.get("cooldown_left_s"),
-                    "trips": snap.get("trips", 0)},
+                    "trips": snap.get("trips", 0), "manual": snap.get("manual")},
         "slots": {"total": st.spec.max_concurrency, "in_use": st.in_flight},
         "kv": {"capacity_tokens": st.spec.kv_capacity_tokens, "reserved_tokens": st.kv_in_use},
     }

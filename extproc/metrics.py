@@ -126,5 +126,10 @@ class Metrics:
             c = self._children[key] = metric.labels(*labels)
         return c
 
+    def forget(self, metric: Any, *labels: str) -> None:
+        """Remove one labelled series, and its cached child (which would write to nowhere)."""
+        metric.remove(*labels)
+        self._children.pop((id(metric), labels), None)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -21,6 +21,7 @@ from extproc.policy.engine_metrics import EngineMetrics
 from extproc.policy.watermark import WatermarkController
 from extproc.runtime import Runtime
 from extproc.scrape import Sample, engine_metrics, kv_source, reserved_fraction, scrape_once
+from extproc.series import SeriesPruner
 
 log = logging.getLogger("sluice.monitor")
 TICK_S = 0.1
@@ -39,9 +40,12 @@ async def scrape_backend(rt: Runtime, name: str, session: aiohttp.ClientSession)
         if be.spec.metrics_url:
             sample = await scrape_once(session, be.spec.metrics_url, metric_names(be),
                                        timeout_s=max(0.2, min(interval, 2.0)))
+            if rt.backends.get(name) is not be:
+                return  # removed while scraping: no series for it again
             previous, be.sample = be.sample, sample
             apply_sample(rt.metrics, name, be, sample, rt.clock())
-            report_change(rt.metrics, name, be.spec.metrics_url, previous, sample)
+            report_change(rt.metrics, name, be.spec.metrics_url, previous, sample,
+                          kv_bound=be.spec.kv_capacity_tokens is not None)
         if be.endpoints is not None:
             await scrape_endpoints(rt, name, be, session, timeout_s=max(0.2, min(interval, 2.0)))
         await asyncio.sleep(interval)
@@ -60,27 +64,31 @@ async def scrape_endpoints(rt: Runtime, name: str, be: BackendRuntime, session: 
                                      for st in targets))
     now = rt.clock()
     for st, sample in zip(targets, samples, strict=True):
+        if be.endpoints.by_key.get(st.key) is not st:
+            continue  # drained and forgotten while scraping
         label = f"{name}@{st.key}"
         previous, st.sample = st.sample, sample
         apply_endpoint_sample(rt.metrics, label, st, sample, now)
-        report_change(rt.metrics, label, st.spec.metrics_url or "", previous, sample)
+        report_change(rt.metrics, label, st.spec.metrics_url or "", previous, sample,
+                      kv_bound=st.spec.kv_capacity_tokens is not None)
 
 
 def apply_endpoint_sample(m: Metrics, label: str, st: EndpointState, sample: Sample, now: float) -> None:
     # Unreachable: ejected from picking until it answers again.
-    _apply(m, label, st.wm, st.breaker, sample, now, "endpoint")
+    _apply(m, label, st.wm, st.breaker, sample, now, "endpoint", st.spec.kv_capacity_tokens is not None)
 
 
 def apply_sample(m: Metrics, name: str, be: BackendRuntime, sample: Sample, now: float) -> None:
-    _apply(m, name, be.wm, be.breaker, sample, now, "backend")
+    _apply(m, name, be.wm, be.breaker, sample, now, "backend", be.spec.kv_capacity_tokens is not None)
 
 
 def _apply(m: Metrics, label: str, wm: WatermarkController, breaker: Breaker, sample: Sample, now: float,
-           what: str) -> None:
+           what: str, kv_bound: bool = True) -> None:
     """One scrape into a watermark and a breaker: a backend's, or one endpoint's of a pool."""
-    source = kv_source(sample)
+    source = kv_source(sample, kv_bound)
     if source == "saturated":
-        # Unreachable metrics count as saturated, never as idle.
+        # Unreachable metrics count as saturated, never as idle; so do unusable ones
+        # (``problem``) when no kv_capacity_tokens lets Sluice's reservations bound KV.
         wm.observe(None, None, now)
         m.scrape_errors.labels(label).inc()
         log.debug("scrape of %s failed: %s", label, sample.error)
@@ -99,7 +107,8 @@ def _apply(m: Metrics, label: str, wm: WatermarkController, breaker: Breaker, sa
         log.warning("%s %s: preemptions rising, breaker tripped", what, label)
 
 
-def report_change(m: Metrics, name: str, url: str, previous: object | None, sample: Sample) -> None:
+def report_change(m: Metrics, name: str, url: str, previous: object | None, sample: Sample,
+                  kv_bound: bool = True) -> None:
     """Say once, loudly, when a backend's metrics become unusable, and when they recover."""
     was = previous.problem if isinstance(previous, Sample) and previous.state == "problem" else ""
     now_problem = sample.problem if sample.state == "problem" else ""
@@ -112,8 +121,11 @@ def report_change(m: Metrics, name: str, url: str, previous: object | None, samp
         log.warning("backend %s: metrics at %s no longer %s (now %s)", name, url, was,
                     sample.problem if now_problem else sample.state)
     if now_problem:
-        log.error("backend %s: metrics at %s cannot be used (%s: %s): %s. Admitting by Sluice's own KV "
-                  "reservations until this is fixed", name, url, now_problem, sample.error, sample.hint)
+        meanwhile = ("Admitting by Sluice's own KV reservations until this is fixed" if kv_bound else
+                     "Counted as saturated until this is fixed (no kv_capacity_tokens: nothing else bounds "
+                     "its KV cache)")
+        log.error("backend %s: metrics at %s cannot be used (%s: %s): %s. %s", name, url, now_problem,
+                  sample.error, sample.hint, meanwhile)
     if sample.state == "no_series" and not (isinstance(previous, Sample) and previous.state == "no_series"):
         log.info("backend %s: no KV series at %s yet (the engine creates it at its first batch); "
                  "admitting by Sluice's own KV reservations", name, url)
@@ -127,7 +139,7 @@ def refresh(rt: Runtime) -> None:
             be.pump(now)
         scale = be.scale(now)
         m.scale.labels(name).set(scale)
-        if be.has_metrics and kv_source(be.sample) == "reservations":
+        if be.has_metrics and kv_source(be.sample, be.spec.kv_capacity_tokens is not None) == "reservations":
             m.kv_usage.labels(name).set(reserved_fraction(be.kv_in_use, be.spec.kv_capacity_tokens) or 0.0)
         m.slots_effective.labels(name).set(be.pool.effective_limits(be.slot_scale(now))["total"])
         m.concurrency_limit.labels(name).set(be.latency.limit(now) if be.latency else be.spec.max_concurrency)
@@ -164,12 +176,16 @@ def refresh_endpoints(m: Metrics, name: str, be: BackendRuntime, now: float) -> 
         m.endpoint_in_flight.labels(name, key).set(st.in_flight)
         m.endpoint_kv_reserved.labels(name, key).set(st.kv_in_use)
         m.endpoint_usable.labels(name, key).set(1 if st.usable(now) else 0)
-        if st.spec.metrics_url and kv_source(st.sample) == "reservations":
+        for ev in st.breaker.drain_events():  # labelled backend@host:port, like its scrape gauges
+            m.breaker_transitions.labels(f"{name}@{key}", str(ev.from_state), str(ev.to_state), ev.cause).inc()
+            log.warning("endpoint breaker %s@%s: %s -> %s (%s)", name, key, ev.from_state, ev.to_state, ev.cause)
+        if st.spec.metrics_url and kv_source(st.sample, st.spec.kv_capacity_tokens is not None) == "reservations":
             m.kv_usage.labels(f"{name}@{key}").set(reserved_fraction(st.kv_in_use, st.spec.kv_capacity_tokens) or 0.0)
 
 
 async def run_monitor(rt: Runtime) -> None:
     tasks: dict[str, asyncio.Task[None]] = {}
+    pruner = SeriesPruner()  # the series of backends and endpoints that left the policy go
     async with aiohttp.ClientSession() as session:
         try:
             while True:
@@ -178,6 +194,7 @@ async def run_monitor(rt: Runtime) -> None:
                     if t is None or t.done():
                         tasks[name] = asyncio.create_task(scrape_backend(rt, name, session))
                 refresh(rt)
+                pruner.maybe_prune(rt.metrics, rt.backends, rt.clock())
                 await asyncio.sleep(TICK_S)
         finally:
             for t in tasks.values():

@@ -66,14 +66,20 @@ def kv_fraction(value: float, unit: str) -> float:
     return min(max(value, 0.0), 1.0)
 
 
-def kv_source(sample: Sample | None) -> str:
+def kv_source(sample: Sample | None, kv_bound: bool = True) -> str:
     """Where the KV signal comes from: ``engine``, ``reservations`` or ``saturated``.
 
     ``reservations``: the engine says nothing about its cache (no KV metric, no series
     yet, or a setup problem); Sluice's own reservations against ``kv_capacity_tokens``
     bound admission and the engine queue alone drives the watermark.
+
+    ``kv_bound``: whether ``kv_capacity_tokens`` is set. A ``problem`` scrape without it
+    has nothing at all bounding the cache (no KV, no queue, no reservation limit), so it
+    counts as saturated, like an unreachable one, until the metrics are fixed.
     """
     if sample is None or sample.state == "unreachable":
+        return "saturated"
+    if sample.state == "problem" and not kv_bound:
         return "saturated"
     if sample.state == "ok" and sample.kv_usage is not None:
         return "engine"
@@ -89,7 +95,7 @@ def scrape_status(sample: object | None, reserved: int, capacity: int | None, ha
     """The status-report view of the last scrape: the KV value shown, where it comes from,
     the scrape's state and, when the metrics cannot be used, the problem and its fix."""
     s = sample if isinstance(sample, Sample) else None
-    source = kv_source(s) if has_metrics else "none"
+    source = kv_source(s, capacity is not None) if has_metrics else "none"
     kv = s.kv_usage if s is not None and source == "engine" else None
     if source == "reservations":
         kv = reserved_fraction(reserved, capacity)

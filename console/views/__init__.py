@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
-from console.views import api, audit, auth, breakers, export, keys, overview, tenants, tiers
+from console.views import (
+    api,
+    audit,
+    auth,
+    breakers,
+    endpoint_breakers,
+    export,
+    keys,
+    overview,
+    tenants,
+    tiers,
+)
 
-BLUEPRINTS = [auth.bp, overview.bp, tenants.bp, keys.bp, tiers.bp, breakers.bp, audit.bp, export.bp, api.bp]
+BLUEPRINTS = [auth.bp, overview.bp, tenants.bp, keys.bp, tiers.bp, breakers.bp, endpoint_breakers.bp, audit.bp, export.bp, api.bp]

@@ -35,9 +35,43 @@ def _context(**extra: Any) -> dict[str, Any]:
     snap = snapshot()
     names = [b.name for b in snap.policy.backends] if snap else []
     reps = live.replicas(s.store, s.now(), s.config.stale_after_s, s.config.replica_hide_after_s)
-    manual = {b["backend"]: b for b in snap.doc.get("breakers", [])} if snap else {}
+    manual = backend_manual(snap.doc) if snap else {}
     return {"names": names, "backends": live.backend_views(names, reps), "manual": manual, "now": s.now(),
+            "manual_endpoints": manual_by_endpoint(snap.doc) if snap else {},
             "history": _history(), "forms": {}, **extra}
+
+
+def parse_form() -> tuple[str, str, float | None, dict[str, str], dict[str, list[str]]]:
+    """A trip/reset/clear form: action, reason, minutes (blank: until cleared), the form
+    to re-render, and the problems by field."""
+    action = request.form.get("action", "")
+    errors: dict[str, list[str]] = {}
+    if action not in edits.BREAKER_ACTIONS:
+        errors[""] = ["choose trip, reset or clear"]
+    reason, problem = reason_field()
+    if problem:
+        errors["reason"] = [problem]
+    raw = (request.form.get("minutes") or "").strip()
+    minutes: float | None = None
+    if raw:
+        try:
+            minutes = float(raw)
+        except ValueError:
+            errors["minutes"] = [f"expected a number of minutes, got {raw!r}"]
+        else:
+            if not 0 < minutes <= MAX_MINUTES:
+                errors["minutes"] = [f"expiry must be between 0 and {MAX_MINUTES} minutes (blank: until cleared)"]
+    return action, reason, minutes, {"reason": reason, "minutes": raw}, errors
+
+
+def backend_manual(doc: dict[str, Any]) -> dict[str, Any]:
+    """The served manual entries of backends' own breakers (not one endpoint's of a pool)."""
+    return {b["backend"]: b for b in doc.get("breakers", []) if not b.get("endpoint")}
+
+
+def manual_by_endpoint(doc: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    """The served manual entries of single pool endpoints, by (backend, host:port)."""
+    return {(b["backend"], b["endpoint"]): b for b in doc.get("breakers", []) if b.get("endpoint")}
 
 
 @bp.get("/breakers")
@@ -61,24 +95,7 @@ def change(backend: str) -> Response | tuple[str, int]:
     snap = snapshot()
     if snap is None or backend not in [b.name for b in snap.policy.backends]:
         abort(404, description=f"no backend {backend!r}")
-    action = request.form.get("action", "")
-    errors: dict[str, list[str]] = {}
-    if action not in edits.BREAKER_ACTIONS:
-        errors[""] = ["choose trip, reset or clear"]
-    reason, problem = reason_field()
-    if problem:
-        errors["reason"] = [problem]
-    raw = (request.form.get("minutes") or "").strip()
-    minutes: float | None = None
-    if raw:
-        try:
-            minutes = float(raw)
-        except ValueError:
-            errors["minutes"] = [f"expected a number of minutes, got {raw!r}"]
-        else:
-            if not 0 < minutes <= MAX_MINUTES:
-                errors["minutes"] = [f"expiry must be between 0 and {MAX_MINUTES} minutes (blank: until cleared)"]
-    form = {"reason": reason, "minutes": raw}
+    action, reason, minutes, form, errors = parse_form()
     if not errors:
         result = edits.set_breaker(sluice().state, actor=actor(), backend=backend, action=action, reason=reason,
                                    minutes=minutes)

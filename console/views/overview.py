@@ -7,6 +7,7 @@ from typing import Any
 from flask import Blueprint
 
 from console import live, sparkline, ttft
+from console.views.breakers import backend_manual, manual_by_endpoint
 from console.views.common import region, sluice, snapshot
 
 bp = Blueprint("overview", __name__)
@@ -24,8 +25,9 @@ def _context() -> dict[str, Any]:
                                     now, label=f"KV usage of {b.name}, last 15 min") for b in backends}
     slos = {name: t.ttft_p99_ms for name, t in snap.policy.tiers.items()} if snap else {}
     ttfts = {b.name: _ttft_rows(s.store, b.name, now, slos) for b in backends}
-    manual = {b["backend"]: b for b in snap.doc.get("breakers", [])} if snap else {}
+    manual = backend_manual(snap.doc) if snap else {}
     return {"backends": backends, "sparks": sparks, "ttfts": ttfts, "replicas": reps, "manual": manual,
+            "manual_endpoints": manual_by_endpoint(snap.doc) if snap else {},
             "etag": snap.etag if snap else None, "stale_after": s.config.stale_after_s}
 
 

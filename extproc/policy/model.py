@@ -238,6 +238,7 @@ class BreakerOverride:
     by: str = ""
     at: float | None = None
     model: str | None = None  # a model route's breaker instead of the backend's
+    endpoint: str | None = None  # one pool endpoint's breaker (host:port): ejects it from picking
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,8 @@ def build_policy(doc: Mapping[str, Any], locate: Locator | None = None) -> Polic
     backends = _backends(r, doc.get("backends"))
     tiers = _tiers(r, doc.get("tiers", {}))
     tenants, by_key = _tenants(r, doc.get("tenants", []), tiers)
-    breakers = _breakers(r, doc.get("breakers"), {b.name: {m.name for m in b.models} for b in backends})
+    breakers = _breakers(r, doc.get("breakers"), {b.name: {m.name for m in b.models} for b in backends},
+                         {b.name: [e.key for e in b.endpoints] for b in backends})
     by_model = _cross_checks(r, backends, tiers, gateway)
     if r.problems:
         raise PolicyError(r.problems)

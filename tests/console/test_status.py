@@ -171,6 +171,14 @@ def test_unusable_metrics_show_as_a_banner_and_no_series_as_a_badge(operator: Co
     assert banner, page
     assert "--disable-log-stats" in banner.group(1) and "no_engine_metrics" in banner.group(1)
     assert "metrics unusable" in page and "scrape failing" not in page
+    assert "own KV reservations" in banner.group(1)
+    # Without kv_capacity_tokens the replica counts it as saturated, and the banner says so.
+    body["backends"]["sim"]["kv_source"] = "saturated"
+    operator.clock.t += 1
+    post_status(operator, body)
+    page = operator.client.get("/overview/backends", headers={"HX-Request": "true"}).get_data(as_text=True)
+    banner = re.search(r'<p class="banner bad" id="metrics-problem-sim" role="alert">(.*?)</p>', page, re.S)
+    assert banner and "counts as saturated" in banner.group(1) and "own KV reservations" not in banner.group(1)
     # Fixed: the banner goes; an engine that has not run a batch yet shows a softer badge.
     fixed = report(None)
     fixed["backends"]["sim"].update(metrics_state="no_series", kv_source="reservations", metrics_problem=None)

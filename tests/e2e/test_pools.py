@@ -177,6 +177,8 @@ def test_removing_an_endpoint_drains_it(stack: PoolStack) -> None:
             assert served(stack.sim_url) == 5 and served(stack.big_url) == 1, "no new request to the drained one"
             assert inflight.result().status_code == 200, "the in-flight request finished"
             eventually(lambda: big_key(stack) not in endpoints(stack), 5, "the drained endpoint is forgotten")
+            # ... and so are its Prometheus series (extproc.series prunes every 2 s).
+            eventually(lambda: big_key(stack) not in stack.metrics_text(), 10, "the drained endpoint's series gone")
         finally:
             stack.write_policy(original)
     eventually(lambda: big_key(stack) in endpoints(stack), 10, "the endpoint is back after the reload")
@@ -219,3 +221,33 @@ def test_an_endpoint_that_stops_answering_is_ejected(stack: PoolStack) -> None:
     r = chat(stack, 900, 2500, tokens=10)  # only the big one holds this footprint
     assert r.status_code == 200
     assert served(stack.big_url) == 1
+
+
+def test_a_manually_tripped_endpoint_gets_no_traffic_and_a_reset_brings_it_back(stack: PoolStack) -> None:
+    original = copy.deepcopy(stack.policy_doc)
+    assert original is not None
+    override = {"backend": "sim", "endpoint": big_key(stack), "state": "open", "reason": "bad GPU"}
+    doc = copy.deepcopy(original)
+    doc["breakers"] = [override]
+    try:
+        stack.write_policy(doc)
+        eventually(lambda: not endpoints(stack)[big_key(stack)]["usable"], 10, "the trip reached the replica")
+        tripped = endpoints(stack)[big_key(stack)]
+        assert tripped["breaker"]["state"] == "open" and tripped["breaker"]["manual"]["reason"] == "bad GPU"
+        assert tripped["metrics_reason"] not in ("unreachable", "stale"), "ejected by the trip, not its metrics"
+        # The big endpoint has the most room and would take these; tripped, the small one serves all.
+        rs = [chat(stack, 200, 50) for _ in range(6)]
+        assert [r.status_code for r in rs] == [200] * 6, [r.text for r in rs]
+        assert served(stack.sim_url) == 6 and served(stack.big_url) == 0
+        assert stack.state()["backends"]["sim"]["breaker"]["state"] == "closed", "the pool's breaker is untouched"
+
+        doc["breakers"] = [{**override, "state": "closed", "reason": "GPU replaced"}]
+        stack.write_policy(doc)
+        eventually(lambda: endpoints(stack)[big_key(stack)]["usable"], 10, "the reset reached the replica")
+        assert endpoints(stack)[big_key(stack)]["breaker"]["manual"]["state"] == "closed"
+        r = chat(stack, 900, 2500, tokens=10)  # only the big one holds this footprint
+        assert r.status_code == 200, r.text
+        assert served(stack.big_url) == 1
+    finally:
+        stack.write_policy(original)
+    eventually(lambda: endpoints(stack)[big_key(stack)]["breaker"]["manual"] is None, 10, "automatic again")
