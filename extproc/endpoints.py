@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from extproc.policy.affinity import PrefixAffinity
 from extproc.policy.breaker import Breaker, BreakerState, Outcome
 from extproc.policy.placement import Candidate, Placement, largest_capacity, pick
-from extproc.policy.schema import Backend, BreakerSettings, Endpoint
+from extproc.policy.schema import Backend, BreakerSettings, Endpoint, PlacementSettings
 from extproc.policy.watermark import WatermarkController
 
 UNUSABLE_METRICS = ("no_data", "unreachable", "stale")
@@ -99,6 +100,11 @@ class EndpointSet:
 
     by_key: dict[str, EndpointState] = field(default_factory=dict)
     breaker_settings: BreakerSettings | None = None
+    placement: PlacementSettings = field(default_factory=PlacementSettings)
+    # Prefix affinity (placement.prefix_affinity): prefix block key -> the endpoint that
+    # last served it; None while off. ``affinity_counts``: hit | spill | miss.
+    affinity: PrefixAffinity | None = None
+    affinity_counts: dict[str, int] = field(default_factory=lambda: {"hit": 0, "spill": 0, "miss": 0})
 
     @classmethod
     def create(cls, spec: Backend, now: float) -> EndpointSet:
@@ -135,6 +141,16 @@ class EndpointSet:
                 st.breaker = Breaker(breaker_config(spec.breaker), now)
         for st in self.by_key.values():
             st.overcommit = spec.kv_overcommit
+        self._sync_affinity(spec.placement)
+
+    def _sync_affinity(self, p: PlacementSettings) -> None:
+        """Keep the affinity map across reloads unless its bounds change; drop it when off."""
+        old, self.placement = self.placement, p
+        if not p.prefix_affinity:
+            self.affinity = None
+        elif self.affinity is None or (old.affinity_max_entries, old.affinity_ttl_s) != \
+                (p.affinity_max_entries, p.affinity_ttl_s):
+            self.affinity = PrefixAffinity(p.affinity_max_entries, p.affinity_ttl_s)
 
     def candidates(self, now: float) -> list[Candidate]:
         return [st.candidate(now) for st in self.by_key.values()]
@@ -143,12 +159,23 @@ class EndpointSet:
         return largest_capacity([Candidate(k, True, 0, st.spec.kv_capacity_tokens, 1.0, 0, 1)
                                  for k, st in self.by_key.items() if not st.draining])
 
-    def place(self, kv: int, now: float) -> Placement | None:
-        got = pick(self.candidates(now), kv)
+    def place(self, kv: int, now: float, prefix: tuple[bytes, ...] = ()) -> Placement | None:
+        """Pick an endpoint and reserve on it; ``prefix`` (extproc.prefix_key) steers the
+        pick to the endpoint that last served the longest known part of it, and records
+        where it went."""
+        aff = self.affinity if prefix else None
+        known = aff.lookup(prefix, now) if aff is not None else None
+        preferred = known[0] if known is not None else None
+        got = pick(self.candidates(now), kv, preferred, self.placement.affinity_min_headroom)
         if got is not None:
             st = self.by_key[got.key]
             st.kv_in_use += kv
             st.in_flight += 1
+            if aff is not None:
+                aff.record(prefix, got.key, now)
+                result = "miss" if preferred is None else "hit" if got.preferred else "spill"
+                self.affinity_counts[result] += 1
+                got = replace(got, affinity=result)
         return got
 
     def fits_somewhere(self, kv: int, now: float) -> bool:
@@ -215,3 +242,10 @@ def pool_status(eps: EndpointSet | None, now: float) -> list[dict[str, object]] 
     if eps is None:
         return None
     return [endpoint_status(st, now) for st in eps.by_key.values()]
+
+
+def affinity_status(eps: EndpointSet | None) -> dict[str, object] | None:
+    """Prefix affinity of a pool in /debug/state: placements by result and keys remembered."""
+    if eps is None or eps.affinity is None:
+        return None
+    return {**eps.affinity_counts, "keys": len(eps.affinity)}
