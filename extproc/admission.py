@@ -51,7 +51,7 @@ class Ticket:
     route_verdict: BreakerVerdict | None = None  # the model route's own breaker, if it has one
     tenant: str = ""
     tenant_verdict: BreakerVerdict | None = None  # the tenant's breaker on this backend
-    prefix: tuple[bytes, ...] = ()  # prompt prefix keys when the pool has prefix affinity (extproc.prefix_key)
+    prefix: tuple[int, ...] = ()  # prompt prefix keys when the pool has prefix affinity (extproc.prefix_key)
 
     def report_outcome(self, outcome: Outcome, latency_s: float | None, now: float) -> None:
         """Tell each breaker that let this request through how it ended; once.

@@ -52,7 +52,7 @@ class Waiter:
     tenant_cap: int | None
     kv: int
     future: asyncio.Future[Hold | Denied]
-    prefix: tuple[bytes, ...] = ()  # prompt prefix keys for placement (extproc.prefix_key)
+    prefix: tuple[int, ...] = ()  # prompt prefix keys for placement (extproc.prefix_key)
 
 
 @dataclass(frozen=True)
@@ -268,7 +268,7 @@ class BackendRuntime:
 
     # -- acquisition ----------------------------------------------------------------
     def try_acquire(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
-                    prefix: tuple[bytes, ...] = ()) -> Hold | Denied:
+                    prefix: tuple[int, ...] = ()) -> Hold | Denied:
         # Waiting requests get free capacity first; a newcomer never overtakes its own
         # tier's queue (FIFO within a tier), but may take a slot no waiter can use,
         # e.g. a premium guaranteed slot while free-tier requests wait for shared ones.
@@ -279,7 +279,7 @@ class BackendRuntime:
         return self._take(tier, tenant, cap, kv, now, prefix)
 
     def _take(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
-              prefix: tuple[bytes, ...] = ()) -> Hold | Denied:
+              prefix: tuple[int, ...] = ()) -> Hold | Denied:
         if not self.kv_fits(kv, now, tier):
             return Denied("kv_exhausted", f"KV budget: {self.kv_in_use} + {kv} > {self.kv_budget(now):.0f}")
         got = self.pool.try_acquire(tier, tenant, cap, self.slot_scale(now))
@@ -308,7 +308,7 @@ class BackendRuntime:
         return False
 
     def enqueue(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
-                prefix: tuple[bytes, ...] = ()) -> Waiter | str:
+                prefix: tuple[int, ...] = ()) -> Waiter | str:
         wid = next(_ids)
         res = self.queue.enqueue(wid, tier, now)
         if not isinstance(res, Enqueued):

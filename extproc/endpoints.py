@@ -159,7 +159,7 @@ class EndpointSet:
         return largest_capacity([Candidate(k, True, 0, st.spec.kv_capacity_tokens, 1.0, 0, 1)
                                  for k, st in self.by_key.items() if not st.draining])
 
-    def place(self, kv: int, now: float, prefix: tuple[bytes, ...] = ()) -> Placement | None:
+    def place(self, kv: int, now: float, prefix: tuple[int, ...] = ()) -> Placement | None:
         """Pick an endpoint and reserve on it; ``prefix`` (extproc.prefix_key) steers the
         pick to the endpoint that last served the longest known part of it, and records
         where it went."""

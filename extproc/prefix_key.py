@@ -16,43 +16,38 @@ Why blocks and not one key: one choice serves both shapes of sharing.
   endpoint that served the previous turn, which holds it in its cache.
 The longest block any endpoint is known for wins (``extproc.policy.affinity``).
 
-The model's name seeds the hash (two models never share a cache). Images and token-id
-prompts are not in the texts: two requests that differ only there share keys, which
-costs at most a cache miss. Embeddings have no prefix cache to aim for: no keys.
+The hash is Python's own (64-bit SipHash, keyed per process): 20-40 us for 16 KiB
+where BLAKE2b took 70-110 us here, and the keys never leave the process that made them
+(each extproc process keeps its own map). The model's name seeds the chain (two models
+never share a cache). Images and token-id prompts are not in the texts: two requests
+that differ only there share keys, which costs at most a cache miss. Embeddings have no prefix cache to aim for: no keys.
 """
 
 from __future__ import annotations
-
-import hashlib
 
 from extproc.openai_body import ParsedRequest
 
 SEPARATOR = b"\x1f"  # between texts (role, content, ...): "ab"+"c" and "a"+"bc" differ
 
 
-def prefix_keys(req: ParsedRequest, model: str, block_bytes: int, max_bytes: int) -> tuple[bytes, ...]:
+def prefix_keys(req: ParsedRequest, model: str, block_bytes: int, max_bytes: int) -> tuple[int, ...]:
     """The chained block keys of ``req``'s prompt prefix, shortest first (maybe none)."""
     if req.kind == "embeddings" or block_bytes <= 0:
         return ()
-    h = hashlib.blake2b(model.encode("utf-8", "surrogatepass"), digest_size=16)
-    keys: list[bytes] = []
-    filled = 0  # bytes of the current block so far
+    parts: list[bytes] = []
     total = 0
     for i, text in enumerate(req.texts):
         if total >= max_bytes:
             break
         # A character is at most 4 bytes: never encode more than what is left to hash.
         room = max_bytes - total
-        data = text[:room].encode("utf-8", "surrogatepass")[:room]
-        if i:
-            data = SEPARATOR + data[: room - 1]
-        while data:
-            take = data[: block_bytes - filled]
-            h.update(take)
-            filled += len(take)
-            total += len(take)
-            data = data[len(take):]
-            if filled == block_bytes:
-                keys.append(h.copy().digest())
-                filled = 0
+        data = (SEPARATOR if i else b"") + text[:room].encode("utf-8", "surrogatepass")
+        parts.append(data[:room])
+        total += len(parts[-1])
+    prompt = b"".join(parts)
+    keys: list[int] = []
+    key = hash(model)
+    for start in range(0, len(prompt) - block_bytes + 1, block_bytes):
+        key = hash((key, prompt[start:start + block_bytes]))
+        keys.append(key)
     return tuple(keys)

@@ -24,7 +24,7 @@ def chat(*messages: tuple[str, str], model: str = "m") -> Any:
     return parse_request("chat", json.dumps(body).encode())
 
 
-def keys(req: Any, model: str = "m", block: int = 256, most: int = 4096) -> tuple[bytes, ...]:
+def keys(req: Any, model: str = "m", block: int = 256, most: int = 4096) -> tuple[int, ...]:
     return prefix_keys(req, model, block, most)
 
 
@@ -77,14 +77,14 @@ def test_text_boundaries_matter() -> None:
 # -- the map ------------------------------------------------------------------------------
 def test_map_answers_the_longest_known_prefix_and_expires_and_is_bounded() -> None:
     m = PrefixAffinity(max_entries=5, ttl_s=10)
-    m.record([b"a", b"b"], "e1:1", 0.0)
-    m.record([b"a", b"b", b"c"], "e2:1", 1.0)
-    assert m.lookup([b"a", b"b", b"c", b"d"], 2.0) == ("e2:1", 3)
-    assert m.lookup([b"a", b"x"], 2.0) == ("e2:1", 1)  # "a" was last served by e2
-    assert m.lookup([b"q"], 2.0) is None and m.lookup([], 2.0) is None
-    assert m.lookup([b"a"], 11.5) is None and len(m) == 2  # expired, and dropped on the way
-    m.record([b"1", b"2", b"3", b"4", b"5", b"6"], "e1:1", 20.0)
-    assert len(m) == 5 and m.lookup([b"1"], 20.0) is None and m.lookup([b"6"], 20.0) == ("e1:1", 1)
+    m.record([1, 2], "e1:1", 0.0)
+    m.record([1, 2, 3], "e2:1", 1.0)
+    assert m.lookup([1, 2, 3, 4], 2.0) == ("e2:1", 3)
+    assert m.lookup([1, 99], 2.0) == ("e2:1", 1)  # "a" was last served by e2
+    assert m.lookup([98], 2.0) is None and m.lookup([], 2.0) is None
+    assert m.lookup([1], 11.5) is None and len(m) == 2  # expired, and dropped on the way
+    m.record([11, 12, 13, 14, 15, 16], "e1:1", 20.0)
+    assert len(m) == 5 and m.lookup([11], 20.0) is None and m.lookup([16], 20.0) == ("e1:1", 1)
     m.forget("e1:1")
     assert len(m) == 0
 
@@ -128,7 +128,7 @@ def runtime(**placement: Any) -> BackendRuntime:
 def test_pool_places_a_shared_prefix_on_one_endpoint_until_it_is_full_then_spills() -> None:
     be = runtime(prefix_affinity=True, affinity_min_headroom=0.2)
     assert be.endpoints is not None and be.endpoints.affinity is not None
-    prefix = (b"k0", b"k1")
+    prefix = (100, 101)
     first = be.try_acquire("t", "a", None, 200, 0.0, prefix)
     assert isinstance(first, Hold) and first.affinity == "miss"
     home = first.endpoint
@@ -149,8 +149,8 @@ def test_pool_places_a_shared_prefix_on_one_endpoint_until_it_is_full_then_spill
 def test_without_prefix_affinity_the_keys_change_nothing() -> None:
     be = runtime()
     assert be.endpoints is not None and be.endpoints.affinity is None
-    a = be.try_acquire("t", "a", None, 200, 0.0, (b"k",))
-    b = be.try_acquire("t", "a", None, 200, 0.0, (b"k",))
+    a = be.try_acquire("t", "a", None, 200, 0.0, (102,))
+    b = be.try_acquire("t", "a", None, 200, 0.0, (102,))
     assert isinstance(a, Hold) and isinstance(b, Hold) and a.endpoint != b.endpoint  # the score alternates
     assert a.affinity is None
 
@@ -158,7 +158,7 @@ def test_without_prefix_affinity_the_keys_change_nothing() -> None:
 def test_reload_keeps_the_map_unless_its_bounds_change_and_drops_it_when_off() -> None:
     be = runtime(prefix_affinity=True)
     assert be.endpoints is not None
-    be.try_acquire("t", "a", None, 10, 0.0, (b"k",))
+    be.try_acquire("t", "a", None, 10, 0.0, (102,))
     kept = be.endpoints.affinity
     p = build_policy(doc(prefix_affinity=True, affinity_min_headroom=0.5))
     be.reconfigure(p.backends[0], p, 1.0)

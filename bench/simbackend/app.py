@@ -205,7 +205,13 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     parsers = {"chat": parse_chat, "completion": parse_completion, "responses": parse_responses}
     req = parsers[kind](body)
     sim = parse_sim_headers(request.headers)
-    prompt, ids = await _count(st, req, prompt_token_ids)
+    caching, block = st.engine.prefix is not None, st.config.block_size
+
+    def count_and_hash(r: GenRequest, enc: tiktoken.Encoding) -> tuple[int, tuple[int, ...]]:
+        count, ids = prompt_token_ids(r, enc)
+        return count, block_hashes(ids, block) if caching and ids is not None else ()
+
+    prompt, hashes = await _count(st, req, count_and_hash)  # off the loop for large prompts
     target, natural = _plan_length(st, req, prompt, sim.tokens)
     seq = Sequence(
         prompt_tokens=prompt,
@@ -215,8 +221,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         tps=sim.tps,
         natural_stop=natural,
     )
-    if st.engine.prefix is not None and ids is not None:
-        seq.block_hashes = block_hashes(ids, st.config.block_size)
+    seq.block_hashes = hashes
     handle = st.scheduler.submit(seq)
     job = Job(request, handle, kind, req.model or st.config.model, req, sim, prompt)
     try:

@@ -19,12 +19,12 @@ class PrefixAffinity:
     def __init__(self, max_entries: int, ttl_s: float) -> None:
         self.max_entries = max(1, max_entries)
         self.ttl_s = ttl_s
-        self._map: OrderedDict[bytes, tuple[str, float]] = OrderedDict()  # key -> (endpoint, expires)
+        self._map: OrderedDict[int, tuple[str, float]] = OrderedDict()  # key -> (endpoint, expires)
 
     def __len__(self) -> int:
         return len(self._map)
 
-    def lookup(self, keys: Sequence[bytes], now: float) -> tuple[str, int] | None:
+    def lookup(self, keys: Sequence[int], now: float) -> tuple[str, int] | None:
         """(endpoint, how many leading blocks it is known for), longest first; None if none."""
         for n in range(len(keys), 0, -1):
             got = self._map.get(keys[n - 1])
@@ -37,7 +37,7 @@ class PrefixAffinity:
             return endpoint, n
         return None
 
-    def record(self, keys: Sequence[bytes], endpoint: str, now: float) -> None:
+    def record(self, keys: Sequence[int], endpoint: str, now: float) -> None:
         expires = now + self.ttl_s
         for k in keys:
             self._map[k] = (endpoint, expires)
