@@ -124,7 +124,7 @@ class EndpointSet:
             if key not in wanted:
                 st.draining = True
                 if st.in_flight == 0:
-                    del self.by_key[key]
+                    self._forget(key)
         for key, e in wanted.items():
             st = self.by_key.get(key)
             if st is None:
@@ -188,7 +188,12 @@ class EndpointSet:
         st.kv_in_use -= kv
         st.in_flight -= 1
         if st.draining and st.in_flight <= 0:
-            del self.by_key[key]
+            self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        del self.by_key[key]
+        if self.affinity is not None:
+            self.affinity.forget(key)  # a prefix it served now goes by the score
 
     def record(self, key: str, outcome: Outcome, latency_s: float | None, now: float) -> Outcome:
         """Record on the endpoint's breaker; returns what the pool's breakers should hear.

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -14,6 +15,7 @@ from extproc.openai_body import parse_request
 from extproc.policy.affinity import PrefixAffinity
 from extproc.policy.placement import Candidate, pick
 from extproc.policy.schema import PolicyError, build_policy, hash_key
+from extproc.policy.slots import Denied
 from extproc.prefix_key import prefix_keys
 
 SYSTEM = "You are the support assistant of a large shop. " * 60  # ~2.9 kB
@@ -115,7 +117,7 @@ def doc(**placement: Any) -> dict[str, Any]:
                       "endpoints": [{"address": "127.0.0.1:7001", "kv_capacity_tokens": 1000},
                                     {"address": "127.0.0.1:7002", "kv_capacity_tokens": 1000}],
                       "placement": placement, "models": [{"name": "m", "context_window": 8192}]}],
-        "tiers": {"t": {"priority": 1, "tpm": 100000, "rpm": 100}},
+        "tiers": {"t": {"priority": 1, "tpm": 100000, "rpm": 100, "max_queue_depth": 8, "max_queue_wait_ms": 1000}},
         "tenants": [{"name": "a", "tier": "t", "keys": [hash_key("a")]}],
     }
 
@@ -182,3 +184,46 @@ def test_bad_placement_settings_are_refused(placement: dict[str, Any], needle: s
     with pytest.raises(PolicyError) as exc:
         build_policy(doc(**placement))
     assert needle in str(exc.value)
+
+
+def test_a_queued_request_keeps_its_prefix_and_is_handed_its_preferred_endpoint() -> None:
+    async def go() -> None:
+        d = doc(prefix_affinity=True)
+        for e in d["backends"][0]["endpoints"]:
+            e["metrics_url"] = f"http://{e['address']}/metrics"
+        p = build_policy(d)
+        be = BackendRuntime.create(p.backends[0], p, 0.0)
+        assert be.endpoints is not None
+        eps = list(be.endpoints.by_key.values())
+        for st in eps:
+            st.wm.observe(0.0, 0.0, 0.0)
+        home = be.try_acquire("t", "a", None, 100, 0.0, (7, 8))
+        assert isinstance(home, Hold) and home.endpoint == "127.0.0.1:7001"  # idle tie: by address
+        # Metrics go stale (silence counts as full): the next request with that prefix waits.
+        assert isinstance(be.try_acquire("t", "a", None, 200, 7.0, (7, 8)), Denied)
+        w = be.enqueue("t", "a", None, 200, 7.0, (7, 8))
+        assert not isinstance(w, str)
+        for st in eps:
+            st.wm.observe(0.0, 0.0, 8.0)
+        be.pump(8.0)
+        got = await asyncio.wait_for(w.future, 1)
+        # The score alone would pick 7002 (0.8 free after placement against 0.7): the waiter's
+        # prefix took it to the endpoint that served it.
+        assert isinstance(got, Hold) and got.endpoint == home.endpoint and got.affinity == "hit"
+
+    asyncio.run(go())
+
+
+def test_an_endpoint_forgotten_after_removal_takes_its_prefixes_with_it() -> None:
+    be = runtime(prefix_affinity=True)
+    assert be.endpoints is not None and be.endpoints.affinity is not None
+    h = be.try_acquire("t", "a", None, 10, 0.0, (5,))
+    assert isinstance(h, Hold)
+    d = doc(prefix_affinity=True)
+    d["backends"][0]["endpoints"] = [e for e in d["backends"][0]["endpoints"]
+                                     if e["address"] != h.endpoint]
+    p = build_policy(d)
+    be.reconfigure(p.backends[0], p, 1.0)
+    assert be.endpoints.affinity.lookup((5,), 1.0) == (h.endpoint, 1)  # draining: still holds a request
+    be.release(h, 1.0)
+    assert h.endpoint not in be.endpoints.by_key and be.endpoints.affinity.lookup((5,), 1.0) is None
