@@ -51,6 +51,7 @@ class Ticket:
     route_verdict: BreakerVerdict | None = None  # the model route's own breaker, if it has one
     tenant: str = ""
     tenant_verdict: BreakerVerdict | None = None  # the tenant's breaker on this backend
+    prefix: tuple[int, ...] = ()  # prompt prefix keys when the pool has prefix affinity (extproc.prefix_key)
 
     def report_outcome(self, outcome: Outcome, latency_s: float | None, now: float) -> None:
         """Tell each breaker that let this request through how it ended; once.
@@ -216,7 +217,7 @@ class Admission:
             raise Reject("too_large_for_backend", f"The request may need {ticket.kv} tokens of KV cache; backend "
                          f"{be.spec.name!r} has {kv_cap}. Lower max_tokens or shorten the prompt.",
                          code="context_length_exceeded", param="max_tokens")
-        got = be.try_acquire(self.tier.name, self.tenant.name, cap, ticket.kv, now)
+        got = be.try_acquire(self.tier.name, self.tenant.name, cap, ticket.kv, now, ticket.prefix)
         if isinstance(got, Hold):
             ticket.hold = got
             return []
@@ -238,7 +239,7 @@ class Admission:
 
     async def wait_in_queue(self, ticket: Ticket, now: float) -> None:
         be = ticket.runtime
-        w = be.enqueue(self.tier.name, self.tenant.name, self.limits.max_concurrency, ticket.kv, now)
+        w = be.enqueue(self.tier.name, self.tenant.name, self.limits.max_concurrency, ticket.kv, now, ticket.prefix)
         if isinstance(w, str):
             if self._shadow("queue"):
                 return

@@ -52,6 +52,7 @@ class Waiter:
     tenant_cap: int | None
     kv: int
     future: asyncio.Future[Hold | Denied]
+    prefix: tuple[int, ...] = ()  # prompt prefix keys for placement (extproc.prefix_key)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class Hold:
     grant: SlotGrant
     kv: int
     endpoint: str | None = None  # the pool endpoint it was placed on (host:port)
+    affinity: str | None = None  # prefix affinity's part in that: hit | spill | miss (None: off)
 
 
 @dataclass
@@ -271,7 +273,8 @@ class BackendRuntime:
         return best.kv if best is not None else 0
 
     # -- acquisition ----------------------------------------------------------------
-    def try_acquire(self, tier: str, tenant: str, cap: int | None, kv: int, now: float) -> Hold | Denied:
+    def try_acquire(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
+                    prefix: tuple[int, ...] = ()) -> Hold | Denied:
         # Waiting requests get free capacity first; a newcomer never overtakes its own
         # tier's queue (FIFO within a tier), but may take a slot no waiter can use,
         # e.g. a premium guaranteed slot while free-tier requests wait for shared ones.
@@ -279,23 +282,24 @@ class BackendRuntime:
             self.pump(now)
             if self.queue.depth(tier):
                 return Denied("slots_exhausted", "requests of this tier are already waiting")
-        return self._take(tier, tenant, cap, kv, now)
+        return self._take(tier, tenant, cap, kv, now, prefix)
 
-    def _take(self, tier: str, tenant: str, cap: int | None, kv: int, now: float) -> Hold | Denied:
+    def _take(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
+              prefix: tuple[int, ...] = ()) -> Hold | Denied:
         if not self.kv_fits(kv, now, tier):
             return Denied("kv_exhausted", f"KV budget: {self.kv_in_use} + {kv} > {self.kv_budget(now):.0f}")
         got = self.pool.try_acquire(tier, tenant, cap, self.slot_scale(now))
         if isinstance(got, Denied):
             return got
-        endpoint = None
+        endpoint = affinity = None
         if self.endpoints is not None:
-            placed = self.endpoints.place(kv, now)
+            placed = self.endpoints.place(kv, now, prefix)
             if placed is None:
                 self.pool.release(got)
                 return Denied("kv_exhausted", f"a footprint of {kv} tokens fits on no endpoint of the pool now")
-            endpoint = placed.key
+            endpoint, affinity = placed.key, placed.affinity
         self.kv_in_use += kv
-        return Hold(got, kv, endpoint)
+        return Hold(got, kv, endpoint, affinity)
 
     def can_admit(self, tier: str, now: float) -> bool:
         head = next((w for w in self.waiters.values() if w.tier == tier and not w.future.done()), None)
@@ -309,13 +313,14 @@ class BackendRuntime:
             return True
         return False
 
-    def enqueue(self, tier: str, tenant: str, cap: int | None, kv: int, now: float) -> Waiter | str:
+    def enqueue(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
+                prefix: tuple[int, ...] = ()) -> Waiter | str:
         wid = next(_ids)
         res = self.queue.enqueue(wid, tier, now)
         if not isinstance(res, Enqueued):
             return res.reason
         fut: asyncio.Future[Hold | Denied] = asyncio.get_running_loop().create_future()
-        w = self.waiters[wid] = Waiter(wid, tier, tenant, cap, kv, fut)
+        w = self.waiters[wid] = Waiter(wid, tier, tenant, cap, kv, fut, prefix)
         return w
 
     def leave(self, w: Waiter) -> None:
@@ -339,7 +344,7 @@ class BackendRuntime:
             w = self.waiters.get(wid)
             if w is None or w.future.done():
                 continue
-            self._resolve(w, self._take(w.tier, w.tenant, w.tenant_cap, w.kv, now))
+            self._resolve(w, self._take(w.tier, w.tenant, w.tenant_cap, w.kv, now, w.prefix))
             handed += 1
         return handed
 

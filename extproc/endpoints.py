@@ -15,11 +15,18 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from extproc.policy.affinity import PrefixAffinity
 from extproc.policy.breaker import Breaker, BreakerState, Outcome
 from extproc.policy.placement import Candidate, Placement, largest_capacity, pick
-from extproc.policy.schema import Backend, BreakerOverride, BreakerSettings, Endpoint
+from extproc.policy.schema import (
+    Backend,
+    BreakerOverride,
+    BreakerSettings,
+    Endpoint,
+    PlacementSettings,
+)
 from extproc.policy.watermark import WatermarkController
 
 UNUSABLE_METRICS = ("no_data", "unreachable", "stale")
@@ -100,6 +107,11 @@ class EndpointSet:
 
     by_key: dict[str, EndpointState] = field(default_factory=dict)
     breaker_settings: BreakerSettings | None = None
+    placement: PlacementSettings = field(default_factory=PlacementSettings)
+    # Prefix affinity (placement.prefix_affinity): prefix block key -> the endpoint that
+    # last served it; None while off. ``affinity_counts``: hit | spill | miss.
+    affinity: PrefixAffinity | None = None
+    affinity_counts: dict[str, int] = field(default_factory=lambda: {"hit": 0, "spill": 0, "miss": 0})
 
     @classmethod
     def create(cls, spec: Backend, now: float) -> EndpointSet:
@@ -119,7 +131,7 @@ class EndpointSet:
             if key not in wanted:
                 st.draining = True
                 if st.in_flight == 0:
-                    del self.by_key[key]
+                    self._forget(key)
         for key, e in wanted.items():
             st = self.by_key.get(key)
             if st is None:
@@ -137,6 +149,16 @@ class EndpointSet:
                 st.override = None  # the new breaker gets the manual state again (apply_overrides)
         for st in self.by_key.values():
             st.overcommit = spec.kv_overcommit
+        self._sync_affinity(spec.placement)
+
+    def _sync_affinity(self, p: PlacementSettings) -> None:
+        """Keep the affinity map across reloads unless its bounds change; drop it when off."""
+        old, self.placement = self.placement, p
+        if not p.prefix_affinity:
+            self.affinity = None
+        elif self.affinity is None or (old.affinity_max_entries, old.affinity_ttl_s) != \
+                (p.affinity_max_entries, p.affinity_ttl_s):
+            self.affinity = PrefixAffinity(p.affinity_max_entries, p.affinity_ttl_s)
 
     def apply_overrides(self, mine: dict[str, BreakerOverride], now: float, wall: float) -> None:
         """The policy's manual trips/resets of single endpoints (``endpoint: host:port``),
@@ -163,12 +185,23 @@ class EndpointSet:
         return largest_capacity([Candidate(k, True, 0, st.spec.kv_capacity_tokens, 1.0, 0, 1)
                                  for k, st in self.by_key.items() if not st.draining])
 
-    def place(self, kv: int, now: float) -> Placement | None:
-        got = pick(self.candidates(now), kv)
+    def place(self, kv: int, now: float, prefix: tuple[int, ...] = ()) -> Placement | None:
+        """Pick an endpoint and reserve on it; ``prefix`` (extproc.prefix_key) steers the
+        pick to the endpoint that last served the longest known part of it, and records
+        where it went."""
+        aff = self.affinity if prefix else None
+        known = aff.lookup(prefix, now) if aff is not None else None
+        preferred = known[0] if known is not None else None
+        got = pick(self.candidates(now), kv, preferred, self.placement.affinity_min_headroom)
         if got is not None:
             st = self.by_key[got.key]
             st.kv_in_use += kv
             st.in_flight += 1
+            if aff is not None:
+                aff.record(prefix, got.key, now)
+                result = "miss" if preferred is None else "hit" if got.preferred else "spill"
+                self.affinity_counts[result] += 1
+                got = replace(got, affinity=result)
         return got
 
     def fits_somewhere(self, kv: int, now: float) -> bool:
@@ -181,7 +214,12 @@ class EndpointSet:
         st.kv_in_use -= kv
         st.in_flight -= 1
         if st.draining and st.in_flight <= 0:
-            del self.by_key[key]
+            self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        del self.by_key[key]
+        if self.affinity is not None:
+            self.affinity.forget(key)  # a prefix it served now goes by the score
 
     def record(self, key: str, outcome: Outcome, latency_s: float | None, now: float) -> Outcome:
         """Record on the endpoint's breaker; returns what the pool's breakers should hear.
@@ -235,3 +273,10 @@ def pool_status(eps: EndpointSet | None, now: float) -> list[dict[str, object]] 
     if eps is None:
         return None
     return [endpoint_status(st, now) for st in eps.by_key.values()]
+
+
+def affinity_status(eps: EndpointSet | None) -> dict[str, object] | None:
+    """Prefix affinity of a pool in /debug/state: placements by result and keys remembered."""
+    if eps is None or eps.affinity is None:
+        return None
+    return {**eps.affinity_counts, "keys": len(eps.affinity)}

@@ -108,6 +108,9 @@ class Metrics:
         # A pool's endpoints (extproc.endpoints): where requests were placed and what each holds.
         self.endpoint_picks = Counter("sluice_endpoint_picks", "Requests placed on a pool endpoint.",
                                       ["backend", "endpoint"], registry=r)
+        self.prefix_affinity = Counter("sluice_prefix_affinity", "Pool placements by prefix affinity: hit (the "
+                                       "endpoint that last served the prefix), spill (it had no room), miss "
+                                       "(no known prefix).", ["backend", "result"], registry=r)
         self.endpoint_in_flight = Gauge("sluice_endpoint_in_flight_requests", "Requests placed on a pool endpoint "
                                         "and not yet finished.", ["backend", "endpoint"], registry=r)
         self.endpoint_kv_reserved = Gauge("sluice_endpoint_kv_reserved_tokens", "KV footprints reserved on a pool "

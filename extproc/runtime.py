@@ -18,7 +18,7 @@ from typing import Any
 
 from extproc import tokenizer
 from extproc.backends import BackendRuntime
-from extproc.endpoints import pool_status
+from extproc.endpoints import affinity_status, pool_status
 from extproc.estimate import DecodeRates
 from extproc.metrics import Metrics
 from extproc.policy.breaker import Breaker
@@ -304,6 +304,7 @@ def backend_status(be: BackendRuntime, now: float) -> dict[str, Any]:
                "reservation": be.spec.kv_reservation},
         "adaptive": None if be.latency is None else be.latency.snapshot(now),
         "endpoints": pool_status(be.endpoints, now),  # a pool's replicas; None for one address
+        "prefix_affinity": affinity_status(be.endpoints),  # None unless the pool's placement has it on
     }
 
 

@@ -26,6 +26,7 @@ from extproc.peer import PeerStream
 from extproc.policy.breaker import Outcome, outcome_for_status
 from extproc.policy.gate import RateView, Verdict
 from extproc.policy.schema import Limits, Model, Tenant
+from extproc.prefix_key import prefix_keys
 from extproc.redact import redact_query
 from extproc.response import JSONTracker, SSETracker, Usage
 from extproc.runtime import Runtime
@@ -255,6 +256,10 @@ class StreamProcessor:
         now = self.rt.clock()
         ticket = adm.route(backend, model, completion, now)
         self.ticket = ticket
+        placement = ticket.backend.placement
+        if placement.prefix_affinity and ticket.backend.is_pool:
+            ticket.prefix = prefix_keys(req, ticket.model.name, placement.prefix_block_bytes,
+                                        placement.prefix_max_bytes)
         reserve = latency.completion_tokens(self.rt, ticket, self.tenant.name, self.tenant.tier)
         cost = prompt + req.n * reserve.tpm_completion
         verdict = adm.charge(ticket, cost, now)
@@ -297,6 +302,8 @@ class StreamProcessor:
         hold, eps = ticket.hold, ticket.runtime.endpoints
         if eps is not None and hold is not None and hold.endpoint is not None:
             self.rt.metrics.child(self.rt.metrics.endpoint_picks, ticket.backend.name, hold.endpoint).inc()
+            if hold.affinity is not None:
+                self.rt.metrics.child(self.rt.metrics.prefix_affinity, ticket.backend.name, hold.affinity).inc()
             return eps.by_key[hold.endpoint].destination
         if eps is not None:  # shadowed slots: no placement was made; any usable endpoint
             return eps.any_destination(self.rt.clock())

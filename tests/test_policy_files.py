@@ -20,6 +20,7 @@ from extproc.policy.schema import (
     Gateway,
     Limits,
     Model,
+    PlacementSettings,
     PolicyError,
     Tenant,
     Tier,
@@ -447,7 +448,7 @@ def test_readme_documents_every_policy_field() -> None:
     section = policy_reference()
     missing = []
     for cls in (Gateway, Model, Backend, Tier, Tenant, WatermarkSettings, BreakerSettings, Degrade,
-                BreakerOverride, AdaptiveSettings, Endpoint):
+                BreakerOverride, AdaptiveSettings, Endpoint, PlacementSettings):
         for f in dataclasses.fields(cls):
             name = YAML_NAMES.get((cls, f.name), f.name)
             if not re.search(rf"\b{re.escape(name)}\b", section):

@@ -5,6 +5,10 @@ The stand-in for a GPU in end-to-end tests, the demo and the benchmarks. Endpoin
 typed SSE events ending in response.completed with usage, or one response object),
 GET /v1/models.
 
+With ``--enable-prefix-caching`` (``SimConfig(prefix_caching=True)``) the engine keeps
+vLLM-style automatic prefix caching: shared leading prompt blocks skip their prefill
+(``prefix_cache.py``; ``vllm:prefix_cache_queries_total`` / ``_hits_total``).
+
 In-process: ``create_app(SimConfig(...))`` (aiohttp), or ``BackgroundServer(cfg)`` as a
 context manager on its own thread. CLI: ``python -m bench.simbackend --port 8000``.
 

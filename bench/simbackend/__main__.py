@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--chunked-prefill", action="store_true",
                    help="vLLM V1 scheduling: prompts in chunks of max-num-batched-tokens mixed with decode")
+    p.add_argument("--enable-prefix-caching", dest="prefix_caching", action=argparse.BooleanOptionalAction,
+                   default=False, help="vLLM's automatic prefix caching: cached prompt blocks skip prefill "
+                   "(--no-enable-prefix-caching: off, the default here)")
     setting("--watermark", "fraction of blocks kept free at admission")
     setting(
         "--mode", "out of KV: preempt the newest sequence, or fail everything (oom)", choices=MODES

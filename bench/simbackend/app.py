@@ -23,13 +23,14 @@ from .parse import (
     BadRequest,
     GenRequest,
     count_items,
-    count_prompt,
     parse_chat,
     parse_completion,
     parse_embedding,
     parse_responses,
     parse_sim_headers,
+    prompt_token_ids,
 )
+from .prefix_cache import block_hashes
 from .scheduler import ScaledClock, Scheduler
 from .stream import Job, complete, stream, stream_responses
 
@@ -204,7 +205,13 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     parsers = {"chat": parse_chat, "completion": parse_completion, "responses": parse_responses}
     req = parsers[kind](body)
     sim = parse_sim_headers(request.headers)
-    prompt: int = await _count(st, req, count_prompt)
+    caching, block = st.engine.prefix is not None, st.config.block_size
+
+    def count_and_hash(r: GenRequest, enc: tiktoken.Encoding) -> tuple[int, tuple[int, ...]]:
+        count, ids = prompt_token_ids(r, enc)
+        return count, block_hashes(ids, block) if caching and ids is not None else ()
+
+    prompt, hashes = await _count(st, req, count_and_hash)  # off the loop for large prompts
     target, natural = _plan_length(st, req, prompt, sim.tokens)
     seq = Sequence(
         prompt_tokens=prompt,
@@ -214,6 +221,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         tps=sim.tps,
         natural_stop=natural,
     )
+    seq.block_hashes = hashes
     handle = st.scheduler.submit(seq)
     job = Job(request, handle, kind, req.model or st.config.model, req, sim, prompt)
     try:
@@ -337,6 +345,11 @@ async def get_engine(request: web.Request) -> web.Response:
             "paused": e.paused(st.clock.now()),
             "mode": e.mode,
             "steps": st.scheduler.steps,
+            "prefix_cache": None if e.prefix is None else {
+                "queries_tokens": e.prefix.queries, "hits_tokens": e.prefix.hits,
+                "shared_blocks": len(e.prefix.refs), "evictable_blocks": len(e.prefix.evictable),
+                "evictions": e.prefix.evictions,
+            },
         }
     )
 

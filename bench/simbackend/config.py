@@ -22,6 +22,10 @@ class SimConfig:
     # vLLM V1's scheduling: prompts prefilled in chunks of max_num_batched_tokens mixed
     # with decode, blocks allocated chunk by chunk (see engine.py).
     chunked_prefill: bool = False
+    # vLLM's automatic prefix caching (prefix_cache.py): shared prompt blocks are reused
+    # and their prefill skipped. Off by default so existing runs keep their numbers;
+    # vLLM V1 itself enables it by default (--no-enable-prefix-caching turns it off).
+    prefix_caching: bool = False
     # vLLM keeps 1 % of the blocks free when admitting, so running sequences can grow.
     watermark: float = 0.01
     mode: str = "preempt"

@@ -30,6 +30,10 @@ What is modelled, because the gateway's behaviour depends on it:
   ~10 ms per step (reading the KV cache is the memory-bound part of decoding).
   ``slow_down(factor, until)`` multiplies decode steps (not prefill, not KV) until
   ``until``: a thermally throttled or shared GPU.
+- With ``prefix_caching`` (vLLM's automatic prefix caching, ``prefix_cache.py``) a
+  sequence whose leading full prompt blocks are cached references them instead of
+  taking new blocks, and its prefill skips those tokens; blocks are registered once the
+  prompt's prefill completes, and cached free blocks are evicted LRU when room is needed.
 - Running out of blocks either preempts the newest sequence (recompute: it returns to the
   front of the queue and redoes its prefill) or, in "oom" mode, kills every running
   request and pauses admission, the way a crashing server would.
@@ -42,6 +46,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .config import SimConfig
+from .prefix_cache import PrefixCache
 
 OOM_MESSAGE = "CUDA out of memory: the simulated KV cache is exhausted"
 
@@ -70,6 +75,11 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None
     error: tuple[int, str] | None = None
+    # Prefix caching: chained hashes of the prompt's full blocks (set by the request
+    # handler), the shared cached blocks held, and the prompt tokens they spared.
+    block_hashes: tuple[int, ...] = ()
+    cached: list[int] = field(default_factory=list)
+    cache_hit_tokens: int = 0
 
     def kv_tokens(self, extra: int = 0) -> int:
         return self.prompt_tokens + self.n * (self.generated + extra)
@@ -110,6 +120,7 @@ class Engine:
         self.slow_until = -math.inf
         # Highest occupancy seen; a scrape every second misses short peaks.
         self.peak_used_blocks = 0
+        self.prefix = PrefixCache(cfg.block_size) if cfg.prefix_caching else None
 
     # ---- what metrics and tests read -------------------------------------------------
     @property
@@ -170,43 +181,65 @@ class Engine:
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.cfg.block_size)
 
-    def _admission_blocks(self, seq: Sequence) -> int:
+    def _admission_blocks(self, seq: Sequence, hit: list[int]) -> int:
         # Room for the prompt (plus what a preempted sequence already produced, which
-        # recompute prefills again) and the token this prefill will emit.
-        return self._blocks_for(seq.kv_tokens(1 if seq.wants_tokens else 0))
+        # recompute prefills again) and the token this prefill will emit, less the
+        # cached blocks other sequences already hold (shared, they cost nothing).
+        shared = self.prefix.shared_among(hit) if self.prefix is not None else 0
+        return self._blocks_for(seq.kv_tokens(1 if seq.wants_tokens else 0)) - shared
+
+    def _hit(self, seq: Sequence) -> list[int]:
+        if self.prefix is None or not seq.block_hashes:
+            return []
+        return self.prefix.lookup(seq.block_hashes, seq.prompt_tokens)
+
+    def _alloc(self, blocks: int) -> None:
+        if self.prefix is not None:
+            self.prefix.evict_for(blocks, self.free_blocks)
+        self.free_blocks -= blocks
 
     def _admit(self, out: StepOutcome) -> list[Sequence]:
         admitted: list[Sequence] = []
         budget = self.cfg.batched_tokens_budget
         batched = 0
         while len(self.running) < self.cfg.max_num_seqs and (head := self._fitting_head(out)) is not None:
-            seq, need = head
-            prefill = seq.kv_tokens()
+            seq, need, hit = head
+            prefill = seq.kv_tokens() - len(hit) * self.cfg.block_size
             if admitted and batched + prefill > budget:
                 break
             if self.free_blocks - need < self.watermark_blocks:
                 break
-            self._start(seq, need)
+            self._start(seq, need, hit)
             admitted.append(seq)
             batched += prefill
         return admitted
 
-    def _fitting_head(self, out: StepOutcome) -> tuple[Sequence, int] | None:
-        """The queue's head and the blocks it needs to start; heads that would never fit,
-        even alone, are failed on the way (waiting would block the queue forever)."""
+    def _fitting_head(self, out: StepOutcome) -> tuple[Sequence, int, list[int]] | None:
+        """The queue's head, the free blocks it needs to start and its cached leading blocks;
+        heads that would never fit, even alone, are failed on the way (waiting would
+        block the queue forever)."""
         while self.waiting:
             seq = self.waiting[0]
-            need = self._admission_blocks(seq)
+            hit = self._hit(seq)
+            need = self._admission_blocks(seq, hit)
             if need <= self.total_blocks - self.watermark_blocks:
-                return seq, need
+                return seq, need, hit
             self.waiting.popleft()
             self._too_big(seq, need, out)
         return None
 
-    def _start(self, seq: Sequence, blocks: int) -> None:
-        """Move the queue's head to running, holding ``blocks`` of the cache."""
+    def _start(self, seq: Sequence, blocks: int, hit: list[int]) -> None:
+        """Move the queue's head to running, taking ``blocks`` free blocks: the cached
+        ones of ``hit`` nobody held, and new private ones for the rest."""
         self.waiting.popleft()
-        self.free_blocks -= blocks
+        if self.prefix is not None:
+            from_free = self.prefix.acquire(hit)
+            self.free_blocks -= from_free
+            blocks -= from_free
+            self.prefix.count_query(seq.prompt_tokens, len(hit))
+        seq.cached = list(hit)
+        seq.cache_hit_tokens = len(hit) * self.cfg.block_size
+        self._alloc(blocks)
         seq.blocks = blocks
         seq.state = "running"
         self._admitted += 1
@@ -218,7 +251,9 @@ class Engine:
             self.prompt_tokens_total += seq.prompt_tokens
 
     def _prefill(self, now: float, admitted: list[Sequence], out: StepOutcome) -> None:
-        tokens = sum(s.kv_tokens() for s in admitted)
+        tokens = sum(s.kv_tokens() - s.cache_hit_tokens for s in admitted)
+        for seq in admitted:
+            self._register(seq)
         cfg = self.cfg
         out.kind = "prefill"
         out.duration = (cfg.ttft_ms + cfg.prefill_ms_per_1k_tokens * tokens / 1000.0) / 1000.0
@@ -278,7 +313,7 @@ class Engine:
 
     def _reserve(self, seq: Sequence, tokens: int, now: float, out: StepOutcome) -> bool:
         """Give ``seq`` blocks for ``tokens`` KV tokens in all, preempting the newest if needed."""
-        need = self._blocks_for(tokens) - seq.blocks
+        need = self._blocks_for(tokens) - seq.blocks - len(seq.cached)
         while need > self.free_blocks:
             if self.mode == "oom":
                 self._oom(now, out)
@@ -291,7 +326,7 @@ class Engine:
             self._preempt(victim, out)
             if victim is seq:
                 return False
-        self.free_blocks -= need
+        self._alloc(need)
         seq.blocks += need
         self.peak_used_blocks = max(self.peak_used_blocks, self.used_blocks)
         return True
@@ -325,6 +360,7 @@ class Engine:
                 prefill += chunk
                 if last:
                     completed.append(seq)
+                    self._register(seq)
             elif not seq.wants_tokens and now >= seq.ready_at:
                 self._finish(seq, "stop", out)
             elif (k := self._due(seq, now)) > 0 and self._grow(seq, k, now, out):
@@ -333,19 +369,22 @@ class Engine:
         if not out.preempted and not self.paused(now):
             while budget > 0 and len(self.running) < self.cfg.max_num_seqs \
                     and (head := self._fitting_head(out)) is not None:
-                seq = head[0]
-                total = seq.kv_tokens()
+                seq, _, hit = head
+                cached = len(hit) * self.cfg.block_size
+                total = seq.kv_tokens() - cached  # to compute: a hit is never the whole prompt
                 chunk = min(total, budget)
                 last = chunk == total
-                first = self._blocks_for(chunk + (seq.n if last and seq.wants_tokens else 0))
+                first = self._blocks_for(cached + chunk + (seq.n if last and seq.wants_tokens else 0))
+                first -= self.prefix.shared_among(hit) if self.prefix is not None else 0
                 if self.free_blocks - first < self.watermark_blocks:
                     break
-                self._start(seq, first)
+                self._start(seq, first, hit)
                 seq.prefill_left = total - chunk
                 budget -= chunk
                 prefill += chunk
                 if last:
                     completed.append(seq)
+                    self._register(seq)
         decode = [(s, k) for s, k in decode if s.state == "running"]
         if not prefill and not decode:
             out.wake_at = self._next_wake(now) if not out.finished and not out.failed else now
@@ -368,9 +407,21 @@ class Engine:
                 self._emit(seq, 1, end, out)
 
     # ---- endings ----------------------------------------------------------------------
+    def _register(self, seq: Sequence) -> None:
+        """The prompt's KV is computed: its full blocks become shareable cached blocks."""
+        if self.prefix is None:
+            return
+        for h in seq.block_hashes[len(seq.cached):]:
+            if seq.blocks > 0 and self.prefix.register(h):
+                seq.cached.append(h)
+                seq.blocks -= 1
+
     def _free(self, seq: Sequence) -> None:
         self.free_blocks += seq.blocks
         seq.blocks = 0
+        if self.prefix is not None and seq.cached:
+            self.free_blocks += self.prefix.release(seq.cached)
+        seq.cached = []
 
     def _finish(self, seq: Sequence, reason: str, out: StepOutcome) -> None:
         if seq in self.running:

@@ -67,6 +67,18 @@ class SimCollector(Collector):
             "Number of generation tokens processed.",
             e.generation_tokens_total,
         )
+        # vLLM V1's names and units: tokens queried and tokens found cached, per admission.
+        cache = e.prefix
+        yield self._counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            cache.queries if cache is not None else 0,
+        )
+        yield self._counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            cache.hits if cache is not None else 0,
+        )
         success = CounterMetricFamily(
             "vllm:request_success",
             "Count of finished requests by finish reason.",

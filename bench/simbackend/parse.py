@@ -35,6 +35,7 @@ class GenRequest:
     include_usage: bool = False
     items: list[Any] = field(default_factory=list)  # embedding inputs, one vector each
     instructions: str | None = None  # Responses API: echoed in the response object
+    starts: list[int] = field(default_factory=list)  # chat: index in texts where each message begins
 
     @property
     def text_chars(self) -> int:
@@ -95,6 +96,7 @@ def parse_chat(body: Any) -> GenRequest:
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a role", "messages")
         # OpenAI's accounting tokenizes the role too (as the gateway does).
+        req.starts.append(len(req.texts))
         req.texts.append(msg["role"])
         content = msg.get("content")
         if isinstance(content, str):
@@ -139,16 +141,19 @@ def parse_responses(body: Any) -> GenRequest:
         if not isinstance(instructions, str):
             raise BadRequest("instructions must be a string", "instructions")
         req.instructions = instructions
+        req.starts.append(len(req.texts))
         req.texts += ["system", instructions]
         req.messages += 1
     value = body.get("input")
     if isinstance(value, str):
+        req.starts.append(len(req.texts))
         req.texts += ["user", value]
         req.messages += 1
     elif isinstance(value, list) and value:
         for i, item in enumerate(value):
             if not isinstance(item, dict) or not isinstance(item.get("role"), str):
                 raise BadRequest(f"input[{i}] must be a message with a role", "input")
+            req.starts.append(len(req.texts))
             req.texts.append(item["role"])
             content = item.get("content")
             if isinstance(content, str):
@@ -212,6 +217,30 @@ def count_prompt(req: GenRequest, enc: tiktoken.Encoding) -> int:
     if req.kind in ("chat", "responses"):
         tokens += TOKENS_PER_MESSAGE * req.messages + TOKENS_PER_REPLY
     return tokens
+
+
+def prompt_token_ids(req: GenRequest, enc: tiktoken.Encoding) -> tuple[int, list[int] | None]:
+    """The prompt's token count (as ``count_prompt``) and, where the sim can render it, its
+    token ids in order: each chat message is framed by TOKENS_PER_MESSAGE marker ids
+    (negative: no real token collides) before its role, the reply by TOKENS_PER_REPLY at
+    the end, as a chat template renders them. Prompts given as token ids, and batched
+    completions (one sequence per prompt in vLLM, one here), have no ids: never cached."""
+    encoded = enc.encode_ordinary_batch(req.texts)
+    count = req.id_tokens + sum(len(t) for t in encoded)
+    chat = req.kind in ("chat", "responses")
+    if chat:
+        count += TOKENS_PER_MESSAGE * req.messages + TOKENS_PER_REPLY
+    if req.id_tokens or (not chat and len(req.texts) != 1):
+        return count, None
+    ids: list[int] = []
+    starts = set(req.starts)
+    for i, toks in enumerate(encoded):
+        if i in starts:
+            ids.extend(range(-1, -TOKENS_PER_MESSAGE - 1, -1))
+        ids.extend(toks)
+    if chat:
+        ids.extend(range(-TOKENS_PER_MESSAGE - 1, -TOKENS_PER_MESSAGE - TOKENS_PER_REPLY - 1, -1))
+    return count, ids
 
 
 def count_items(req: GenRequest, enc: tiktoken.Encoding) -> list[int]:

@@ -115,6 +115,30 @@ class AdaptiveSettings:
 
 
 @dataclass(frozen=True)
+class PlacementSettings:
+    """How a pool places requests beyond the picking score (``extproc.policy.placement``)."""
+
+    # Prefer the endpoint that last served the request's prompt prefix (its engine's
+    # prefix cache likely holds it) while it has room; off by default.
+    prefix_affinity: bool = False
+    prefix_block_bytes: int = 1024  # the prompt is keyed in blocks of this many bytes
+    prefix_max_bytes: int = 16384  # at most this many leading bytes are hashed per request
+    affinity_min_headroom: float = 0.2  # below this free fraction after placement, the score decides
+    affinity_max_entries: int = 100_000  # block keys remembered per pool (LRU)
+    affinity_ttl_s: float = 600.0  # a key is forgotten this long after it was last served
+
+    def __post_init__(self) -> None:
+        if self.prefix_block_bytes < 64:
+            raise ValueError("prefix_block_bytes must be >= 64")
+        if self.prefix_max_bytes < self.prefix_block_bytes:
+            raise ValueError("prefix_max_bytes must be >= prefix_block_bytes")
+        if not 0 <= self.affinity_min_headroom < 1:
+            raise ValueError("affinity_min_headroom must be in [0, 1)")
+        if self.affinity_max_entries < 1 or self.affinity_ttl_s <= 0:
+            raise ValueError("affinity_max_entries must be >= 1 and affinity_ttl_s > 0")
+
+
+@dataclass(frozen=True)
 class Degrade:
     """A tier's degradation ladder, by the backend's capacity scale (1.0 = no pressure)."""
 
@@ -190,6 +214,7 @@ class Backend:
     # for the simple case (one ``address``). With endpoints, ``max_concurrency`` and
     # ``kv_capacity_tokens`` above are the pool's sums: the admission budget.
     endpoints: tuple[Endpoint, ...] = ()
+    placement: PlacementSettings = field(default_factory=PlacementSettings)
 
     @property
     def is_pool(self) -> bool:

@@ -17,6 +17,15 @@ low. Among candidates the score, lowest first, is:
 
 No candidate: ``None``, and the request waits in the pool's queue as it does when the
 pool's own budget is spent.
+
+Prefix affinity (``preferred``): the endpoint that last served the request's prompt
+prefix, whose engine likely holds it in its prefix cache, is chosen over the score
+while it is a candidate (usable, a free slot, the footprint fits its budget) *and*
+the fraction of its budget free after placing the request is at least
+``min_headroom``. Past that it is treated as full for affinity's sake and the score
+decides: a popular prefix spills to other endpoints instead of piling onto one until
+it preempts. The footprint is not discounted for the cached prefix: the engine may
+evict those blocks before the request runs, and then it needs them all.
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ class Candidate:
 class Placement:
     key: str
     score: tuple[float, float, float, str]
+    preferred: bool = False  # chosen by prefix affinity, not by the score
+    affinity: str | None = None  # set by the caller that keeps the map: hit | spill | miss
 
 
 def fits(c: Candidate, kv: int) -> bool:
@@ -63,13 +74,17 @@ def score(c: Candidate, kv: int) -> tuple[float, float, float, str]:
     return (-headroom, max(c.waiting, 0.0), c.in_flight / max(c.max_concurrency, 1), c.key)
 
 
-def pick(candidates: Iterable[Candidate], kv: int) -> Placement | None:
-    """The best endpoint for a request of KV footprint ``kv``, or None if it fits nowhere."""
+def pick(candidates: Iterable[Candidate], kv: int, preferred: str | None = None,
+         min_headroom: float = 0.0) -> Placement | None:
+    """The best endpoint for a request of KV footprint ``kv``, or None if it fits nowhere;
+    ``preferred`` wins while it fits with ``min_headroom`` left (prefix affinity)."""
     best: Placement | None = None
     for c in candidates:
         if not fits(c, kv):
             continue
         s = score(c, kv)
+        if c.key == preferred and -s[0] >= min_headroom:
+            return Placement(c.key, s, preferred=True)
         if best is None or s < best.score:
             best = Placement(c.key, s)
     return best

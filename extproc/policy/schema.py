@@ -23,6 +23,7 @@ from extproc.policy.model import (
     Gateway,
     Limits,
     Model,
+    PlacementSettings,
     Policy,
     Tenant,
     Tier,
@@ -43,7 +44,7 @@ from extproc.policy.schema_parse import (
     _tiers,
 )
 
-__all__ = ["AdaptiveSettings", "Backend", "BreakerOverride", "BreakerSettings", "Degrade", "Endpoint", "Gateway", "Limits", "Model", "Policy",
+__all__ = ["AdaptiveSettings", "Backend", "BreakerOverride", "BreakerSettings", "Degrade", "Endpoint", "Gateway", "Limits", "Model", "PlacementSettings", "Policy",
            "PolicyError", "Problem", "Tenant", "Tier", "WatermarkSettings", "build_policy", "hash_key",
            "ENGINES", "KNOWN_ENCODINGS", "MAX_QUEUE_WAIT_MS", "SECTIONS", "SHADOW_RULES"]
 

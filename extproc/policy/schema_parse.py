@@ -21,6 +21,7 @@ from extproc.policy.model import (
     Endpoint,
     Gateway,
     Model,
+    PlacementSettings,
     Tenant,
     Tier,
     WatermarkSettings,
@@ -106,7 +107,7 @@ def _metric_names(r: Reader, m: Mapping[str, Any], path: Path) -> dict[str, tupl
 _BACKEND_FIELDS = ("name", "address", "max_concurrency", "models", "metrics_url", "engine", "metric_names",
                    "watermark", "breaker", "kv_capacity_tokens", "kv_block_size", "kv_overcommit",
                    "kv_reservation", "learned_quantile", "tpm_precharge", "adaptive_concurrency",
-                   "endpoints")
+                   "endpoints", "placement")
 _ENDPOINT_FIELDS = ("address", "metrics_url", "kv_capacity_tokens", "max_concurrency")
 
 
@@ -205,6 +206,7 @@ def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
             tpm_precharge=r.get(m, path, "tpm_precharge", str, "max_tokens", choices=TPM_PRECHARGES),
             adaptive_concurrency=_adaptive(r, m.get("adaptive_concurrency"), (*path, "adaptive_concurrency")),
             endpoints=endpoints,
+            placement=read_flat(r, m.get("placement"), (*path, "placement"), PlacementSettings),
         ))
     return tuple(out)
 
