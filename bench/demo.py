@@ -25,6 +25,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # REPLICAS > 1: replica i (from 0) serves gRPC on 50051 + i and admin on 9100 + i; they
 # share a redis-server on 6380 (not 6379, where a system Redis may already run).
 GRPC_PORT, ADMIN_PORT, REDIS_PORT = 50051, 9100, 6380
+# The simulated engines, by port: the sim-llama-8b pool's two (the second with half the
+# KV cache of the first) model vLLM's prefix cache, which the policy's prefix_affinity
+# steers to; 8001 serves sim-llama-1b, the fallback.
+ENGINES: dict[int, tuple[str, ...]] = {
+    8000: ("--enable-prefix-caching",),
+    8001: ("--model", "sim-llama-1b"),
+    8002: ("--kv-blocks", "1024", "--enable-prefix-caching"),
+}
 
 
 def wait(url: str, proc: subprocess.Popen, timeout: float = 30) -> None:
@@ -38,6 +46,33 @@ def wait(url: str, proc: subprocess.Popen, timeout: float = 30) -> None:
         except Exception:  # noqa: BLE001 - not up yet
             time.sleep(0.1)
     raise SystemExit(f"timed out waiting for {url}")
+
+
+def banner(replicas: int, redis_url: str | None) -> str:
+    """What the demo prints once everything is up."""
+    lines = "\n".join(f"  extproc  -> demo-{i + 1}: gRPC 127.0.0.1:{GRPC_PORT + i}, "
+                      f"http://127.0.0.1:{ADMIN_PORT + i}/metrics  /healthz  /debug/state"
+                      for i in range(replicas))
+    if redis_url:
+        lines += f"\n  redis    -> {redis_url}   (slots, KV, TPM/RPM and breaker trips shared)"
+    return f"""
+Sluice demo is up (Ctrl-C stops everything):
+  clients  -> http://127.0.0.1:10000/v1/chat/completions   (keys: sk-demo-premium, sk-demo-free, sk-demo-batch)
+  console  -> http://127.0.0.1:8080/   (operator credentials printed above)
+{lines}
+  envoy    -> http://127.0.0.1:9901/
+  backends -> sim-llama-8b: a pool of two simulated vLLM engines, Sluice picks the endpoint;
+              prefix affinity on: a prompt prefix goes back to the engine that served it,
+              both engines run with --enable-prefix-caching (Overview: hit / spill / miss)
+              http://127.0.0.1:8000/metrics  (endpoint 1: 32,768 tokens of KV cache)
+              http://127.0.0.1:8002/metrics  (endpoint 2: 16,384 tokens of KV cache)
+              http://127.0.0.1:8001/metrics  (simulated vLLM, sim-llama-1b: the fallback)
+
+try:
+  curl -s http://127.0.0.1:10000/v1/chat/completions -H 'authorization: Bearer sk-demo-premium' \\
+       -H 'content-type: application/json' \\
+       -d '{{"model":"sim-llama-8b","messages":[{{"role":"user","content":"hello"}}]}}'
+"""
 
 
 def main() -> int:
@@ -62,15 +97,10 @@ def main() -> int:
         return p
 
     try:
-        sim = start(py, "-m", "bench.simbackend", "--port", "8000", "--time-scale", args.time_scale)
-        small = start(py, "-m", "bench.simbackend", "--port", "8001", "--model", "sim-llama-1b",
-                      "--time-scale", args.time_scale)
-        # The pool's second engine for sim-llama-8b: half the KV cache of the first.
-        second = start(py, "-m", "bench.simbackend", "--port", "8002", "--kv-blocks", "1024",
-                       "--time-scale", args.time_scale)
-        wait("http://127.0.0.1:8000/health", sim)
-        wait("http://127.0.0.1:8001/health", small)
-        wait("http://127.0.0.1:8002/health", second)
+        engines = {port: start(py, "-m", "bench.simbackend", "--port", str(port), *flags,
+                               "--time-scale", args.time_scale) for port, flags in ENGINES.items()}
+        for port, engine in engines.items():
+            wait(f"http://127.0.0.1:{port}/health", engine)
         # The replica token goes through the environment, not the command line (``ps`` shows
         # every user the command line; /proc/PID/environ only the owner).
         secret = {"SLUICE_CONSOLE_TOKEN": secrets.token_urlsafe(24)}
@@ -91,27 +121,7 @@ def main() -> int:
             wait(f"http://127.0.0.1:{ADMIN_PORT + i}/healthz", ep)
         env = start(str(envoy), "-c", str(cfg), "--disable-hot-restart", "-l", "warning")
         wait("http://127.0.0.1:9901/ready", env)
-        replicas = "\n".join(f"  extproc  -> demo-{i + 1}: gRPC 127.0.0.1:{GRPC_PORT + i}, "
-                              f"http://127.0.0.1:{ADMIN_PORT + i}/metrics  /healthz  /debug/state"
-                              for i in range(args.replicas))
-        if store:
-            replicas += f"\n  redis    -> {store[ENV_URL]}   (slots, KV, TPM/RPM and breaker trips shared)"
-        print(f"""
-Sluice demo is up (Ctrl-C stops everything):
-  clients  -> http://127.0.0.1:10000/v1/chat/completions   (keys: sk-demo-premium, sk-demo-free, sk-demo-batch)
-  console  -> http://127.0.0.1:8080/   (operator credentials printed above)
-{replicas}
-  envoy    -> http://127.0.0.1:9901/
-  backends -> sim-llama-8b: a pool of two simulated vLLM engines, Sluice picks the endpoint
-              http://127.0.0.1:8000/metrics  (endpoint 1: 32,768 tokens of KV cache)
-              http://127.0.0.1:8002/metrics  (endpoint 2: 16,384 tokens of KV cache)
-              http://127.0.0.1:8001/metrics  (simulated vLLM, sim-llama-1b: the fallback)
-
-try:
-  curl -s http://127.0.0.1:10000/v1/chat/completions -H 'authorization: Bearer sk-demo-premium' \\
-       -H 'content-type: application/json' \\
-       -d '{{"model":"sim-llama-8b","messages":[{{"role":"user","content":"hello"}}]}}'
-""", flush=True)
+        print(banner(args.replicas, store.get(ENV_URL)), flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
         print("a component exited; stopping the demo", file=sys.stderr)

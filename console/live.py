@@ -165,6 +165,36 @@ def endpoint_views(value: Any) -> list[EndpointView]:
 
 
 @dataclass
+class AffinityView:
+    """A pool's prefix affinity (``placement.prefix_affinity``): placements by result since
+    each replica started (every replica keeps its own map), summed over the fresh reports.
+
+    hit: placed on the endpoint that last served its prefix; spill: that endpoint had no
+    room, placed by the score; miss: no part of the prefix was known."""
+
+    hit: int = 0
+    spill: int = 0
+    miss: int = 0
+    keys: int = 0  # prefix block keys remembered, summed over the replicas' maps
+    replicas: int = 0
+
+    def add(self, report: Mapping[str, Any]) -> None:
+        self.hit += int(num(report.get("hit")) or 0)
+        self.spill += int(num(report.get("spill")) or 0)
+        self.miss += int(num(report.get("miss")) or 0)
+        self.keys += int(num(report.get("keys")) or 0)
+        self.replicas += 1
+
+    @property
+    def placed(self) -> int:
+        return self.hit + self.spill + self.miss
+
+    @property
+    def hit_share(self) -> float | None:
+        return self.hit / self.placed if self.placed else None
+
+
+@dataclass
 class BackendView:
     name: str
     kv_usage: float | None = None
@@ -179,6 +209,7 @@ class BackendView:
     slots: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # replica -> slots
     queue: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # replica -> queue
     endpoints: list[EndpointView] = field(default_factory=list)  # a pool's, from the freshest report
+    affinity: AffinityView | None = None  # a pool's prefix affinity; None while no replica has it on
 
     @property
     def breaker_states(self) -> list[str]:
@@ -207,6 +238,9 @@ def backend_views(names: list[str], reps: list[Replica]) -> list[BackendView]:
             v.slots[r.id] = as_map(b.get("slots"))
             v.queue[r.id] = as_map(b.get("queue"))
             v.endpoints = endpoint_views(b.get("endpoints"))
+            if isinstance(b.get("prefix_affinity"), Mapping):
+                v.affinity = v.affinity or AffinityView()
+                v.affinity.add(b["prefix_affinity"])
     return list(views.values())
 
 

@@ -196,11 +196,14 @@ class Runtime:
             await asyncio.sleep(self.slot_leases.check_s)
 
     def breakers(self) -> dict[str, Breaker]:
-        """Every backend's and model route's breaker, by the name they are shared under."""
+        """Every backend's, model route's and pool endpoint's breaker, by the name they are
+        shared under: ``backend``, ``backend/model``, ``backend@host:port`` (as its metrics)."""
         out: dict[str, Breaker] = {}
         for name, be in self.backends.items():
             out[name] = be.breaker
             out.update({f"{name}/{model}": b for model, b in be.route_breakers.items()})
+            if be.endpoints is not None:
+                out.update({f"{name}@{key}": st.breaker for key, st in be.endpoints.by_key.items()})
         return out
 
     # -- per-tenant bookkeeping for status reports ------------------------------

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from typing import Any
 
+import pytest
+
+from bench.procs import free_port
 from bench.redis_server import RedisServer
-from extproc.policy.breaker import Breaker, BreakerConfig, BreakerState
+from extproc.backends import Hold
+from extproc.policy.breaker import Breaker, BreakerConfig, BreakerState, Outcome
+from extproc.policy.schema import build_policy
+from extproc.runtime import Runtime
+from extproc.store import ENV_URL
 from extproc.store.redis_state import connect
 from extproc.store.shared_breakers import SharedBreakers
 from tests.redis_server import redis_server_fixture  # noqa: F401 - the redis_server fixture
+from tests.test_pool import doc as pool_doc
 
 
 def test_a_trip_on_one_replica_opens_the_others_once(redis_server: RedisServer) -> None:
@@ -44,3 +54,62 @@ def test_a_trip_on_one_replica_opens_the_others_once(redis_server: RedisServer) 
     finally:
         loop.run_until_complete(client.aclose())
         loop.close()
+
+
+def test_a_pool_endpoint_trip_on_one_runtime_ejects_it_on_the_other_within_a_second(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two Runtimes on one Redis, each running its lease task (which syncs breakers every
+    250 ms): endpoint B failing on replica 0 opens B on replica 1, which then places on A."""
+    monkeypatch.delenv(ENV_URL, raising=False)
+    a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    d = pool_doc([{"address": a, "kv_capacity_tokens": 4000}, {"address": b, "kv_capacity_tokens": 8000}],
+                 breaker={"consecutive_failures": 2, "cooldown_s": 20.0})
+    d["gateway"] = {"state": redis_server.url}
+
+    async def main() -> tuple[float, dict[str, Any], list[Runtime]]:
+        rts = [Runtime(build_policy(d), replica_id=f"ep{i}") for i in range(2)]
+        for rt in rts:
+            await rt.first_leases()
+        tasks = [asyncio.create_task(rt.run_leases()) for rt in rts]
+        try:
+            eps0, eps1 = (rt.backends["pool"].endpoints for rt in rts)
+            assert eps0 is not None and eps1 is not None
+            await asyncio.sleep(0.3)  # both have synced once: nothing is published yet
+            assert eps1.by_key[b].breaker.state(rts[1].clock()) is BreakerState.CLOSED
+            for _ in range(2):
+                eps0.record(b, Outcome.FAILURE, None, rts[0].clock())
+            assert eps0.by_key[b].breaker.state(rts[0].clock()) is BreakerState.OPEN
+            t0 = time.monotonic()
+            while eps1.by_key[b].breaker.state(rts[1].clock()) is not BreakerState.OPEN:
+                assert time.monotonic() - t0 < 5.0, "the trip never reached the other replica"
+                await asyncio.sleep(0.01)
+            seen_after = time.monotonic() - t0
+            await asyncio.sleep(0.6)  # more syncs: the applied trip is not published back
+            client = rts[0].state.client  # type: ignore[attr-defined]
+            ttl = await client.pttl(f"sluice:breaker:pool@{b}")
+            info = {"ttl": ttl, "stores": [rt.status()["store"]["breakers"] for rt in rts],
+                    "snap1": eps1.by_key[b].breaker.snapshot(rts[1].clock()),
+                    "a1": eps1.by_key[a].breaker.state(rts[1].clock()),
+                    "pool1": rts[1].backends["pool"].breaker.state(rts[1].clock())}
+            be1 = rts[1].backends["pool"]
+            held = be1.try_acquire("t", "a", None, 100, rts[1].clock())
+            info["placed"] = held.endpoint if isinstance(held, Hold) else held
+            if isinstance(held, Hold):
+                be1.release(held, rts[1].clock())
+            return seen_after, info, rts
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for rt in rts:
+                await rt.state.aclose()  # type: ignore[attr-defined]
+
+    seen_after, info, rts = asyncio.run(main())
+    assert seen_after < 1.0, seen_after  # one sync interval (250 ms) plus a round trip, on a loaded host
+    assert 15000 < info["ttl"] <= 20000  # the key lives as long as replica 0's cooldown
+    assert info["stores"] == [{"published": 1, "applied": 0}, {"published": 0, "applied": 1}]
+    assert info["snap1"]["last_cause"] == "shared:consecutive_failures" and info["snap1"]["trips"] == 1
+    assert info["a1"] is BreakerState.CLOSED and info["pool1"] is BreakerState.CLOSED  # only B is ejected
+    assert info["placed"] == a
+    for rt in rts:
+        rt.close()

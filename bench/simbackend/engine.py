@@ -16,20 +16,9 @@ What is modelled, because the gateway's behaviour depends on it:
   can be admitted together and then outgrow the cache: the recompute thrash vLLM shows
   under a burst of long prompts. Such a step costs its prefill part (as below, for the
   chunk tokens) plus its decode part.
-- Latency depends on load the way it does on a GPU (constants in ``SimConfig``):
-
-    prefill step = ttft_ms + prefill_ms_per_1k_tokens x (prompt tokens in the step) / 1000
-    decode step  = (1000 / tokens_per_s + decode_ms_per_seq x batch size
-                    + decode_ms_per_1k_kv_tokens x (KV tokens the batch attends to) / 1000)
-                   x slowdown factor (1 unless ``slow_down`` is in effect)
-
-  Defaults (an 8B model on one 24 GB GPU, roughly): 20 ms + 25 ms per 1k prompt tokens,
-  so a 32k-token prompt stalls every running stream for ~0.8 s; 10 ms + 0.25 ms per
-  sequence + 0.3 ms per 1k KV tokens, so one sequence alone decodes at ~100 tok/s, a
-  batch of 64 with short contexts at ~38 tok/s each, and a full 32k-token cache adds
-  ~10 ms per step (reading the KV cache is the memory-bound part of decoding).
-  ``slow_down(factor, until)`` multiplies decode steps (not prefill, not KV) until
-  ``until``: a thermally throttled or shared GPU.
+- Latency depends on load the way it does on a GPU (``step_cost.py``, constants in
+  ``SimConfig``). ``slow_down(factor, until)`` multiplies decode steps (not prefill,
+  not KV) until ``until``: a thermally throttled or shared GPU.
 - With ``prefix_caching`` (vLLM's automatic prefix caching, ``prefix_cache.py``) a
   sequence whose leading full prompt blocks are cached references them instead of
   taking new blocks, and its prefill skips those tokens; blocks are registered once the
@@ -43,61 +32,15 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from dataclasses import dataclass, field
 
 from .config import SimConfig
 from .prefix_cache import PrefixCache
+from .sequence import Sequence, StepOutcome
+from .step_cost import decode_step_ms, prefill_step_s
+
+__all__ = ["OOM_MESSAGE", "Engine", "Sequence", "StepOutcome"]
 
 OOM_MESSAGE = "CUDA out of memory: the simulated KV cache is exhausted"
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One request in the engine (its n choices decode together, as vLLM's forked seqs)."""
-
-    prompt_tokens: int
-    max_tokens: int  # tokens per choice to generate; 0 = prefill only (embeddings)
-    n: int = 1
-    delay: float = 0.0  # model seconds before the first token may appear
-    tps: float | None = None  # own pace (tokens/s) instead of the batch's step rate
-    # Whether producing max_tokens is the model stopping by itself ("stop") or the
-    # client's limit cutting it off ("length").
-    natural_stop: bool = False
-    # Set by the engine:
-    state: str = "new"  # waiting | running | finished | failed | aborted
-    ready_at: float = 0.0
-    generated: int = 0  # tokens per choice so far
-    blocks: int = 0
-    admit_order: int = 0
-    first_token_at: float | None = None
-    prefilled_once: bool = False
-    prefill_left: int = 0  # chunked prefill: KV tokens still to compute in this residency
-    num_preemptions: int = 0
-    finish_reason: str | None = None
-    error: tuple[int, str] | None = None
-    # Prefix caching: chained hashes of the prompt's full blocks (set by the request
-    # handler), the shared cached blocks held, and the prompt tokens they spared.
-    block_hashes: tuple[int, ...] = ()
-    cached: list[int] = field(default_factory=list)
-    cache_hit_tokens: int = 0
-
-    def kv_tokens(self, extra: int = 0) -> int:
-        return self.prompt_tokens + self.n * (self.generated + extra)
-
-    @property
-    def wants_tokens(self) -> bool:
-        return self.generated < self.max_tokens
-
-
-@dataclass
-class StepOutcome:
-    duration: float = 0.0  # model seconds the step occupies the GPU; 0 = nothing ran
-    wake_at: float | None = None  # when idle: the next time something becomes due
-    kind: str = "idle"  # prefill | decode | idle
-    emitted: dict[Sequence, int] = field(default_factory=dict)  # seq -> generated after step
-    finished: list[Sequence] = field(default_factory=list)
-    failed: list[Sequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
 
 
 class Engine:
@@ -142,10 +85,7 @@ class Engine:
 
     def decode_ms(self, batch: int, kv_tokens: int, now: float) -> float:
         """How long one decode step of ``batch`` sequences attending to ``kv_tokens`` takes."""
-        cfg = self.cfg
-        ms = (1000.0 / cfg.tokens_per_s + cfg.decode_ms_per_seq * batch
-              + cfg.decode_ms_per_1k_kv_tokens * kv_tokens / 1000.0)
-        return ms * (self.slow_factor if now < self.slow_until else 1.0)
+        return decode_step_ms(self.cfg, batch, kv_tokens) * (self.slow_factor if now < self.slow_until else 1.0)
 
     # ---- requests in and out --------------------------------------------------------
     def add(self, seq: Sequence, now: float) -> None:
@@ -254,9 +194,8 @@ class Engine:
         tokens = sum(s.kv_tokens() - s.cache_hit_tokens for s in admitted)
         for seq in admitted:
             self._register(seq)
-        cfg = self.cfg
         out.kind = "prefill"
-        out.duration = (cfg.ttft_ms + cfg.prefill_ms_per_1k_tokens * tokens / 1000.0) / 1000.0
+        out.duration = prefill_step_s(self.cfg, tokens)
         end = now + out.duration
         for seq in admitted:
             if now < seq.ready_at:
@@ -389,10 +328,9 @@ class Engine:
         if not prefill and not decode:
             out.wake_at = self._next_wake(now) if not out.finished and not out.failed else now
             return
-        cfg = self.cfg
         out.kind = "prefill" if prefill else "decode"
         if prefill:
-            out.duration += (cfg.ttft_ms + cfg.prefill_ms_per_1k_tokens * prefill / 1000.0) / 1000.0
+            out.duration += prefill_step_s(self.cfg, prefill)
         if decode:
             out.duration += self.decode_ms(len(decode), sum(s.kv_tokens() for s, _ in decode), now) / 1000.0
         end = now + out.duration

@@ -2,6 +2,7 @@
 (Debian's chromium via Playwright), over the real stack: two simulated engines as one pool,
 console, extproc as its replica, Envoy. The trip goes browser -> SQLite -> policy API ->
 replica, and Envoy's traffic follows: none to the tripped endpoint, back after the reset.
+With prefix affinity on, the pool's affinity row counts a shared system prompt's placements.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def pool_policy(small: int, big: int) -> dict[str, Any]:
     # The big one has the most headroom: every request goes there while it is usable.
     b["endpoints"] = [{"address": f"127.0.0.1:{port}", "metrics_url": f"http://127.0.0.1:{port}/metrics",
                        "kv_capacity_tokens": cap} for port, cap in ((small, 8192), (big, 65536))]
+    # Only prompts of a full prefix block (1 KiB) or more are keyed: "hi" is placed by the score.
+    b["placement"] = {"prefix_affinity": True}
     return doc
 
 
@@ -72,8 +75,14 @@ def served(url: str) -> int:
     return sum(1 for x in get_json(f"{url}/admin/requests") if x["path"] == CHAT)
 
 
-def chat(stack: ConsoleStack) -> httpx.Response:
-    body = {"model": "sim-llama-8b", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+SYSTEM = "You are the support assistant of a large shop. " * 60  # ~2.9 kB: two prefix blocks
+
+
+def chat(stack: ConsoleStack, system: str | None = None) -> httpx.Response:
+    messages = [{"role": "user", "content": "hi"}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    body = {"model": "sim-llama-8b", "max_tokens": 8, "messages": messages}
     return httpx.post(f"{stack.url}{CHAT}", json=body, timeout=20,
                       headers={"authorization": f"Bearer {TEST_KEYS['premium']}", "x-sim-tokens": "3"})
 
@@ -127,6 +136,15 @@ def test_operator_trips_and_resets_one_pool_endpoint_from_the_overview(stack: Po
         form.locator("button[value=clear]").click()
         expect(page.locator("#endpoint-breaker-form .done")).to_have_text("endpoint breaker cleared")
         expect(page.locator(row_id)).not_to_contain_text("manual")
+
+        # -- prefix affinity: the pool's row counts where a shared prompt went -----------
+        affinity = page.locator("#affinity-sim")
+        expect(affinity).to_contain_text("miss 0")  # on, and the short prompts so far had no prefix block
+        codes = [chat(stack, SYSTEM).status_code for _ in range(3)]
+        assert codes == [200] * 3
+        expect(affinity).to_contain_text("hit 2 (67 %)", timeout=10_000)  # polled in with the next report
+        expect(affinity).to_contain_text("miss 1")
+        expect(affinity).to_contain_text("spill 0")
         assert not [e for e in console_errors if "Content Security Policy" in e], console_errors
     finally:
         context.close()
