@@ -106,7 +106,7 @@ class Sizing:
     time_scale: float = 1.0
 
 
-FULL = Sizing(window_s=90, capacity_s=16, capacity_tail_s=6, warm_s=5, drain_s=15)
+FULL = Sizing(window_s=90, capacity_s=20, capacity_tail_s=6, warm_s=5, drain_s=15)
 QUICK = Sizing(window_s=18, capacity_s=6, capacity_tail_s=2, warm_s=2, drain_s=3)
 
 
@@ -180,14 +180,25 @@ class Run:
     seconds: float = 0.0
     error: str | None = None
     notes: list[str] = field(default_factory=list)
+    state: list[dict[str, Any]] = field(default_factory=list)  # Sluice's queue and endpoints' room, sampled
 
     @property
     def goodput(self) -> float:
         a, b = self.window
         return tokens_between(self.results, a, b) / (b - a) if b > a else math.nan
 
+    def _premium_ok(self) -> list[Result]:
+        return [r for r in self.results if r.tier == "premium" and r.ok and r.first is not None and r.head is not None]
+
     def premium_ttft(self, q: float) -> float:
-        return pct((r.ttft for r in self.results if r.tier == "premium" and r.ok and r.ttft is not None), q)
+        return pct((r.first - r.sent for r in self._premium_ok()), q)  # type: ignore[operator]
+
+    def premium_wait(self, q: float) -> float:
+        """Until the response headers: Sluice's queue (the engine answers headers at once)."""
+        return pct((r.head - r.sent for r in self._premium_ok()), q)  # type: ignore[operator]
+
+    def premium_engine(self, q: float) -> float:
+        return pct((r.first - r.head for r in self._premium_ok()), q)  # type: ignore[operator]
 
 
 @dataclass
@@ -259,8 +270,11 @@ class Stack:
 
 
 async def sample_kv(urls: list[str], t0: float, stop: asyncio.Event, out: list[list[tuple[float, float]]],
+                    state_url: str | None = None, state: list[dict[str, Any]] | None = None,
                     interval: float = 0.25) -> None:
-    """Every ``interval``: each engine's KV usage, as (seconds since t0, fraction)."""
+    """Every ``interval``: each engine's KV usage, as (seconds since t0, fraction); with
+    ``state_url``, also Sluice's queue depths and each pool endpoint's KV room (capacity x
+    scale - reserved, tokens) into ``state`` (kept in results.json, for reading a run)."""
     out[:] = [[] for _ in urls]
     async with aiohttp.ClientSession() as session:
         while not stop.is_set():
@@ -268,6 +282,13 @@ async def sample_kv(urls: list[str], t0: float, stop: asyncio.Event, out: list[l
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                     async with session.get(u, timeout=aiohttp.ClientTimeout(total=1.0)) as r:
                         out[i].append((time.monotonic() - t0, (await r.json())["kv_usage"]))
+            if state_url and state is not None:
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
+                    async with session.get(state_url, timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+                        be = (await r.json())["backends"]["sim"]
+                    state.append({"t": time.monotonic() - t0, "queue": be["queue"]["depth"],
+                                  "room": [round(e["kv"]["capacity_tokens"] * e["scale"] - e["kv"]["reserved_tokens"])
+                                           for e in be.get("endpoints") or []]})
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval)
 
@@ -275,7 +296,8 @@ async def sample_kv(urls: list[str], t0: float, stop: asyncio.Event, out: list[l
 def _finish(run: Run, stack: Stack) -> None:
     run.engines = [get_json(u) for u in stack.engine_urls()]
     (stack.workdir / "results.json").write_text(json.dumps(
-        {"results": [dataclasses.asdict(r) for r in run.results], "kv": run.kv, "engines": run.engines}))
+        {"results": [dataclasses.asdict(r) for r in run.results], "kv": run.kv, "engines": run.engines,
+         "sluice": run.state}))
     end = wait_idle(stack.state_url, 10)
     led = end["ledger"]
     run.notes.append(f"after the run: Sluice in flight {end['in_flight']}, ledger balanced {led['balanced']}")
@@ -319,7 +341,7 @@ def run_config(name: str, workdir: Path, reqs: list[Request], size: Sizing, log:
             async def drive() -> list[Result]:
                 stop = asyncio.Event()
                 t0 = time.monotonic() + 0.2
-                kv = asyncio.create_task(sample_kv(stack.engine_urls(), t0, stop, run.kv))
+                kv = asyncio.create_task(sample_kv(stack.engine_urls(), t0, stop, run.kv, stack.state_url, run.state))
                 try:
                     return await OpenLoop(stack.url, KEYS, CLIENTS, drain_s=size.drain_s).run(reqs, t0)
                 finally:
@@ -422,6 +444,9 @@ def markdown(b: PoolBench) -> str:
             f"{_f(ratio(run.premium_ttft(.99), base.premium_ttft(.99)))} | "
             f"{st['premium'].ok}/{st['premium'].sent} | {st['free'].ok}/{st['free'].sent} | "
             f"{s429} / {s503} / {unfinished} / {other} |")
+        notes.append(f"{run.title}: premium response headers p50 / p99 {_f(run.premium_wait(.5))} / "
+                     f"{_f(run.premium_wait(.99))} s (the wait in Sluice's queue), headers to first token "
+                     f"{_f(run.premium_engine(.5))} / {_f(run.premium_engine(.99))} s (the engine)")
         notes += [f"{run.title}: {n}" for n in run.notes]
     return "\n".join(out + [""] + [f"- {n}" for n in notes]) + "\n"
 
