@@ -106,12 +106,13 @@ def test_envoy_placements_balance_a_static_cluster_and_sluice_follows_its_header
 def test_the_prefix_affinity_hook_reports_why_it_cannot_run() -> None:
     hook = pool.PLACEMENTS["sluice_prefix"]
     assert hook.lb is None and hook.backend == {"placement": {"prefix_affinity": True}}
-    why = pool.unavailable(hook)
+    why = pool.unavailable(hook) or ""
     try:
         build_policy(pool.policy([1, 2, 3], hook))
     except ValueError:
-        assert why is not None and "schema" in why
-    else:
-        assert why is None  # the field exists: the fourth configuration runs
+        assert "schema refuses `placement`" in why
+    else:  # the field exists: then the engine flag, then the traffic
+        assert "--enable-prefix-caching" in why or why == f"it needs {hook.blocked}"
     flagged = pool.Placement("x", None, sim=("--no-such-engine-flag",))
     assert "--no-such-engine-flag" in (pool.unavailable(flagged) or "")
+    assert pool.unavailable(pool.Placement("y", None, blocked="z")) == "it needs z"
