@@ -115,7 +115,7 @@ class Sizing:
 
 
 FULL = Sizing(window_s=90, capacity_s=20, capacity_tail_s=6, warm_s=5, drain_s=15)
-QUICK = Sizing(window_s=18, capacity_s=6, capacity_tail_s=2, warm_s=2, drain_s=3)
+QUICK = Sizing(window_s=15, capacity_s=5, capacity_tail_s=2, warm_s=2, drain_s=3)
 
 
 def sim_args(blocks: int, placement: Placement, time_scale: float) -> list[str]:
@@ -463,7 +463,7 @@ def markdown(b: PoolBench) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="an 18 s trace window (6 s replayed) and a 6 s capacity run (~1 min): a smoke test")
+    ap.add_argument("--quick", action="store_true", help="a 15 s trace window (5 s replayed) and a 5 s capacity run (~1 min): a smoke test")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--workdir", type=Path, default=None, help="where configs and process logs go (kept)")
     args = ap.parse_args()

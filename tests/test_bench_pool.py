@@ -8,7 +8,8 @@ import math
 import pytest
 
 from bench import pool
-from bench.trace import CHAT_WINDOW, Mix, TraceRow
+from bench.loadgen import Result
+from bench.trace import CHAT_MODEL, CHAT_WINDOW, Mix, Request, TraceRow
 from bench.trace_window import burst_schedule, densest_window, mean_between, ratio
 from extproc.policy.schema import build_policy
 
@@ -116,3 +117,38 @@ def test_the_prefix_affinity_hook_reports_why_it_cannot_run() -> None:
     flagged = pool.Placement("x", None, sim=("--no-such-engine-flag",))
     assert "--no-such-engine-flag" in (pool.unavailable(flagged) or "")
     assert pool.unavailable(pool.Placement("y", None, blocked="z")) == "it needs z"
+
+
+def _result(i: int, tier: str, sent: float, first: float, end: float, tokens: int, status: int = 200) -> Result:
+    return Result(i, tier, "burst", sent, status=status, head=sent + 0.5 * (first - sent), first=first, end=end,
+                  tokens=tokens, done=True)
+
+
+def _run(name: str, scale: float, preempt: int) -> pool.Run:
+    # Premium TTFTs 1 s and 2 s (times ``scale``), one free request refused, one cut at the end.
+    results = [_result(0, "premium", 1.0, 1.0 + scale, 9.0, 800), _result(1, "premium", 2.0, 2.0 + 2 * scale, 9.0, 800),
+               _result(2, "free", 3.0, 3.5, 9.0, 400), _result(3, "free", 3.0, 3.0, 3.0, 0, status=503),
+               Result(4, "free", "burst", 4.0, status=200, head=4.1, first=4.2, end=30.0, tokens=5, gave_up="run_end")]
+    engines = [{"preemptions_total": preempt, "kv_blocks_peak": b // 2, "kv_blocks_total": b} for b in pool.ENGINES]
+    return pool.Run(name, pool.PLACEMENTS[name].title, results, kv=[[(1.0, 0.5), (5.0, 0.25)]] * 3,
+                    engines=engines, window=(0.0, 10.0))
+
+
+def test_markdown_reports_per_engine_ratios_and_outcomes() -> None:
+    rr, sl = _run("round_robin", 2.0, 7), _run("sluice", 1.0, 0)
+    blocked = pool.Run("sluice_prefix", pool.PLACEMENTS["sluice_prefix"].title, error="not run: it needs x (y)")
+    cap = pool.Run("capacity", "cap", [_result(9, "premium", 0.0, 0.1, 5.0, 2000)], window=(0.0, 10.0),
+                   engines=[{"preemptions_total": 0}] * 3)
+    reqs = [Request(i, float(i), "burst", "premium" if i < 2 else "free", CHAT_MODEL, 100, 512, 10) for i in range(5)]
+    md = pool.markdown(pool.PoolBench(cap, {"round_robin": rr, "sluice": sl, "sluice_prefix": blocked}, reqs,
+                                      1814.0, pool.FULL))
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in md.splitlines() if line.startswith("| ")}
+    # Goodput: (800 + 800 + 400) tokens over the 10 s window; capacity: 2000 over 10 s.
+    r, s = rows["Envoy round-robin"], rows["Sluice picking"]
+    assert r[1] == "7 / 7 / 7" and s[1] == "0 / 0 / 0"
+    assert r[2] == "50 / 50 / 50" and r[3] == "38 / 38 / 38"  # peak blocks / total; mean of the samples in the window
+    assert r[4] == s[4] == "200" and r[5] == "100" and r[6] == "1.00"  # 200 tok/s: all of the capacity
+    assert r[7] == "2.00 / 4.00" and s[7] == "1.00 / 2.00" and s[8] == "0.50"  # premium TTFT, p99 vs round-robin
+    assert r[9] == "2/2" and r[10] == "1/3" and r[11].rstrip(" |") == "0 / 1 / 1 / 0"
+    assert rows["Sluice picking + prefix affinity"][1].rstrip(" |") == "not run: it needs x"
+    assert "premium response headers p50 / p99 0.50 / 1.00 s" in md  # half the TTFT, as built above
