@@ -7,7 +7,7 @@
     python -m bench.run --only headline --configs ad
     python -m bench.run --only slowdown          # decode speed halved for 20 s: (e) vs (f)
     python -m bench.run --only longprompt        # 12 documents of 16k-24k tokens on steady chat
-    python -m bench.run --only pool              # 3 engines: Envoy round-robin / least-request / Sluice picking
+    python -m bench.run --only pool              # 3 engines, the trace's burst at 3x: Envoy RR / LR / Sluice picking
 
 Progress goes to stderr. The first run installs LiteLLM into ``bench/.litellm-venv``
 (~750 MB, a minute or two) for configuration (c); if that fails, (c) is reported as not
@@ -141,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     if "pool" in parts:
         def pool_part() -> str:
             from bench import pool
-            rows = {name: pool.run_config(name, workdir / "pool", 36) for name in pool.CONFIGS}
-            return "## Pool placement (three engines, one burst)\n\n" + pool.markdown(rows) + "\n"
+            b = pool.run(workdir / "pool", quick=args.quick, log=log)
+            return "## Pool placement (three engines, the conversation trace's burst at 3x)\n\n" + pool.markdown(b)
         timed("pool", pool_part)
     if "tpm" in parts:
         def tpm_part() -> str:
