@@ -234,7 +234,7 @@ class BackendState:
         return [(w.tier, w.kv) for w in self.waiters.values() if not w.future.done()]
 
     def queued(self, tier: str) -> int:
-        return self.queue.depth(tier) if self.waiters else 0  # every queued item has a waiter
+        return self.queue.depth(tier)
 
     def slo_at_risk(self, tier: str, now: float) -> bool:
         return self.latency is not None and self.latency.at_risk(tier, now)
@@ -260,7 +260,7 @@ class BackendState:
     def acquire(self, req: admit.SlotRequest, now: float) -> Hold | Queue | Reject:
         """What ``extproc.policy.admit.decide`` says, applied: a ``Hold``, or wait, or refuse."""
         # Waiting requests get free capacity first (see decide for who may overtake them).
-        if self.queue.depth():
+        if self.waiters:  # every queued item has a waiter
             self.pump(now)
         d = admit.decide(self, req, now)
         if not isinstance(d, Admit):

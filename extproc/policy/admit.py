@@ -49,7 +49,7 @@ def decide(view: BackendView, req: SlotRequest, now: float) -> Decision:
                       f"The request may need {req.kv} tokens of KV cache; backend {view.name!r} has {cap}. "
                       "Lower max_tokens or shorten the prompt.",
                       code="context_length_exceeded", cause=Cause.TOO_LARGE, param="max_tokens")
-    if view.queued(req.tier):
+    if view.waiters and view.queued(req.tier):
         return refused(req, Denied(Cause.SLOTS_EXHAUSTED, "requests of this tier are already waiting"))
     got = take(view, req.tier, req.tenant, req.tenant_cap, req.kv, now)
     return got if isinstance(got, Admit) else refused(req, got)

@@ -39,7 +39,7 @@ def kv_budget(view: BackendView, now: float) -> float:
 
 def kv_owed_above(view: BackendView, tier: str, now: float) -> int:
     """The KV need of the most important waiter, of a tier above ``tier``, that does not fit."""
-    waiting = view.waiting()
+    waiting = view.waiting() if view.waiters else ()
     if not waiting:
         return 0
     return _owed(view, waiting, tier, view.kv_in_use, kv_budget(view, now))
@@ -64,7 +64,7 @@ def kv_fits(view: BackendView, kv: int, now: float, tier: str | None = None) -> 
     in_use = view.kv_in_use
     budget = kv_budget(view, now)
     owed = 0
-    if tier is not None:
+    if tier is not None and view.waiters:
         waiting = view.waiting()
         if waiting:
             owed = _owed(view, waiting, tier, in_use, budget)
@@ -86,7 +86,7 @@ def pressure_scale(view: BackendView, tier: str, now: float) -> float:
     degraded or shed as at the high mark.
     """
     scale = view.scale(now)
-    waiting = view.waiting()
+    waiting = view.waiting() if view.waiters else ()
     has_slo = view.has_slo
     if not waiting and not has_slo:
         return scale

@@ -8,7 +8,7 @@ the same state and the same ``now`` give the same answer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -64,6 +64,11 @@ class BackendView(Protocol):
     @property
     def has_slo(self) -> bool:
         """Whether any tier has a latency SLO (``slo_at_risk`` can say yes)."""
+        ...
+
+    @property
+    def waiters(self) -> Collection[object]:
+        """Empty when nothing waits: a cheap test before ``waiting`` and ``queued``."""
         ...
 
     def scale(self, now: float) -> float:
