@@ -15,9 +15,12 @@ from dataclasses import dataclass, field
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import messages as msg
-from extproc.backends import BackendRuntime, Hold, Waiter
+from extproc.backends import BackendState, Hold, Waiter
 from extproc.errors import retry_after_headers
 from extproc.peer import PeerStream
+from extproc.policy import decision
+from extproc.policy import kv as kvmath
+from extproc.policy.admit import SlotRequest
 from extproc.policy.breaker import BreakerVerdict, Outcome
 from extproc.policy.gate import Verdict
 from extproc.policy.schema import Backend, Limits, Model, Policy, Tenant
@@ -32,6 +35,12 @@ class Reject(Exception):
         self.reason, self.message, self.code, self.param = reason, message, code or reason, param
         self.headers = headers or {}
 
+    @classmethod
+    def of(cls, d: decision.Reject) -> Reject:
+        """The exception a stream answers for the core's ``Reject`` decision."""
+        headers = retry_after_headers(d.retry_after_s) if d.retry_after_s is not None else None
+        return cls(d.reason, d.message, code=d.code, param=d.param, headers=headers)
+
 
 @dataclass
 class Ticket:
@@ -39,7 +48,7 @@ class Ticket:
 
     backend: Backend
     model: Model
-    runtime: BackendRuntime
+    runtime: BackendState
     completion: int  # tokens reserved per generated completion
     degraded: list[str] = field(default_factory=list)
     verdict: Verdict | None = None
@@ -114,7 +123,7 @@ class Admission:
             ticket.breaker_verdict = ticket.route_verdict = None
         self._check_tenant(ticket, now)
         d = self.tier.degrade
-        scale = be.pressure_scale(self.tier.name, now)
+        scale = kvmath.pressure_scale(be, self.tier.name, now)
         if d.shed_below_scale and scale < d.shed_below_scale and not self._shadow("shed"):
             raise Reject("overloaded", f"The backend is under memory pressure; the {self.tier.name!r} tier is "
                          "shed first. Retry later.", code="overloaded", headers=retry_after_headers(5))
@@ -206,32 +215,21 @@ class Admission:
         """Take a slot (and KV room), or say the request must wait: returns the messages to send first.
 
         ``kv_tokens`` is what the KV footprint reserves when it differs from ``cost``
-        (``kv_reservation: learned``)."""
+        (``kv_reservation: learned``). The decision is ``extproc.policy.admit.decide``'s."""
         be = ticket.runtime
-        cap = self.limits.max_concurrency
-        ticket.kv = be.footprint(cost if kv_tokens is None else kv_tokens)
-        kv_cap = be.spec.kv_capacity_tokens
-        if be.endpoints is not None:
-            kv_cap = be.endpoints.largest_capacity()  # a footprint must fit one endpoint's cache
-        if kv_cap is not None and ticket.kv > kv_cap:
-            raise Reject("too_large_for_backend", f"The request may need {ticket.kv} tokens of KV cache; backend "
-                         f"{be.spec.name!r} has {kv_cap}. Lower max_tokens or shorten the prompt.",
-                         code="context_length_exceeded", param="max_tokens")
-        got = be.try_acquire(self.tier.name, self.tenant.name, cap, ticket.kv, now, ticket.prefix)
+        ticket.kv = kvmath.footprint(cost if kv_tokens is None else kv_tokens, be.kv_block_size)
+        tier = self.tier
+        req = SlotRequest(tier.name, self.tenant.name, self.limits.max_concurrency, ticket.kv,
+                          may_queue=tier.max_queue_depth > 0 and tier.max_queue_wait_ms > 0)
+        got = be.acquire(req, now, ticket.prefix)
         if isinstance(got, Hold):
             ticket.hold = got
             return []
-        if got.reason == "slots_tenant_cap":
-            if self._shadow("slots"):
-                return []
-            raise Reject("slots", f"Too many concurrent requests for this key (limit {cap}).",
-                         code="rate_limit_exceeded", headers=retry_after_headers(1))
-        if self.tier.max_queue_depth <= 0 or self.tier.max_queue_wait_ms <= 0:
-            if self._shadow("slots"):
-                return []
-            raise Reject("slots", "The backend is at its concurrency limit; retry shortly.",
-                         code="rate_limit_exceeded", headers=retry_after_headers(1))
-        return [self._wait_hint()]
+        if isinstance(got, decision.Queue):
+            return [self._wait_hint()]
+        if got.reason == decision.Reason.SLOTS and self._shadow("slots"):
+            return []
+        raise Reject.of(got)
 
     def _wait_hint(self) -> pb.ProcessingResponse:
         # Without this Envoy's own message_timeout would answer 504 before our deadline.

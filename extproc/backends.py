@@ -1,7 +1,9 @@
 """Per-backend admission state: slot pool, watermark, breaker, and the wait queue.
 
-The pure pieces live in ``extproc.policy``; this module owns the asyncio side of the
-queue (a future per waiting request) and keeps the pieces in step with the policy.
+The pure pieces live in ``extproc.policy``: ``BackendState`` is the ``BackendView``
+that ``extproc.policy.admit.decide`` reads, and applies what it decides. This module
+owns the asyncio side of the queue (a future per waiting request), the periodic
+``tick``, the ``status`` report, and keeps the pieces in step with the policy.
 """
 
 from __future__ import annotations
@@ -9,19 +11,24 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from extproc.endpoints import EndpointSet
+from extproc.endpoints import EndpointSet, affinity_status, pool_status
 from extproc.latency import adaptive_config
+from extproc.policy import admit
+from extproc.policy import kv as kvmath
 from extproc.policy.admission_queue import AdmissionQueue, Enqueued, TierQueueConfig
 from extproc.policy.breaker import Breaker, BreakerConfig
 from extproc.policy.concurrency import AdaptiveLimit
+from extproc.policy.decision import Admit, Queue, Reject
 from extproc.policy.schema import Backend, BreakerOverride, BreakerSettings, Policy
-from extproc.policy.slots import Denied, SlotGrant, SlotPool
+from extproc.policy.slots import Denied, PoolName, SlotGrant, SlotPool
 from extproc.policy.tenant_breakers import TenantBreakers
 from extproc.policy.watermark import WatermarkController
+from extproc.scrape import scrape_status
 
-_PROBE_TENANT = "\x00probe"
 _ids = itertools.count(1)
 
 
@@ -66,7 +73,7 @@ class Hold:
 
 
 @dataclass
-class BackendRuntime:
+class BackendState:
     spec: Backend
     pool: SlotPool
     wm: WatermarkController
@@ -87,9 +94,16 @@ class BackendRuntime:
     latency: AdaptiveLimit | None = None  # the SLO-driven concurrency limit, if a tier sets an SLO
     endpoints: EndpointSet | None = None  # a pool's replicas (extproc.endpoints); None for one address
     kv_lease: int | None = None  # KV tokens leased from a pool shared by replicas (extproc.store.slot_leases)
+    # Plain copies of the spec's values for the core's reads (BackendView), kept by _sync_view.
+    name: str = field(init=False, default="")
+    kv_capacity: int | None = field(init=False, default=None)
+    kv_overcommit: float = field(init=False, default=1.0)
+    kv_block_size: int = field(init=False, default=1)
+    floor: float = field(init=False, default=0.0)
+    has_slo: bool = field(init=False, default=False)  # a latency controller exists: slo_at_risk may say yes
 
     @classmethod
-    def create(cls, spec: Backend, policy: Policy, now: float) -> BackendRuntime:
+    def create(cls, spec: Backend, policy: Policy, now: float) -> BackendState:
         order = policy.tier_order()
         configs = _queue_configs(policy)
         rt = cls(spec=spec,
@@ -100,6 +114,7 @@ class BackendRuntime:
                  queue=AdmissionQueue(configs), configs=configs, has_metrics=spec.metrics_url is not None)
         rt.priorities = {name: t.priority for name, t in policy.tiers.items()}
         rt.endpoints = EndpointSet.create(spec, now) if spec.is_pool else None
+        rt._sync_view(spec)
         rt._sync_latency(spec, policy, now)
         rt._sync_route_breakers(spec, now)
         rt.apply_override(policy, now)
@@ -131,6 +146,11 @@ class BackendRuntime:
             self.latency = AdaptiveLimit(cfg, now)
         elif cfg != self.latency.cfg:
             self.latency.reconfigure(cfg)
+        self.has_slo = self.latency is not None
+
+    def _sync_view(self, spec: Backend) -> None:
+        self.name, self.kv_capacity, self.kv_overcommit = spec.name, spec.kv_capacity_tokens, spec.kv_overcommit
+        self.kv_block_size, self.floor = spec.kv_block_size, spec.watermark.floor
 
     def reconfigure(self, spec: Backend, policy: Policy, now: float) -> None:
         order = policy.tier_order()
@@ -146,6 +166,7 @@ class BackendRuntime:
         if _queue_configs(policy) != self.configs:
             self._requeue(policy, now)
         self.spec = spec
+        self._sync_view(spec)
         self.priorities = {name: t.priority for name, t in policy.tiers.items()}
         self.has_metrics = spec.metrics_url is not None
         self._sync_endpoints(spec, now)
@@ -206,112 +227,86 @@ class BackendRuntime:
         return scale
 
     def pressure_scale(self, tier: str, now: float) -> float:
-        """The scale a tier's degradation ladder sees.
+        """The scale a tier's degradation ladder sees (``extproc.policy.kv.pressure_scale``)."""
+        return kvmath.pressure_scale(self, tier, now)
 
-        KV-aware admission keeps the cache under the watermark, so the watermark
-        alone rarely signals pressure; a more important tier waiting in our own queue
-        does, and so does a more important tier missing its latency SLO. Then lower
-        tiers are degraded or shed as at the high mark.
-        """
-        scale = self.scale(now)
-        if self.waiters and self._waiting_above(tier):
-            scale = min(scale, self.spec.watermark.floor)
-        if self.latency is not None and self._slo_risk_above(tier, now):
-            scale = min(scale, self.spec.watermark.floor)
-        return scale
+    # -- the BackendView the core reads (extproc.policy.view), beside the fields above ------
+    @property
+    def largest_kv_capacity(self) -> int | None:
+        # A footprint must fit one endpoint's cache.
+        return self.spec.kv_capacity_tokens if self.endpoints is None else self.endpoints.largest_capacity()
 
-    def _slo_risk_above(self, tier: str, now: float) -> bool:
-        assert self.latency is not None
-        mine = self.priorities.get(tier, 0)
-        return any(p > mine and self.latency.at_risk(t, now) for t, p in self.priorities.items())
+    def waiting(self) -> Sequence[tuple[str, int]]:
+        if not self.waiters:
+            return ()
+        return [(w.tier, w.kv) for w in self.waiters.values() if not w.future.done()]
 
-    def _waiting_above(self, tier: str) -> bool:
-        mine = self.priorities.get(tier, 0)
-        return any(self.priorities.get(w.tier, 0) > mine and not w.future.done() for w in self.waiters.values())
+    def queued(self, tier: str) -> int:
+        return self.queue.depth(tier)
 
-    # -- KV budget ------------------------------------------------------------------
+    def slo_at_risk(self, tier: str, now: float) -> bool:
+        return self.latency is not None and self.latency.at_risk(tier, now)
+
+    def slot_for(self, tier: str, tenant: str, tenant_cap: int | None, scale: float) -> PoolName | Denied:
+        return self.pool.slot_for(tier, tenant, tenant_cap, scale)
+
+    def fits_somewhere(self, kv: int, now: float) -> bool:
+        return self.endpoints is None or self.endpoints.fits_somewhere(kv, now)
+
+    # -- KV budget (extproc.policy.kv) ------------------------------------------------------
     def footprint(self, tokens: int) -> int:
         """KV tokens a request may occupy, rounded up to whole cache blocks."""
-        bs = self.spec.kv_block_size
-        return -(-tokens // bs) * bs
+        return kvmath.footprint(tokens, self.spec.kv_block_size)
 
     def kv_budget(self, now: float) -> float:
-        cap = self.spec.kv_capacity_tokens
-        if cap is None:
-            return float("inf")
-        budget = cap * self.spec.kv_overcommit * self.scale(now)
-        return budget if self.kv_lease is None else min(budget, self.kv_lease)
+        return kvmath.kv_budget(self, now)
 
-    def kv_fits(self, kv: int, now: float, tier: str | None = None) -> bool:
-        """Whether ``kv`` more tokens fit, leaving room a more important waiter is owed.
-
-        Without that reservation a queued premium request needing a large footprint
-        is overtaken forever by small free-tier requests that each fit in the room
-        freed so far (priority inversion under KV pressure).
-        """
-        owed = self._kv_owed_above(tier, now) if tier is not None else 0
-        if self.kv_in_use + kv + owed <= self.kv_budget(now):
-            return True
-        # A lone request always fits a scaled-down budget if it fits the whole cache:
-        # otherwise a large prompt could starve forever while the scale is low.
-        cap = self.spec.kv_capacity_tokens
-        return (self.kv_in_use == 0 and cap is not None
-                and kv <= (cap if self.kv_lease is None else min(cap, self.kv_lease)))
-
-    def _kv_owed_above(self, tier: str, now: float) -> int:
-        """The KV need of the most important waiter, of a tier above ``tier``, that does not fit."""
-        if not self.waiters or self.spec.kv_capacity_tokens is None:
-            return 0
-        mine = self.priorities.get(tier, 0)
-        budget = self.kv_budget(now)
-        best: Waiter | None = None
-        for w in self.waiters.values():
-            p = self.priorities.get(w.tier, 0)
-            if p > mine and not w.future.done() and self.kv_in_use + w.kv > budget and \
-                    (best is None or p > self.priorities.get(best.tier, 0)):
-                best = w
-        return best.kv if best is not None else 0
+    def kv_fits(self, kv_tokens: int, now: float, tier: str | None = None) -> bool:
+        return kvmath.kv_fits(self, kv_tokens, now, tier)
 
     # -- acquisition ----------------------------------------------------------------
+    def acquire(self, req: admit.SlotRequest, now: float, prefix: tuple[int, ...] = ()) -> Hold | Queue | Reject:
+        """What ``extproc.policy.admit.decide`` says, applied: a ``Hold``, or wait, or refuse.
+
+        ``prefix`` (the prompt's prefix keys) only steers where a pool places it."""
+        # Waiting requests get free capacity first (see decide for who may overtake them).
+        if self.waiters:  # every queued item has a waiter
+            self.pump(now)
+        d = admit.decide(self, req, now)
+        if not isinstance(d, Admit):
+            return d
+        got = self._apply(req.tier, req.tenant, d, req.kv, now, prefix)
+        return got if isinstance(got, Hold) else admit.refused(req, got)
+
     def try_acquire(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
                     prefix: tuple[int, ...] = ()) -> Hold | Denied:
-        # Waiting requests get free capacity first; a newcomer never overtakes its own
-        # tier's queue (FIFO within a tier), but may take a slot no waiter can use,
-        # e.g. a premium guaranteed slot while free-tier requests wait for shared ones.
-        if self.queue.depth():
-            self.pump(now)
-            if self.queue.depth(tier):
-                return Denied("slots_exhausted", "requests of this tier are already waiting")
-        return self._take(tier, tenant, cap, kv, now, prefix)
+        """``acquire`` for a tier with a queue, as a ``Hold`` or the ``Denied`` cause."""
+        got = self.acquire(admit.SlotRequest(tier, tenant, cap, kv), now, prefix)
+        if isinstance(got, Hold):
+            return got
+        return Denied(got.cause, got.detail if isinstance(got, Queue) else got.message)
 
     def _take(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
               prefix: tuple[int, ...] = ()) -> Hold | Denied:
-        if not self.kv_fits(kv, now, tier):
-            return Denied("kv_exhausted", f"KV budget: {self.kv_in_use} + {kv} > {self.kv_budget(now):.0f}")
-        got = self.pool.try_acquire(tier, tenant, cap, self.slot_scale(now))
-        if isinstance(got, Denied):
-            return got
+        got = admit.take(self, tier, tenant, cap, kv, now)
+        return self._apply(tier, tenant, got, kv, now, prefix) if isinstance(got, Admit) else got
+
+    def _apply(self, tier: str, tenant: str, d: Admit, kv: int, now: float,
+               prefix: tuple[int, ...] = ()) -> Hold | Denied:
+        grant = self.pool.grant(tier, tenant, d.pool)
         endpoint = affinity = None
         if self.endpoints is not None:
             placed = self.endpoints.place(kv, now, prefix)
             if placed is None:
-                self.pool.release(got)
+                self.pool.release(grant)
                 return Denied("kv_exhausted", f"a footprint of {kv} tokens fits on no endpoint of the pool now")
             endpoint, affinity = placed.key, placed.affinity
         self.kv_in_use += kv
-        return Hold(got, kv, endpoint, affinity)
+        return Hold(grant, kv, endpoint, affinity)
 
     def can_admit(self, tier: str, now: float) -> bool:
         head = next((w for w in self.waiters.values() if w.tier == tier and not w.future.done()), None)
-        if head is not None and not self.kv_fits(head.kv, now, tier):
-            return False
-        if head is not None and self.endpoints is not None and not self.endpoints.fits_somewhere(head.kv, now):
-            return False
-        got = self.pool.try_acquire(tier, _PROBE_TENANT, None, self.slot_scale(now))
-        if isinstance(got, SlotGrant):
-            self.pool.release(got)
-            return True
-        return False
+        return admit.can_admit(self, tier, None if head is None else head.kv, now)
 
     def enqueue(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
                 prefix: tuple[int, ...] = ()) -> Waiter | str:
@@ -366,6 +361,44 @@ class BackendRuntime:
     def release(self, hold: Hold, now: float) -> None:
         self._give_back(hold)
         self.pump(now)
+
+    # -- periodic work and the report ------------------------------------------------------
+    def tick(self, now: float) -> int:
+        """The periodic step (``extproc.monitor``): hand capacity that came back over time
+        (a watermark recovering, a latency limit rising) to waiting requests. Returns how many."""
+        return self.pump(now) if self.queue.depth() else 0
+
+    def status(self, now: float) -> dict[str, Any]:
+        """This backend in the status report (/debug/state and the console's Overview)."""
+        sample = self.sample
+        use = self.pool.in_use()
+        limits = self.pool.effective_limits(self.slot_scale(now))
+        routes = {model: {**_breaker_summary(b.snapshot(now)), "tenant_breakers": self.tenants_for(model).snapshot(now)}
+                  for model, b in self.route_breakers.items()}
+        return {
+            **scrape_status(sample, self.kv_in_use, self.spec.kv_capacity_tokens, self.has_metrics),
+            "waiting": getattr(sample, "waiting", None),
+            "running": getattr(sample, "running", None),
+            "scrape_ok": bool(getattr(sample, "ok", False)),
+            "scale": round(self.scale(now), 4),
+            "breaker": _breaker_summary(self.breaker.snapshot(now)),
+            "route_breakers": routes,
+            "tenant_breakers": self.tenant_breakers.snapshot(now),
+            "slots": {"total": self.pool.total, "effective": limits["total"], "in_use": use.total,
+                      "shared": use.shared, "by_tier": dict(use.by_tier)},
+            "queue": {"depth": {t: self.queue.depth(t) for t in self.configs}},
+            "kv": {"capacity_tokens": self.spec.kv_capacity_tokens, "reserved_tokens": self.kv_in_use,
+                   "budget_tokens": None if self.spec.kv_capacity_tokens is None else int(self.kv_budget(now)),
+                   "reservation": self.spec.kv_reservation},
+            "adaptive": None if self.latency is None else self.latency.snapshot(now),
+            "endpoints": pool_status(self.endpoints, now),  # a pool's replicas; None for one address
+            "prefix_affinity": affinity_status(self.endpoints),  # None unless the pool's placement has it on
+        }
+
+
+def _breaker_summary(snap: Mapping[str, Any]) -> dict[str, Any]:
+    return {"state": snap.get("state"), "retry_after_s": snap.get("cooldown_left_s"),
+            "manual": snap.get("manual"), "trips": snap.get("trips", 0)}
 
 
 def _queue_configs(policy: Policy) -> dict[str, TierQueueConfig]:

@@ -1,6 +1,6 @@
 """Per-endpoint state of a pool: each replica's watermark, breaker, reservations, slots.
 
-The pool's ``BackendRuntime`` keeps the admission budget (the tier guarantees and
+The pool's ``BackendState`` keeps the admission budget (the tier guarantees and
 the burst pool hold per pool); an ``EndpointSet`` places what it admits
 (``extproc.policy.placement``) and tracks what each endpoint holds.
 

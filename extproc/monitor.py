@@ -1,8 +1,8 @@
 """Background loops at the edge: scrape backends, keep gauges fresh, wake waiters.
 
 The scrape feeds the watermark controller (capacity scale) and the breaker
-(preemption counter). A short tick hands capacity that came back over time to
-queued requests, and turns breaker transitions into metrics and log lines.
+(preemption counter). A short tick (``BackendState.tick``) hands capacity that came back over
+time to queued requests, and turns breaker transitions into metrics and log lines.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 
 import aiohttp
 
-from extproc.backends import BackendRuntime
+from extproc.backends import BackendState
 from extproc.endpoints import EndpointState, resolve_later
 from extproc.metrics import Metrics
 from extproc.policy.breaker import Breaker
@@ -27,7 +27,7 @@ log = logging.getLogger("sluice.monitor")
 TICK_S = 0.1
 
 
-def metric_names(be: BackendRuntime) -> EngineMetrics:
+def metric_names(be: BackendState) -> EngineMetrics:
     return engine_metrics(be.spec.engine, be.spec.metric_names)
 
 
@@ -51,7 +51,7 @@ async def scrape_backend(rt: Runtime, name: str, session: aiohttp.ClientSession)
         await asyncio.sleep(interval)
 
 
-async def scrape_endpoints(rt: Runtime, name: str, be: BackendRuntime, session: aiohttp.ClientSession,
+async def scrape_endpoints(rt: Runtime, name: str, be: BackendState, session: aiohttp.ClientSession,
                            timeout_s: float) -> None:
     """Scrape every endpoint of a pool at once; each feeds its own watermark and breaker."""
     assert be.endpoints is not None
@@ -78,7 +78,7 @@ def apply_endpoint_sample(m: Metrics, label: str, st: EndpointState, sample: Sam
     _apply(m, label, st.wm, st.breaker, sample, now, "endpoint", st.spec.kv_capacity_tokens is not None)
 
 
-def apply_sample(m: Metrics, name: str, be: BackendRuntime, sample: Sample, now: float) -> None:
+def apply_sample(m: Metrics, name: str, be: BackendState, sample: Sample, now: float) -> None:
     _apply(m, name, be.wm, be.breaker, sample, now, "backend", be.spec.kv_capacity_tokens is not None)
 
 
@@ -135,8 +135,7 @@ def refresh(rt: Runtime) -> None:
     now = rt.clock()
     m = rt.metrics
     for name, be in rt.backends.items():
-        if be.queue.depth():
-            be.pump(now)
+        be.tick(now)
         scale = be.scale(now)
         m.scale.labels(name).set(scale)
         if be.has_metrics and kv_source(be.sample, be.spec.kv_capacity_tokens is not None) == "reservations":
@@ -170,7 +169,7 @@ def refresh(rt: Runtime) -> None:
                     log.warning("tenant breaker %s %s: open (%s)", label, tenant, ev.cause)
 
 
-def refresh_endpoints(m: Metrics, name: str, be: BackendRuntime, now: float) -> None:
+def refresh_endpoints(m: Metrics, name: str, be: BackendState, now: float) -> None:
     assert be.endpoints is not None
     for key, st in be.endpoints.by_key.items():
         m.endpoint_in_flight.labels(name, key).set(st.in_flight)

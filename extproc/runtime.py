@@ -17,8 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from extproc import tokenizer
-from extproc.backends import BackendRuntime
-from extproc.endpoints import affinity_status, pool_status
+from extproc.backends import BackendState
 from extproc.estimate import DecodeRates
 from extproc.metrics import Metrics
 from extproc.policy.breaker import Breaker
@@ -26,7 +25,6 @@ from extproc.policy.completions import CompletionEstimator
 from extproc.policy.schema import Backend, Policy
 from extproc.policy.share import leased_view, local_share, zero_shares
 from extproc.policy.state import TokenState
-from extproc.scrape import scrape_status
 from extproc.store import open_state, state_url
 from extproc.store.shared_breakers import SharedBreakers
 from extproc.store.slot_leases import PoolLease, SlotLeases
@@ -71,7 +69,7 @@ class Runtime:
         self.encodings: dict[str, tokenizer.Counter] = {}
         self.policy = policy
         self.etag = ""
-        self.backends: dict[str, BackendRuntime] = {}
+        self.backends: dict[str, BackendState] = {}
         self.tenant_in_flight: Counter[str] = Counter()
         self.rejections: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self.degradations: defaultdict[str, Counter[str]] = defaultdict(Counter)
@@ -101,7 +99,7 @@ class Runtime:
             be = self.backends.get(spec.name)
             local_spec, local_policy = self._configured(spec, policy)
             if be is None:
-                be = self.backends[spec.name] = BackendRuntime.create(local_spec, local_policy, now)
+                be = self.backends[spec.name] = BackendState.create(local_spec, local_policy, now)
             else:
                 be.reconfigure(local_spec, local_policy, now)
             if self.slot_leases is not None:
@@ -254,7 +252,7 @@ class Runtime:
             st["store"]["slot_leases"] = self.slot_leases.snapshot()
         if self.shared_breakers is not None and isinstance(st.get("store"), dict):
             st["store"]["breakers"] = self.shared_breakers.snapshot()
-        st["backends"] = {name: backend_status(be, now) for name, be in self.backends.items()}
+        st["backends"] = {name: be.status(now) for name, be in self.backends.items()}
         st["ttft_bounds_ms"] = list(TTFT_BOUNDS_MS)
         for name, b in st["backends"].items():
             b["ttft_counts"] = self.ttft_counts.report(name)
@@ -281,36 +279,3 @@ class Runtime:
         closer = getattr(self.state, "close", None)
         if closer is not None:
             closer()  # a shared store gets its leases back
-
-
-def backend_status(be: BackendRuntime, now: float) -> dict[str, Any]:
-    sample = be.sample
-    use = be.pool.in_use()
-    limits = be.pool.effective_limits(be.slot_scale(now))
-    snap = be.breaker.snapshot(now)
-    routes = {model: {**_breaker_summary(b.snapshot(now)), "tenant_breakers": be.tenants_for(model).snapshot(now)}
-              for model, b in be.route_breakers.items()}
-    return {
-        **scrape_status(sample, be.kv_in_use, be.spec.kv_capacity_tokens, be.has_metrics),
-        "waiting": getattr(sample, "waiting", None),
-        "running": getattr(sample, "running", None),
-        "scrape_ok": bool(getattr(sample, "ok", False)),
-        "scale": round(be.scale(now), 4),
-        "breaker": _breaker_summary(snap),
-        "route_breakers": routes,
-        "tenant_breakers": be.tenant_breakers.snapshot(now),
-        "slots": {"total": be.pool.total, "effective": limits["total"], "in_use": use.total,
-                  "shared": use.shared, "by_tier": dict(use.by_tier)},
-        "queue": {"depth": {t: be.queue.depth(t) for t in be.configs}},
-        "kv": {"capacity_tokens": be.spec.kv_capacity_tokens, "reserved_tokens": be.kv_in_use,
-               "budget_tokens": None if be.spec.kv_capacity_tokens is None else int(be.kv_budget(now)),
-               "reservation": be.spec.kv_reservation},
-        "adaptive": None if be.latency is None else be.latency.snapshot(now),
-        "endpoints": pool_status(be.endpoints, now),  # a pool's replicas; None for one address
-        "prefix_affinity": affinity_status(be.endpoints),  # None unless the pool's placement has it on
-    }
-
-
-def _breaker_summary(snap: dict[str, Any]) -> dict[str, Any]:
-    return {"state": snap.get("state"), "retry_after_s": snap.get("cooldown_left_s"),
-            "manual": snap.get("manual"), "trips": snap.get("trips", 0)}

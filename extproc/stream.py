@@ -3,7 +3,7 @@
 headers -> body (verdict, pre-charge, slot) -> response headers -> streamed body -> settle.
 Every way a stream can end (end of stream, upstream error, client disconnect, Envoy
 resetting the ext_proc stream, a message timeout, a rejection after admission)
-reaches ``settle()``, which gives back what the request held exactly once.
+reaches ``settle()`` (``extproc.settle``), which gives back what the request held exactly once.
 """
 
 from __future__ import annotations
@@ -20,16 +20,17 @@ from extproc import messages as msg
 from extproc.admission import Admission, Reject, Ticket
 from extproc.envoy_usage import EnvoyUsage
 from extproc.errors import REASONS, error_body, format_duration, retry_after_headers
-from extproc.estimate import completion_estimate
 from extproc.openai_body import BadRequest, ParsedRequest, parse_request, path_kind, upstream_body
 from extproc.peer import PeerStream
-from extproc.policy.breaker import Outcome, outcome_for_status
+from extproc.policy import decision
+from extproc.policy.context import completion_budget
 from extproc.policy.gate import RateView, Verdict
 from extproc.policy.schema import Limits, Model, Tenant
 from extproc.prefix_key import prefix_keys
 from extproc.redact import redact_query
-from extproc.response import JSONTracker, SSETracker, Usage
+from extproc.response import JSONTracker, SSETracker
 from extproc.runtime import Runtime
+from extproc.settle import Settlement
 from extproc.tokenizer import TokenizerFailed, estimate
 
 log = logging.getLogger("sluice.stream")
@@ -38,10 +39,6 @@ KEY_HEADERS = ("authorization", "x-api-key")
 ENDPOINT_HEADER = "x-sluice-endpoint"  # where a pool's ORIGINAL_DST cluster connects (envoyconfig)
 REQUEST_HEADERS = frozenset({":path", ":method", "content-length", *KEY_HEADERS})
 RESPONSE_HEADERS = frozenset({":status", "content-type"})
-# Refusals that come after the prompt was counted, for a reason retrying cannot fix:
-# the counting is charged to the tenant's TPM budget (see _charge_refused).
-CHARGED_REFUSALS = frozenset({"context_length", "too_large_for_backend", "tpm_request_too_large",
-                              "tokenizer_failed"})
 PROMPT_PARAM = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
 _HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 _TRAILERS_CONTINUE = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
@@ -65,7 +62,7 @@ def ratelimit_headers(tokens: RateView, requests: RateView) -> dict[str, str]:
     }
 
 
-class StreamProcessor:
+class StreamProcessor(Settlement):
     def __init__(self, rt: Runtime, peer: PeerStream) -> None:
         self.rt = rt
         self.peer = peer
@@ -348,15 +345,6 @@ class StreamProcessor:
         self.prompt_exact = count.complete
         return count.tokens
 
-    def _charge_refused(self, reason: str) -> None:
-        """A prompt refused after it was counted is paid for: its counted tokens, as spent."""
-        if reason not in CHARGED_REFUSALS or self.prompt_tokens <= 0 or self.tenant is None or self.limits is None:
-            return
-        tokens, self.prompt_tokens = self.prompt_tokens, 0
-        self.rt.state.spend(self.tenant.name, self.limits, tokens, self.rt.clock())
-        m = self.rt.metrics
-        m.child(m.tokens_refused, self.tenant.name, reason).inc(tokens)
-
     def _count_admission(self, ticket: Ticket, cost: int) -> None:
         assert self.tenant is not None and ticket.verdict is not None
         m = self.rt.metrics
@@ -371,29 +359,13 @@ class StreamProcessor:
         self.rt.track(self.tenant.name, +1)
 
     def _completion_budget(self, req: ParsedRequest, model: Model, prompt: int) -> int:
-        """What to reserve (and enforce upstream) per generated completion."""
-        if req.n == 0:
-            return 0
-        window = model.context_window
-        param = "input" if req.kind == "responses" else "messages"
-        if req.max_tokens is not None:
-            if prompt + req.max_tokens > window:
-                more = "" if self.prompt_exact else "more than "
-                raise Reject("context_length",
-                             f"This model's maximum context length is {window} tokens. However, you requested "
-                             f"{more}{prompt + req.max_tokens} tokens ({more}{prompt} in the messages, {req.max_tokens} in "
-                             "the completion). Please reduce the length of the messages or completion.",
-                             code="context_length_exceeded", param=param)
-            return req.max_tokens
-        if prompt >= window:
-            raise Reject("context_length",
-                         f"This model's maximum context length is {window} tokens. However, your messages "
-                         f"resulted in {'more than ' if not self.prompt_exact else ''}{prompt if self.prompt_exact else window} "
-                         "tokens. Please reduce the length of the messages.",
-                         code="context_length_exceeded", param=param)
-        default = model.default_max_tokens or self.policy.gateway.default_max_tokens
-        # The client asked for no particular length: reserve what fits, never reject for it.
-        return min(default, window - prompt)
+        """What to reserve (and enforce upstream) per generated completion (extproc.policy.context)."""
+        got = completion_budget(prompt, req.max_tokens, req.n, model.context_window,
+                                model.default_max_tokens or self.policy.gateway.default_max_tokens,
+                                exact=self.prompt_exact, param="input" if req.kind == "responses" else "messages")
+        if isinstance(got, decision.Reject):
+            raise Reject.of(got)
+        return got
 
     # -- response side ------------------------------------------------------
     def _start_response(self, request: pb.ProcessingRequest) -> None:
@@ -442,111 +414,3 @@ class StreamProcessor:
         if replacement is None:
             return msg.continue_response_body()
         return msg.body_response("response_body", replacement)
-
-    # -- the one exit -------------------------------------------------------
-    def settle(self, how: str) -> None:
-        """Release what the request holds; idempotent, called on every exit path."""
-        if self.settled:
-            return
-        self.settled = True
-        now = self.rt.clock()
-        if not self.admitted:
-            # Refused before its pre-charge, but a half-open breaker may have let it in
-            # as the probe: that place must be given back, or recovery stalls.
-            if self.ticket is not None:
-                self._release(self.ticket, "rejected", now)
-            return
-        assert self.tenant is not None
-        # A request that never left Sluice (refused, or abandoned while queued) used nothing.
-        actual = self._actual_usage(how) if self.forwarded and how != "rejected" else 0
-        self.rt.state.settle(self.tenant.name, self.reserved, actual, now)
-        t = self.ticket
-        if t is not None:
-            self._release(t, how, now)
-            if self.forwarded and how != "rejected":
-                self._observe_latency(t, how, now)
-        m = self.rt.metrics
-        name = self.tenant.name
-        m.child(m.settles, how).inc()
-        m.child(m.tokens_charged, name).inc(actual)
-        if actual <= self.reserved:
-            m.child(m.tokens_refunded, name).inc(self.reserved - actual)
-        else:
-            m.child(m.tokens_excess, name).inc(actual - self.reserved)
-
-    def _observe_latency(self, t: Ticket, how: str, now: float) -> None:
-        assert self.tenant is not None and self.req is not None
-        usage = self._reported_usage()
-        try:
-            latency.record_settle(self.rt, t, self.tenant.name, self.policy.tiers[self.tenant.tier], how=how,
-                                  status=self.status, arrived=self.arrived_s, first_byte=self.first_byte_s,
-                                  now=now, usage=usage, n=self.req.n)
-        except Exception:  # observing must never keep the rest of settle from running
-            log.exception("latency observation failed")
-
-    def _reported_usage(self) -> Usage | None:
-        """What the backend said it used: read by Sluice (streamed) or by Envoy (usage_trailers)."""
-        if self.tracker is not None and self.tracker.usage is not None:
-            return self.tracker.usage
-        eu = self.envoy_usage
-        if eu is not None and eu.input_tokens is not None and eu.output_tokens is not None:
-            return Usage(eu.input_tokens, eu.output_tokens)
-        return None
-
-    def _release(self, t: Ticket, how: str, now: float) -> None:
-        assert self.tenant is not None
-        if t.admitted_at:
-            self.rt.metrics.in_flight.dec()
-            self.rt.track(self.tenant.name, -1)
-        if how == "end_of_stream" and self.status:
-            outcome = outcome_for_status(self.status)
-        elif how == "error":
-            outcome = Outcome.FAILURE
-        else:
-            # A client that leaves says nothing about the backend's health.
-            outcome = Outcome.CANCELLED
-        latency = self.first_byte_s - t.admitted_at if self.first_byte_s and t.admitted_at else None
-        t.report_outcome(outcome, latency, now)
-        if t.hold is not None:
-            hold, t.hold = t.hold, None
-            t.runtime.release(hold, now)
-
-    def _actual_usage(self, how: str) -> int:
-        tr = self.tracker
-        if tr is not None and tr.usage is not None:
-            self._learn_rate(tr.usage.completion_tokens)
-            return tr.usage.total
-        eu = self.envoy_usage
-        if eu is not None and eu.input_tokens is not None and eu.output_tokens is not None:
-            self._learn_rate(eu.output_tokens)
-            return eu.input_tokens + eu.output_tokens
-        if eu is not None and eu.total_tokens is not None:
-            return eu.total_tokens  # embeddings: prompt_tokens and total_tokens only
-        if how == "end_of_stream" and self.status >= 400:
-            # The backend refused or failed before generating: nothing to bill.
-            return 0
-        if tr is None and self.first_byte_s is not None and self.status:
-            # usage_trailers: a successful response whose usage never came (see estimate).
-            return self.prompt_tokens + self._estimated_completion()
-        if tr is None:
-            # Never got response headers (upstream reset, disconnect while waiting):
-            # the backend may have done the prefill, so the prompt counts.
-            return self.prompt_tokens if how != "end_of_stream" else 0
-        model = self.ticket.model if self.ticket is not None else None
-        assert model is not None
-        return self.prompt_tokens + self.rt.count_tokens_now(model.encoding, tr.texts)
-
-    def _estimated_completion(self) -> int:
-        t, req, first = self.ticket, self.req, self.first_byte_s
-        assert t is not None and req is not None and first is not None
-        now = self.rt.clock()
-        seconds = now - first if self.sse else first - t.admitted_at
-        return completion_estimate(max(0, self.reserved - self.prompt_tokens), req.n,
-                                   self.rt.decode_rates.rate(t.model.name), seconds)
-
-    def _learn_rate(self, actual_completion: int) -> None:
-        """A stream that reported its usage teaches the model's decode rate."""
-        t, req, first = self.ticket, self.req, self.first_byte_s
-        if t is None or req is None or first is None or not req.stream:
-            return
-        self.rt.decode_rates.observe(t.model.name, actual_completion, req.n, self.rt.clock() - first)

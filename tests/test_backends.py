@@ -1,4 +1,4 @@
-"""BackendRuntime: slots + KV footprint + the fair queue, driven through random interleavings."""
+"""BackendState: slots + KV footprint + the fair queue, driven through random interleavings."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.backends import BackendRuntime, Hold, Waiter
+from extproc.backends import BackendState, Hold, Waiter
 from extproc.policy.schema import build_policy, hash_key
 from extproc.policy.slots import Denied
 
@@ -26,9 +26,9 @@ def make_policy(kv: int | None = 1000, total: int = 4) -> Any:
     })
 
 
-def runtime(**kw: Any) -> BackendRuntime:
+def runtime(**kw: Any) -> BackendState:
     p = make_policy(**kw)
-    be = BackendRuntime.create(p.backends[0], p, 0.0)
+    be = BackendState.create(p.backends[0], p, 0.0)
     be.has_metrics = False  # scale 1.0: no scraper in a unit test
     return be
 
@@ -191,7 +191,7 @@ def test_overcommit_admits_more_reservations_than_the_cache() -> None:
         "tiers": {"hi": {"tpm": 1000, "rpm": 10}},
         "tenants": [{"name": "a", "tier": "hi", "keys": [hash_key("a")]}],
     })
-    be = BackendRuntime.create(p.backends[0], p, 0.0)
+    be = BackendState.create(p.backends[0], p, 0.0)
     be.has_metrics = False
     holds = [be.try_acquire("hi", "a", None, 50, 0.0) for _ in range(3)]
     assert all(isinstance(h, Hold) for h in holds)  # 150 reserved on a 100-token cache

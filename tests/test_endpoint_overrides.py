@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from extproc.backends import BackendRuntime, Hold
+from extproc.backends import BackendState, Hold
 from extproc.endpoints import pool_status
 from extproc.monitor import refresh
 from extproc.policy.breaker import BreakerState, Outcome
@@ -53,12 +53,12 @@ def test_an_endpoint_override_on_a_single_address_backend_is_refused() -> None:
     assert "backend 'pool' is not a pool" in str(exc.value)
 
 
-def runtime(*entries: dict[str, Any]) -> BackendRuntime:
+def runtime(*entries: dict[str, Any]) -> BackendState:
     p = build_policy(with_breakers(*entries))
-    return BackendRuntime.create(p.backends[0], p, 0.0)
+    return BackendState.create(p.backends[0], p, 0.0)
 
 
-def reload(be: BackendRuntime, *entries: dict[str, Any], now: float, wall: float | None = None) -> None:
+def reload(be: BackendState, *entries: dict[str, Any], now: float, wall: float | None = None) -> None:
     p = build_policy(with_breakers(*entries))
     if wall is None:
         be.reconfigure(p.backends[0], p, now)

@@ -8,11 +8,10 @@ from typing import Any
 
 import pytest
 
-from extproc.backends import BackendRuntime, Hold
+from extproc.backends import BackendState, Hold
 from extproc.metrics import Metrics
 from extproc.monitor import apply_endpoint_sample, apply_sample, report_change
 from extproc.policy.schema import build_policy, hash_key
-from extproc.runtime import backend_status
 from extproc.scrape import Sample, kv_source
 
 URL = "http://127.0.0.1:1/metrics"
@@ -28,9 +27,9 @@ def doc(backend: dict[str, Any]) -> dict[str, Any]:
             "tenants": [{"name": "a", "tier": "hi", "keys": [hash_key("a")]}]}
 
 
-def backend(**extra: Any) -> BackendRuntime:
+def backend(**extra: Any) -> BackendState:
     p = build_policy(doc({"address": "127.0.0.1:1", "metrics_url": URL, **extra}))
-    return BackendRuntime.create(p.backends[0], p, 0.0)
+    return BackendState.create(p.backends[0], p, 0.0)
 
 
 def test_kv_source_of_a_problem_depends_on_a_kv_bound() -> None:
@@ -48,7 +47,7 @@ def test_a_problem_without_kv_capacity_holds_the_backend_at_its_floor() -> None:
     be.sample = PROBLEM
     apply_sample(m, "b", be, PROBLEM, 2.0)
     assert be.scale(2.0) == be.spec.watermark.floor, "saturated, not admitted without any bound"
-    st = backend_status(be, 2.0)
+    st = be.status(2.0)
     assert st["kv_source"] == "saturated" and st["metrics_problem"]["problem"] == "http_404"
 
 
@@ -57,7 +56,7 @@ def test_a_problem_with_kv_capacity_admits_by_reservations() -> None:
     be.sample = PROBLEM
     apply_sample(m, "b", be, PROBLEM, 1.0)
     assert be.scale(1.0) == 1.0
-    assert backend_status(be, 1.0)["kv_source"] == "reservations"
+    assert be.status(1.0)["kv_source"] == "reservations"
     assert isinstance(be.try_acquire("hi", "a", None, 900, 1.0), Hold)
     assert be.try_acquire("hi", "a", None, 200, 1.0).reason == "kv_exhausted"  # type: ignore[union-attr]
 
@@ -68,7 +67,7 @@ def test_a_pool_endpoint_with_a_problem_and_no_kv_capacity_is_ejected() -> None:
         {"address": "127.0.0.1:7002", "metrics_url": "http://127.0.0.1:7002/metrics", "kv_capacity_tokens": 4000},
         {"address": "127.0.0.1:7003", "metrics_url": "http://127.0.0.1:7003/metrics"},
     ]}))
-    be = BackendRuntime.create(p.backends[0], p, 0.0)
+    be = BackendState.create(p.backends[0], p, 0.0)
     assert be.endpoints is not None
     m = Metrics()
     eps = be.endpoints.by_key

@@ -14,12 +14,12 @@ import pytest
 from aiohttp import web
 
 from bench.procs import free_port
-from extproc.backends import BackendRuntime, Hold
+from extproc.backends import BackendState, Hold
 from extproc.metrics import Metrics
 from extproc.monitor import apply_sample, metric_names, report_change, run_monitor
 from extproc.policy.reader import PolicyError
 from extproc.policy.schema import build_policy, hash_key
-from extproc.runtime import Runtime, backend_status
+from extproc.runtime import Runtime
 from extproc.scrape import Sample, classify_answer, parse_sample
 
 FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
@@ -36,12 +36,12 @@ def policy(engine: str = "vllm", url: str = URL, **extra: Any) -> Any:
     })
 
 
-def backend(engine: str = "vllm", **extra: Any) -> BackendRuntime:
+def backend(engine: str = "vllm", **extra: Any) -> BackendState:
     p = policy(engine, **extra)
-    return BackendRuntime.create(p.backends[0], p, 0.0)
+    return BackendState.create(p.backends[0], p, 0.0)
 
 
-def feed(m: Metrics, be: BackendRuntime, s: Sample, now: float) -> None:
+def feed(m: Metrics, be: BackendState, s: Sample, now: float) -> None:
     previous, be.sample = be.sample, s
     apply_sample(m, "b", be, s, now)
     report_change(m, "b", URL, previous, s)
@@ -59,7 +59,7 @@ def test_no_series_yet_admits_by_reservations_not_as_saturated() -> None:
     assert be.scale(1.0) == 1.0  # idle-but-unknown
     held = [be.try_acquire("hi", "a", None, 400, 1.0) for _ in range(3)]
     assert [isinstance(h, Hold) for h in held] == [True, True, False]  # the reservations bound KV: 800 of 1000
-    st = backend_status(be, 1.0)
+    st = be.status(1.0)
     assert st["metrics_state"] == "no_series" and st["kv_source"] == "reservations"
     assert st["kv_usage"] == pytest.approx(0.8) and st["metrics_problem"] is None
 
@@ -70,14 +70,14 @@ def test_unreachable_still_counts_as_saturated() -> None:
     assert be.scale(1.0) == 1.0
     feed(m, be, Sample(ok=False, state="unreachable", error="ClientConnectorError"), 2.0)
     assert be.scale(2.0) == be.spec.watermark.floor
-    assert backend_status(be, 2.0)["kv_source"] == "saturated"
+    assert be.status(2.0)["kv_source"] == "saturated"
     assert m.registry.get_sample_value("sluice_backend_scrape_errors_total", {"backend": "b"}) == 1.0
 
 
 def test_engine_kv_drives_the_watermark() -> None:
     m, be = Metrics(), backend("vllm")
     feed(m, be, parse_sample((FIXTURES / "vllm_dp2.prom").read_text(), metric_names(be)), 1.0)
-    st = backend_status(be, 1.0)
+    st = be.status(1.0)
     assert st["kv_source"] == "engine" and st["kv_usage"] == pytest.approx(0.81) and st["waiting"] == 7.0
     assert be.scale(1.0) < 1.0  # 0.81 is between the watermarks
     assert m.registry.get_sample_value("sluice_backend_kv_usage", {"backend": "b"}) == pytest.approx(0.81)
@@ -87,7 +87,7 @@ def test_queue_only_engine_takes_its_queue_as_pressure() -> None:
     m, be = Metrics(), backend("llamacpp", watermark={"waiting_threshold": 2})
     feed(m, be, parse_sample((FIXTURES / "llamacpp.prom").read_text(), metric_names(be)), 1.0)  # 3 deferred
     assert be.scale(1.0) == be.spec.watermark.floor
-    st = backend_status(be, 1.0)
+    st = be.status(1.0)
     assert st["kv_source"] == "reservations" and st["waiting"] == 3.0 and st["running"] == 4.0
     assert st["metrics_state"] == "ok" and st["kv_usage"] == 0.0
 
@@ -104,7 +104,7 @@ def test_a_problem_is_said_once_and_cleared(caplog: pytest.LogCaptureFixture) ->
     assert len(errors) == 1 and "/prometheus/metrics" in errors[0].getMessage() and URL in errors[0].getMessage()
     assert problem_gauge(m, "not_prometheus") == 1.0
     assert be.scale(3.0) == 1.0  # not saturated forever: the reservations bound admission meanwhile
-    st = backend_status(be, 3.0)
+    st = be.status(3.0)
     assert st["metrics_state"] == "problem" and st["scrape_ok"] is False
     assert st["metrics_problem"]["problem"] == "not_prometheus"
     assert "return_perf_metrics" in st["metrics_problem"]["hint"]
@@ -113,7 +113,7 @@ def test_a_problem_is_said_once_and_cleared(caplog: pytest.LogCaptureFixture) ->
         feed(m, be, parse_sample((FIXTURES / "trtllm_serve.prom").read_text(), metric_names(be)), 4.0)
     assert problem_gauge(m, "not_prometheus") == 0.0
     assert any("no longer not_prometheus (now ok)" in r.getMessage() for r in caplog.records)
-    assert backend_status(be, 4.0)["metrics_problem"] is None
+    assert be.status(4.0)["metrics_problem"] is None
 
 
 def test_a_different_problem_replaces_the_first() -> None:
@@ -121,7 +121,7 @@ def test_a_different_problem_replaces_the_first() -> None:
     feed(m, be, Sample(ok=False, state="problem", problem="http_404", error="HTTP 404"), 1.0)
     feed(m, be, parse_sample((FIXTURES / "vllm_disable_log_stats.prom").read_text(), metric_names(be)), 2.0)
     assert problem_gauge(m, "http_404") == 0.0 and problem_gauge(m, "no_engine_metrics") == 1.0
-    assert "--disable-log-stats" in backend_status(be, 2.0)["metrics_problem"]["hint"]
+    assert "--disable-log-stats" in be.status(2.0)["metrics_problem"]["hint"]
 
 
 def test_sglang_retractions_trip_the_breaker() -> None:

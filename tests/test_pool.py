@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from extproc.backends import BackendRuntime, Hold
+from extproc.backends import BackendState, Hold
 from extproc.policy.breaker import Outcome
 from extproc.policy.schema import PolicyError, build_policy, hash_key
 from extproc.policy.slots import Denied
@@ -26,9 +26,9 @@ TWO = [{"address": "127.0.0.1:7001", "kv_capacity_tokens": 1000},
        {"address": "127.0.0.1:7002", "kv_capacity_tokens": 4000, "max_concurrency": 2}]
 
 
-def runtime(endpoints: list[dict[str, Any]] = TWO, **backend: Any) -> BackendRuntime:
+def runtime(endpoints: list[dict[str, Any]] = TWO, **backend: Any) -> BackendState:
     p = build_policy(doc(endpoints, **backend))
-    return BackendRuntime.create(p.backends[0], p, 0.0)
+    return BackendState.create(p.backends[0], p, 0.0)
 
 
 def test_endpoints_parse_with_budgets_resolved_and_summed() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from extproc.backends import BackendRuntime, Hold
+from extproc.backends import BackendState, Hold
 from extproc.openai_body import parse_request
 from extproc.policy.affinity import PrefixAffinity
 from extproc.policy.placement import Candidate, pick
@@ -122,9 +122,9 @@ def doc(**placement: Any) -> dict[str, Any]:
     }
 
 
-def runtime(**placement: Any) -> BackendRuntime:
+def runtime(**placement: Any) -> BackendState:
     p = build_policy(doc(**placement))
-    return BackendRuntime.create(p.backends[0], p, 0.0)
+    return BackendState.create(p.backends[0], p, 0.0)
 
 
 def test_pool_places_a_shared_prefix_on_one_endpoint_until_it_is_full_then_spills() -> None:
@@ -192,7 +192,7 @@ def test_a_queued_request_keeps_its_prefix_and_is_handed_its_preferred_endpoint(
         for e in d["backends"][0]["endpoints"]:
             e["metrics_url"] = f"http://{e['address']}/metrics"
         p = build_policy(d)
-        be = BackendRuntime.create(p.backends[0], p, 0.0)
+        be = BackendState.create(p.backends[0], p, 0.0)
         assert be.endpoints is not None
         eps = list(be.endpoints.by_key.values())
         for st in eps:

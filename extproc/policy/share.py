@@ -79,7 +79,7 @@ def leased_view(spec: Backend, policy: Policy, full: Policy, slots: int) -> tupl
     ``spec``'s ``max_concurrency`` becomes ``slots``; each tier's ``guaranteed_slots``
     and ``burst_slots`` on it are cut in proportion, ``floor(g × slots / pool)`` (from
     ``full``, the policy as written), so they fit the lease. KV is leased separately
-    (``BackendRuntime.kv_lease``).
+    (``BackendState.kv_lease``).
     """
     pool = next((b.max_concurrency for b in full.backends if b.name == spec.name), spec.max_concurrency)
 

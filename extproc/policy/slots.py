@@ -84,7 +84,7 @@ class SlotUsage:
     by_tenant: Mapping[str, int]
 
 
-def _round_half_up(x: float) -> int:
+def round_half_up(x: float) -> int:
     # Python's round() rounds half to even (round(2.5) == 2); operators expect 2.5 -> 3.
     return math.floor(x + 0.5)
 
@@ -162,7 +162,7 @@ class SlotPool:
     def effective_limits(self, scale: float = 1.0) -> Limits:
         """The limits ``try_acquire`` applies at ``scale`` (see the module docstring)."""
         _check_scale(scale)
-        budget = _round_half_up(self._total * scale)
+        budget = round_half_up(self._total * scale)
         cut = self._total - budget
         base_shared = self._total - sum(self._guaranteed.values())
         from_shared = min(cut, base_shared)
@@ -191,6 +191,17 @@ class SlotPool:
         pool, across tiers. It is not scaled here; a caller that wants caps to
         shrink with the watermark passes a scaled cap.
         """
+        got = self.slot_for(tier, tenant, tenant_cap, scale)
+        return got if isinstance(got, Denied) else self.grant(tier, tenant, got)
+
+    def slot_for(
+        self,
+        tier: str,
+        tenant: str,
+        tenant_cap: int | None = None,
+        scale: float = 1.0,
+    ) -> PoolName | Denied:
+        """The pool ``try_acquire`` would take a slot from, or why not; takes nothing."""
         if tier not in self._guaranteed:
             raise ValueError(f"unknown tier {tier!r}; known: {self._tier_order}")
         if tenant_cap is not None:
@@ -207,7 +218,7 @@ class SlotPool:
             # for a tier whose own guarantee looks free. Memory safety beats the promise.
             return Denied(REASON_EXHAUSTED, f"{in_use} slots in use, budget {limits['total']}")
         if self._held_guaranteed[tier] < limits["guaranteed"][tier]:
-            return self._grant(tier, tenant, "guaranteed")
+            return "guaranteed"
         shared_in_use = sum(self._held_shared.values())
         if shared_in_use >= limits["shared"]:
             return Denied(
@@ -222,9 +233,10 @@ class SlotPool:
                 f"tier {tier!r} guaranteed slots full and burst cap reached "
                 f"({self._held_shared[tier]}/{cap})",
             )
-        return self._grant(tier, tenant, "shared")
+        return "shared"
 
-    def _grant(self, tier: str, tenant: str, pool: PoolName) -> SlotGrant:
+    def grant(self, tier: str, tenant: str, pool: PoolName) -> SlotGrant:
+        """Take the slot ``slot_for`` just named, with nothing changed in between."""
         grant = SlotGrant(
             id=next(self._ids), tier=tier, tenant=tenant, pool=pool, issuer=self._serial
         )

@@ -4,7 +4,7 @@ Each replica holds a lease on a part of each backend's pool: ``s`` slots and ``k
 tokens, one sorted-set entry per holder (the replica's registry member,
 ``<id>#<epoch>``) scored by a Redis-time deadline (``ttl_s``, default 10 s), its
 amounts in a hash beside it. The replica admits from its lease locally, with the pure
-slot pool and KV rule unchanged (its ``BackendRuntime`` is configured with the leased
+slot pool and KV rule unchanged (its ``BackendState`` is configured with the leased
 amounts as its ``max_concurrency`` and ``kv_capacity_tokens``), so a request costs no
 round trip.
 

@@ -1,5 +1,5 @@
 """Overview: a pool's prefix affinity counters (hit / spill / miss since start), from the
-status a real BackendRuntime reports, summed over the fresh replicas; no row while off."""
+status a real BackendState reports, summed over the fresh replicas; no row while off."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import json
 import re
 from typing import Any
 
-from extproc.backends import BackendRuntime, Hold
+from extproc.backends import BackendState, Hold
 from extproc.policy.schema import build_policy
-from extproc.runtime import backend_status
 from tests.console.conftest import Console, text_of
 from tests.console.test_status import post_status, report
 from tests.test_pool import doc
@@ -27,11 +26,11 @@ def sim_status(affinity: bool) -> dict[str, Any]:
             placement={"prefix_affinity": affinity})
     d["backends"][0]["name"] = "sim"
     p = build_policy(d)
-    be = BackendRuntime.create(p.backends[0], p, 0.0)
+    be = BackendState.create(p.backends[0], p, 0.0)
     holds = [be.try_acquire("t", "a", None, kv, 0.0, prefix) for kv, prefix in
              [(2500, P), (100, P), (100, P), (900, P), (50, Q)]]
     assert all(isinstance(h, Hold) for h in holds)
-    status = json.loads(json.dumps(backend_status(be, 0.0)))  # as it crosses the wire
+    status = json.loads(json.dumps(be.status(0.0)))  # as it crosses the wire
     for h in holds:
         be.release(h, 0.0)  # type: ignore[arg-type]
     return status

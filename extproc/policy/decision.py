@@ -1,0 +1,65 @@
+"""What the core decides about one request's slot and KV room: ``Admit | Queue | Reject``.
+
+Frozen values with the reason in them, so the adapter (``extproc.admission``) only
+maps a decision to ext_proc messages and the core is tested as a table of cases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from extproc.policy.slots import PoolName
+
+__all__ = ["ADMIT", "Admit", "Cause", "Decision", "Queue", "Reason", "Reject"]
+
+
+class Reason(StrEnum):
+    """Why a request is refused, as the client sees it (``x-sluice-reason`` and a metric label)."""
+
+    SLOTS = "slots"
+    TOO_LARGE_FOR_BACKEND = "too_large_for_backend"
+    CONTEXT_LENGTH = "context_length"
+
+
+class Cause(StrEnum):
+    """Why a request cannot have a slot now (internal, e.g. ``Denied.reason``)."""
+
+    KV_EXHAUSTED = "kv_exhausted"
+    SLOTS_EXHAUSTED = "slots_exhausted"  # equal to extproc.policy.slots.REASON_EXHAUSTED
+    SLOTS_TENANT_CAP = "slots_tenant_cap"  # equal to extproc.policy.slots.REASON_TENANT_CAP
+    TOO_LARGE = "too_large_for_backend"
+    CONTEXT_LENGTH = "context_length"
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """Take a slot from ``pool`` and reserve the request's footprint of the cache.
+
+    There are two values (``ADMIT``): admitting allocates nothing on the hot path."""
+
+    pool: PoolName
+
+
+@dataclass(frozen=True, slots=True)
+class Queue:
+    """No room now; the request may wait in its tier's queue."""
+
+    cause: Cause | str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """Refuse the request now. ``retry_after_s`` None: retrying the same request cannot help."""
+
+    reason: Reason
+    message: str
+    code: str
+    cause: Cause | str
+    param: str | None = None
+    retry_after_s: float | None = None
+
+
+Decision = Admit | Queue | Reject
+ADMIT: dict[PoolName, Admit] = {"guaranteed": Admit("guaranteed"), "shared": Admit("shared")}
