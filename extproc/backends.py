@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from extproc.endpoints import EndpointSet
@@ -17,7 +18,7 @@ from extproc.policy.admission_queue import AdmissionQueue, Enqueued, TierQueueCo
 from extproc.policy.breaker import Breaker, BreakerConfig
 from extproc.policy.concurrency import AdaptiveLimit
 from extproc.policy.schema import Backend, BreakerOverride, BreakerSettings, Policy
-from extproc.policy.slots import Denied, SlotGrant, SlotPool
+from extproc.policy.slots import REASON_TENANT_CAP, Denied, SlotGrant, SlotPool
 from extproc.policy.tenant_breakers import TenantBreakers
 from extproc.policy.watermark import WatermarkController
 
@@ -85,6 +86,9 @@ class BackendRuntime:
     latency: AdaptiveLimit | None = None  # the SLO-driven concurrency limit, if a tier sets an SLO
     endpoints: EndpointSet | None = None  # a pool's replicas (extproc.endpoints); None for one address
     kv_lease: int | None = None  # KV tokens leased from a pool shared by replicas (extproc.store.slot_leases)
+    # Called when an acquire is denied for room (not a tenant cap): a shared store's
+    # lease task is woken to grow the lease (extproc.store.lease_plan.on_short).
+    on_short: Callable[[BackendRuntime, int, float], None] | None = None
 
     @classmethod
     def create(cls, spec: Backend, policy: Policy, now: float) -> BackendRuntime:
@@ -266,6 +270,12 @@ class BackendRuntime:
 
     # -- acquisition ----------------------------------------------------------------
     def try_acquire(self, tier: str, tenant: str, cap: int | None, kv: int, now: float) -> Hold | Denied:
+        got = self._try_acquire(tier, tenant, cap, kv, now)
+        if self.on_short is not None and isinstance(got, Denied) and got.reason != REASON_TENANT_CAP:
+            self.on_short(self, kv, now)
+        return got
+
+    def _try_acquire(self, tier: str, tenant: str, cap: int | None, kv: int, now: float) -> Hold | Denied:
         # Waiting requests get free capacity first; a newcomer never overtakes its own
         # tier's queue (FIFO within a tier), but may take a slot no waiter can use,
         # e.g. a premium guaranteed slot while free-tier requests wait for shared ones.
