@@ -1,20 +1,24 @@
-"""A backend's slots and KV reservations shared by every replica: leases in Redis, in blocks.
+"""Slots and KV reservations shared by every replica: leases in Redis, in blocks.
 
-Each replica holds a lease on a part of each backend's pool: ``s`` slots and ``k`` KV
-tokens, one sorted-set entry per holder (the replica's registry member,
-``<id>#<epoch>``) scored by a Redis-time deadline (``ttl_s``, default 10 s), its
-amounts in a hash beside it. The replica admits from its lease locally, with the pure
-slot pool and KV rule unchanged (its ``BackendRuntime`` is configured with the leased
-amounts as its ``max_concurrency`` and ``kv_capacity_tokens``), so a request costs no
-round trip.
+Each replica holds a lease on a part of each pool: ``s`` slots and ``k`` KV tokens,
+one sorted-set entry per holder (the replica's registry member, ``<id>#<epoch>``)
+scored by a Redis-time deadline (``ttl_s``, default 10 s), its amounts in a hash
+beside it. A pool is a backend's, or one endpoint's of a pool backend
+(``extproc.store.lease_plan`` names them and wires them into the backends). The
+replica admits from its lease locally, with the pure slot pool and KV rule unchanged
+(its ``BackendRuntime`` is configured with the leased amounts as its
+``max_concurrency`` and ``kv_capacity_tokens``), so a request costs no round trip.
 
-The lease is kept at ``in use + block`` (block = ``ceil(pool / (4 × live
-replicas))``, the same for KV): a check every ``check_s`` (50 ms) asks for more when
-fewer than half a block is spare and gives back what exceeds two blocks; otherwise
-the lease is renewed every ttl/3. One script (``SLOT_LEASE``) per backend and
-exchange: it purges expired holders first, then grants ``min(want, pool − what the
-others hold)``, so the leases together never exceed the pool. Asking is absolute ("I
-want to hold s, k"), so a retried exchange is harmless.
+The lease is kept at ``wanted + block`` (wanted: in use plus what waits for room;
+block = ``ceil(pool / (4 × live replicas))``, the same for KV): a check every
+``check_s`` (50 ms) asks for more when fewer than half a block is spare and gives
+back what exceeds two blocks; otherwise the lease is renewed every ttl/3. An acquire
+refused for room ``poke``s the check to run at once (coalesced; a woken check that
+grew nothing is not repeated by a wake before ``check_s``). One script
+(``SLOT_LEASE``) per pool and exchange, one exchange per pool in flight: it purges
+expired holders first, then grants ``min(want, pool − what the others hold)``, so the
+leases together never exceed the pool. Asking is absolute ("I want to hold s, k"),
+so a retried exchange is harmless.
 
 Fencing: the script grants nothing to a member that is not alive in the registry
 (expired or gone) and drops what it held; the replica sets its lease to 0 (it admits
@@ -22,12 +26,13 @@ nothing new; its requests in flight finish) until the registry's heartbeat regis
 it again under a new epoch. A replica that dies gives its lease back when the lease
 expires: within ttl; the survivors see the room at their next check.
 
-Bounds: the slots in use by all replicas ≤ the pool, except while a fenced replica's
-requests in flight finish. A hot replica can lease at least ``pool − (N − 1) ×
-block`` ≈ ``pool × (3N + 1) / (4N)`` while the others are idle; a request finding its
-replica's lease full waits (queue) or is refused until the next check (≤ ``check_s``).
-Redis unreachable: the lease is used until its local deadline, then cut to
-``floor(pool / the most replicas seen in the last ttl)`` until Redis answers.
+Bounds: the slots (KV) in use by all replicas ≤ the pool, except while a fenced
+replica's requests in flight finish. A hot replica can lease at least ``pool − (N −
+1) × block`` ≈ ``pool × (3N + 1) / (4N)`` while the others are idle; a request
+finding its replica's lease full waits one round trip in the queue (or, in a tier
+without a queue, is refused while the lease grows for the next). Redis unreachable:
+the lease is used until its local deadline, then cut to ``floor(pool / the most
+replicas seen in the last ttl)`` until Redis answers.
 """
 
 from __future__ import annotations
