@@ -104,6 +104,22 @@ def test_a_member_not_in_the_registry_is_fenced_and_gets_nothing(holders: Holder
     assert a.fenced == 1 and holders.held_in_redis() == 0  # what it held is dropped with it
 
 
+def test_an_exact_lease_holds_just_what_is_in_use_and_usage_is_read_when_decided(holders: Holders) -> None:
+    a = holders.leases[0]
+    holders.run(a.tick({"b": (POOL, 0, 8, 0)}))
+    assert a.leases["b"].slots == 8 + block(POOL, a.registry.live)
+    reads: list[int] = []
+
+    def draining() -> tuple[int, ...]:  # a draining pool endpoint: 3 requests still in flight
+        reads.append(1)
+        return (POOL, 0, 3, 0, 1)
+
+    holders.run(a.tick({"b": draining}))
+    assert reads == [1] and a.leases["b"].slots == 3 and holders.held_in_redis() == 3
+    holders.run(a.tick({"b": draining}))
+    assert a.leases["b"].slots == 3  # kept (renewed on time), no block added
+
+
 def _lines(p: subprocess.Popen[str]) -> Queue[str]:
     q: Queue[str] = Queue()
 
