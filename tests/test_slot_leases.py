@@ -120,6 +120,27 @@ def test_an_exact_lease_holds_just_what_is_in_use_and_usage_is_read_when_decided
     assert a.leases["b"].slots == 3  # kept (renewed on time), no block added
 
 
+def test_a_poke_runs_the_check_at_once_unless_the_last_woken_check_grew_nothing(holders: Holders) -> None:
+    a = holders.leases[0]
+    a.check_s = 0.5
+
+    async def timed_wait(poke: bool) -> float:
+        t0 = time.perf_counter()
+        if poke:
+            a.poke()
+        await a.wait()
+        return time.perf_counter() - t0
+
+    others = holders.leases[1]
+    holders.run(others.exchange("b", POOL, 0))  # another replica holds the whole pool
+    assert holders.run(timed_wait(True)) < a.check_s / 2  # woken at once
+    holders.run(a.tick({"b": (POOL, 0, 4, 0)}))  # asks for 4 + a block: gets nothing
+    assert a.leases["b"].slots == 0
+    quiet = holders.run(timed_wait(True))
+    assert quiet >= a.check_s * 0.9, quiet  # that wake grew nothing: the next poke waits for the check
+    assert holders.run(timed_wait(True)) < a.check_s / 2 and a.wakes == 2  # and then wakes again
+
+
 def _lines(p: subprocess.Popen[str]) -> Queue[str]:
     q: Queue[str] = Queue()
 
