@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,7 @@ from extproc.policy import kv as kvmath
 from extproc.policy.admission_queue import AdmissionQueue, Enqueued, TierQueueConfig
 from extproc.policy.breaker import Breaker, BreakerConfig
 from extproc.policy.concurrency import AdaptiveLimit
-from extproc.policy.decision import Admit, Queue, Reject
+from extproc.policy.decision import Admit, Cause, Queue, Reject
 from extproc.policy.schema import Backend, BreakerOverride, BreakerSettings, Policy
 from extproc.policy.slots import Denied, PoolName, SlotGrant, SlotPool
 from extproc.policy.tenant_breakers import TenantBreakers
@@ -30,6 +30,8 @@ from extproc.policy.watermark import WatermarkController
 from extproc.scrape import scrape_status
 
 _ids = itertools.count(1)
+# Refusals a bigger lease cannot help: the shared store's lease task is not woken for them.
+_NOT_SHORT = frozenset({Cause.SLOTS_TENANT_CAP, Cause.CONTEXT_LENGTH})
 
 
 def breaker_config(s: BreakerSettings) -> BreakerConfig:
@@ -101,6 +103,9 @@ class BackendState:
     kv_block_size: int = field(init=False, default=1)
     floor: float = field(init=False, default=0.0)
     has_slo: bool = field(init=False, default=False)  # a latency controller exists: slo_at_risk may say yes
+    # Called when an acquire is denied for room (not a tenant cap): a shared store's
+    # lease task is woken to grow the lease (extproc.store.lease_plan.on_short).
+    on_short: Callable[[BackendState, int, float], None] | None = None
 
     @classmethod
     def create(cls, spec: Backend, policy: Policy, now: float) -> BackendState:
@@ -273,10 +278,14 @@ class BackendState:
         if self.waiters:  # every queued item has a waiter
             self.pump(now)
         d = admit.decide(self, req, now)
-        if not isinstance(d, Admit):
-            return d
-        got = self._apply(req.tier, req.tenant, d, req.kv, now, prefix)
-        return got if isinstance(got, Hold) else admit.refused(req, got)
+        if isinstance(d, Admit):
+            got = self._apply(req.tier, req.tenant, d, req.kv, now, prefix)
+            if isinstance(got, Hold):
+                return got
+            d = admit.refused(req, got)
+        if self.on_short is not None and d.cause not in _NOT_SHORT:
+            self.on_short(self, req.kv, now)
+        return d
 
     def try_acquire(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
                     prefix: tuple[int, ...] = ()) -> Hold | Denied:

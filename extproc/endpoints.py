@@ -4,6 +4,13 @@ The pool's ``BackendState`` keeps the admission budget (the tier guarantees and
 the burst pool hold per pool); an ``EndpointSet`` places what it admits
 (``extproc.policy.placement``) and tracks what each endpoint holds.
 
+With a shared store each endpoint's slots and KV are leased separately
+(``extproc.store.lease_plan``): an endpoint then carries this replica's lease on it
+and what the other replicas hold there. A request is placed only where this
+replica's own lease has room (the slot and the footprint); the score sees the
+endpoint as a whole (this replica's reservations plus what the others hold), so two
+replicas steer to the same endpoint only while it has room for both.
+
 The endpoints come from a list: today the policy's ``endpoints:``, on every reload
 (``sync``). A discovery source would call ``sync`` with what it found. An endpoint
 that leaves the list drains: it takes no new requests, and is forgotten once its
@@ -70,6 +77,12 @@ class EndpointState:
     sample: object | None = None  # the last scrape.Sample
     overcommit: float = 1.0  # the backend's kv_overcommit: reservations may exceed the cache this many times
     override: BreakerOverride | None = None  # the operator's manual trip/reset applied to ``breaker``
+    # A shared store: this replica's lease on the endpoint (None: nothing is leased, the
+    # endpoint is this process's alone), and what the other replicas hold on it.
+    leased_slots: int | None = None
+    leased_kv: int = 0
+    others_slots: int = 0
+    others_kv: int = 0
 
     @property
     def key(self) -> str:
@@ -91,14 +104,27 @@ class EndpointState:
     def scale(self, now: float) -> float:
         return self.wm.scale(now) if self.spec.metrics_url else 1.0
 
-    def candidate(self, now: float) -> Candidate:
+    def candidate(self, now: float, kv: int = 0, extra: tuple[int, int] = (0, 0), lease: bool = True) -> Candidate:
+        """The endpoint as placement sees it, for a request of footprint ``kv``.
+
+        Leased: unusable unless this replica's lease holds one more slot and ``kv`` more
+        (``lease=False`` skips that check: could a bigger lease hold it?); the counts
+        include what the other replicas hold and ``extra``, demand planned here already."""
         waiting = 0.0
         st = self.wm.state(now) if self.spec.metrics_url else None
         if st is not None and st.smoothed_waiting is not None:
             waiting = st.smoothed_waiting
-        return Candidate(key=self.key, usable=self.usable(now), kv_in_use=self.kv_in_use,
+        usable = self.usable(now)
+        kv_in_use, in_flight = self.kv_in_use + extra[1], self.in_flight + extra[0]
+        if self.leased_slots is not None:
+            if lease:
+                usable = usable and self.in_flight < self.leased_slots and (
+                    self.spec.kv_capacity_tokens is None or self.kv_in_use + kv <= self.leased_kv)
+            kv_in_use += self.others_kv
+            in_flight += self.others_slots
+        return Candidate(key=self.key, usable=usable, kv_in_use=kv_in_use,
                          kv_capacity=self.spec.kv_capacity_tokens, kv_scale=self.scale(now) * self.overcommit,
-                         in_flight=self.in_flight, max_concurrency=self.spec.max_concurrency, waiting=waiting)
+                         in_flight=in_flight, max_concurrency=self.spec.max_concurrency, waiting=waiting)
 
 
 @dataclass
@@ -178,8 +204,8 @@ class EndpointSet:
                     continue
                 st.breaker.set_manual(ov.state, ov.reason, until, now)
 
-    def candidates(self, now: float) -> list[Candidate]:
-        return [st.candidate(now) for st in self.by_key.values()]
+    def candidates(self, now: float, kv: int = 0) -> list[Candidate]:
+        return [st.candidate(now, kv) for st in self.by_key.values()]
 
     def largest_capacity(self) -> int | None:
         return largest_capacity([Candidate(k, True, 0, st.spec.kv_capacity_tokens, 1.0, 0, 1)
@@ -192,7 +218,7 @@ class EndpointSet:
         aff = self.affinity if prefix else None
         known = aff.lookup(prefix, now) if aff is not None else None
         preferred = known[0] if known is not None else None
-        got = pick(self.candidates(now), kv, preferred, self.placement.affinity_min_headroom)
+        got = pick(self.candidates(now, kv), kv, preferred, self.placement.affinity_min_headroom)
         if got is not None:
             st = self.by_key[got.key]
             st.kv_in_use += kv
@@ -205,7 +231,19 @@ class EndpointSet:
         return got
 
     def fits_somewhere(self, kv: int, now: float) -> bool:
-        return pick(self.candidates(now), kv) is not None
+        return pick(self.candidates(now, kv), kv) is not None
+
+    def plan(self, kvs: list[int], now: float) -> dict[str, tuple[int, int]]:
+        """Where requests of footprints ``kvs`` would go if this replica's leases could grow:
+        endpoint key -> (slots, kv) more to ask for (``extproc.store.lease_plan``)."""
+        extra: dict[str, tuple[int, int]] = {}
+        for kv in kvs:
+            got = pick([st.candidate(now, kv, extra.get(k, (0, 0)), lease=False) for k, st in self.by_key.items()],
+                       kv)
+            if got is not None:
+                s, k = extra.get(got.key, (0, 0))
+                extra[got.key] = (s + 1, k + kv)
+        return extra
 
     def release(self, key: str, kv: int) -> None:
         st = self.by_key.get(key)
@@ -266,6 +304,8 @@ def endpoint_status(st: EndpointState, now: float) -> dict[str, object]:
                     "trips": snap.get("trips", 0), "manual": snap.get("manual")},
         "slots": {"total": st.spec.max_concurrency, "in_use": st.in_flight},
         "kv": {"capacity_tokens": st.spec.kv_capacity_tokens, "reserved_tokens": st.kv_in_use},
+        "lease": None if st.leased_slots is None else {
+            "slots": st.leased_slots, "kv": st.leased_kv, "others_slots": st.others_slots, "others_kv": st.others_kv},
     }
 
 

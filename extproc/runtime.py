@@ -25,7 +25,7 @@ from extproc.policy.completions import CompletionEstimator
 from extproc.policy.schema import Backend, Policy
 from extproc.policy.share import leased_view, local_share, zero_shares
 from extproc.policy.state import TokenState
-from extproc.store import open_state, state_url
+from extproc.store import lease_plan, open_state, state_url
 from extproc.store.shared_breakers import SharedBreakers
 from extproc.store.slot_leases import PoolLease, SlotLeases
 from extproc.token_pool import TokenPool
@@ -58,6 +58,7 @@ class Runtime:
             starter()  # a shared store registers this replica before the first request
         # With a shared store, backends' slots and KV are leased from pools in it.
         self.slot_leases: SlotLeases | None = None
+        self._lease_lock = asyncio.Lock()
         self.shared_breakers: SharedBreakers | None = None
         if self.shared_state:
             st: Any = self.state
@@ -90,8 +91,7 @@ class Runtime:
         """The backend as this replica admits to it: its leased part of the pool, if leased."""
         if self.slot_leases is None:
             return spec, policy
-        lease = self.slot_leases.leases.get(spec.name)
-        return leased_view(spec, policy, self.full_policy, 0 if lease is None else lease.slots)
+        return leased_view(spec, policy, self.full_policy, lease_plan.held(spec.name, self.slot_leases)[0])
 
     def _sync_backends(self, policy: Policy) -> None:
         now = self.clock()
@@ -103,8 +103,7 @@ class Runtime:
             else:
                 be.reconfigure(local_spec, local_policy, now)
             if self.slot_leases is not None:
-                lease = self.slot_leases.leases.get(spec.name)
-                be.kv_lease = 0 if lease is None else lease.kv
+                self._place_lease(be)
         # A removed backend keeps its runtime until its in-flight requests settle;
         # they hold references to it, so dropping it from the map is enough.
         for name in [n for n in self.backends if n not in {b.name for b in policy.backends}]:
@@ -138,19 +137,30 @@ class Runtime:
 
     # -- slot and KV leases (a shared store) ---------------------------------------------
     async def lease_tick(self) -> int:
-        """One check of every backend's pool lease; applies the changed ones. Returns how many."""
+        """One check of every pool lease (a backend's, or each endpoint's of a pool); applies the
+        changed ones. Returns how many changed."""
         if self.slot_leases is None:
             return 0
-        usage = {}
-        for spec in self.full_policy.backends:
-            be = self.backends.get(spec.name)
-            if be is not None:
-                kv_pool = 0 if spec.kv_capacity_tokens is None else int(spec.kv_capacity_tokens * spec.kv_overcommit)
-                usage[spec.name] = (spec.max_concurrency, kv_pool, be.pool.in_use().total, be.kv_in_use)
-        changed = await self.slot_leases.tick(usage, self._apply_lease)
+        async with self._lease_lock:  # one exchange in flight per lease
+            usage: dict[str, Callable[[], tuple[int, ...]]] = {}
+            for spec in self.full_policy.backends:
+                be = self.backends.get(spec.name)
+                if be is not None:
+                    usage.update(lease_plan.usage(spec, be, self.slot_leases, self.clock))
+            changed = await self.slot_leases.tick(usage, self._apply_lease)
         return len(changed)
 
+    def _place_lease(self, be: BackendState) -> None:
+        """The backend's KV cap and its endpoints' leases from what this replica holds."""
+        assert self.slot_leases is not None
+        be.kv_lease = lease_plan.held(be.spec.name, self.slot_leases)[1]
+        lease_plan.place_leases(be, self.slot_leases)
+        if be.on_short is None:
+            leases = self.slot_leases
+            be.on_short = lambda b, kv, now: lease_plan.on_short(leases, b, kv, now)
+
     def _apply_lease(self, name: str, lease: PoolLease) -> None:
+        name = lease_plan.backend_of(name)
         be = self.backends.get(name)
         spec = next((b for b in self.policy.backends if b.name == name), None)
         if be is None or spec is None:
@@ -158,7 +168,7 @@ class Runtime:
         now = self.clock()
         local_spec, local_policy = self._configured(spec, self.policy)
         be.reconfigure(local_spec, local_policy, now)
-        be.kv_lease = lease.kv
+        self._place_lease(be)
         be.pump(now)
 
     async def first_leases(self, timeout_s: float = 3.0) -> None:
@@ -191,7 +201,7 @@ class Runtime:
                     await self.shared_breakers.sync(self.breakers(), self.clock())
                 except Exception as exc:  # noqa: BLE001 - the store down: breakers stay local
                     log.debug("shared breakers: %s", exc)
-            await asyncio.sleep(self.slot_leases.check_s)
+            await self.slot_leases.wait()  # check_s, or sooner when an acquire found its lease short
 
     def breakers(self) -> dict[str, Breaker]:
         """Every backend's, model route's and pool endpoint's breaker, by the name they are

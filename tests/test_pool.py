@@ -163,3 +163,32 @@ def test_one_failing_endpoint_opens_its_breaker_not_the_pools() -> None:
     # The last one standing: its failures are the pool's.
     assert be.endpoints.record("127.0.0.1:7002", Outcome.FAILURE, None, 0.0) == Outcome.FAILURE
     assert be.endpoints.record("127.0.0.1:7002", Outcome.SUCCESS, None, 0.0) == Outcome.SUCCESS
+
+
+def test_a_leased_endpoint_takes_only_what_this_replica_leases_there() -> None:
+    """A shared store (extproc/store/lease_plan.py): per-endpoint leases, the others' holdings in the score."""
+    be = runtime()
+    assert be.endpoints is not None
+    small, big = be.endpoints.by_key["127.0.0.1:7001"], be.endpoints.by_key["127.0.0.1:7002"]
+    small.leased_slots, small.leased_kv = 4, 1000
+    big.leased_slots, big.leased_kv, big.others_slots, big.others_kv = 1, 500, 1, 3500
+    # The big endpoint has room in this replica's lease (500), but the others hold 3500 of its 4000:
+    # by headroom the small one wins.
+    got = be.try_acquire("t", "a", None, 400, 0.0)
+    assert isinstance(got, Hold) and got.endpoint == "127.0.0.1:7001"
+    # 700 fits neither lease (600 left on the small one, 500 on the big one): refused, though the
+    # engines together have room.
+    assert isinstance(be.try_acquire("t", "a", None, 700, 0.0), Denied)
+    # Where a bigger lease would put requests: 700 nowhere (the engines have no room for this
+    # replica), 500 on the small one (it has more headroom left than the big one, full after it).
+    assert be.endpoints.plan([700], 0.0) == {}
+    assert be.endpoints.plan([500], 0.0) == {"127.0.0.1:7001": (1, 500)}
+    big.others_kv = 0
+    # The big one has room now, for one request: the others hold one of its two slots.
+    assert be.endpoints.plan([700, 700], 0.0) == {"127.0.0.1:7002": (1, 700)}
+    s = be.try_acquire("t", "a", None, 500, 0.0)
+    assert isinstance(s, Hold) and s.endpoint == "127.0.0.1:7002"
+    assert isinstance(be.try_acquire("t", "a", None, 10, 0.0), Hold)  # the small one: its lease has room
+    big.leased_kv = 4000
+    assert isinstance(be.try_acquire("t", "a", None, 10, 0.0), Hold)  # the big one's slot lease (1) is full ...
+    assert big.in_flight == 1  # ... so it went to the small one

@@ -104,11 +104,14 @@ def test_workers_with_redis_share_one_grpc_port_and_stop_together(redis_server: 
         for i in range(2):
             st = _state(admin_port + i)
             assert st["store"]["kind"] == "redis" and st["store"]["member"].startswith(f"host-a-{i}#"), st["store"]
-            # Each worker admits from its lease on the backend's pool in Redis (extproc/store/slot_leases.py).
-            pool = st["store"]["slot_leases"]["pools"][full.name]
-            assert pool["pool"] == full.max_concurrency and pool["leased"] > 0, pool
-            assert st["backends"][full.name]["slots"]["total"] == pool["leased"]
-            leased.append(pool["leased"])
+            # Each worker admits from its leases in Redis (extproc/store/slot_leases.py): one per endpoint of
+            # the pool (extproc/store/lease_plan.py), summed into the backend's slots.
+            pools = st["store"]["slot_leases"]["pools"]
+            mine = [pools[f"{full.name}@{e.key}"] for e in full.endpoints]
+            assert [p["pool"] for p in mine] == [e.max_concurrency for e in full.endpoints], mine
+            assert all(p["leased"] > 0 for p in mine), mine
+            assert st["backends"][full.name]["slots"]["total"] == sum(p["leased"] for p in mine)
+            leased.append(sum(p["leased"] for p in mine))
             assert st["tenants"]  # the policy's tenants, with the per-process caps cut to floor(cap / 2)
         assert sum(leased) <= full.max_concurrency, leased
         parent.send_signal(signal.SIGTERM)

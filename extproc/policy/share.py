@@ -1,11 +1,12 @@
 """One worker's local share of the limits that are kept in each process.
 
-With a shared store (Redis) a tenant's TPM and RPM hold across every process, but a
-backend's slots and KV reservations and a tenant's concurrency cap are still counted
-in each process. ``extproc serve --workers N`` therefore gives each worker
-``floor(limit / N)`` of each of them: N workers together never hold more than the
-limit (they may hold less: up to N - 1 slots of a backend stay unused, and a worker
-whose share rounds to 0 admits nothing there).
+With a shared store (Redis) a tenant's TPM and RPM hold across every process, and a
+backend's slots and KV reservations are leased from it (``extproc.store.slot_leases``),
+but a tenant's concurrency cap is still counted in each process (the README says why
+it is not leased). ``extproc serve --workers N`` therefore gives each worker
+``floor(cap / N)`` of it (and, for a store without leases, of the slots and KV): N
+workers together never hold more than the limit (they may hold less: up to N - 1
+slots stay unused, and a worker whose share rounds to 0 admits nothing there).
 
 Pure: a policy in, a policy out.
 """

@@ -3,7 +3,8 @@
 ``open_state`` picks the implementation of the TokenState seam
 (``extproc.policy.state``): ``LocalState`` for ``gateway.state: memory`` (the
 default), ``RedisState`` for a Redis URL (or ``$SLUICE_REDIS_URL``, which wins).
-Slot and KV leases will join the same store (one connection, one registry).
+Slot and KV leases (``slot_leases``, ``lease_plan``) and shared breakers use the same
+connection and registry.
 """
 
 from __future__ import annotations

@@ -1,20 +1,24 @@
-"""A backend's slots and KV reservations shared by every replica: leases in Redis, in blocks.
+"""Slots and KV reservations shared by every replica: leases in Redis, in blocks.
 
-Each replica holds a lease on a part of each backend's pool: ``s`` slots and ``k`` KV
-tokens, one sorted-set entry per holder (the replica's registry member,
-``<id>#<epoch>``) scored by a Redis-time deadline (``ttl_s``, default 10 s), its
-amounts in a hash beside it. The replica admits from its lease locally, with the pure
-slot pool and KV rule unchanged (its ``BackendState`` is configured with the leased
-amounts as its ``max_concurrency`` and ``kv_capacity_tokens``), so a request costs no
-round trip.
+Each replica holds a lease on a part of each pool: ``s`` slots and ``k`` KV tokens,
+one sorted-set entry per holder (the replica's registry member, ``<id>#<epoch>``)
+scored by a Redis-time deadline (``ttl_s``, default 10 s), its amounts in a hash
+beside it. A pool is a backend's, or one endpoint's of a pool backend
+(``extproc.store.lease_plan`` names them and wires them into the backends). The
+replica admits from its lease locally, with the pure slot pool and KV rule unchanged
+(its ``BackendState`` is configured with the leased amounts as its
+``max_concurrency`` and ``kv_capacity_tokens``), so a request costs no round trip.
 
-The lease is kept at ``in use + block`` (block = ``ceil(pool / (4 × live
-replicas))``, the same for KV): a check every ``check_s`` (50 ms) asks for more when
-fewer than half a block is spare and gives back what exceeds two blocks; otherwise
-the lease is renewed every ttl/3. One script (``SLOT_LEASE``) per backend and
-exchange: it purges expired holders first, then grants ``min(want, pool − what the
-others hold)``, so the leases together never exceed the pool. Asking is absolute ("I
-want to hold s, k"), so a retried exchange is harmless.
+The lease is kept at ``wanted + block`` (wanted: in use plus what waits for room;
+block = ``ceil(pool / (4 × live replicas))``, the same for KV): a check every
+``check_s`` (50 ms) asks for more when fewer than half a block is spare and gives
+back what exceeds two blocks; otherwise the lease is renewed every ttl/3. An acquire
+refused for room ``poke``s the check to run at once (coalesced; a woken check that
+grew nothing is not repeated by a wake before ``check_s``). One script
+(``SLOT_LEASE``) per pool and exchange, one exchange per pool in flight: it purges
+expired holders first, then grants ``min(want, pool − what the others hold)``, so the
+leases together never exceed the pool. Asking is absolute ("I want to hold s, k"),
+so a retried exchange is harmless.
 
 Fencing: the script grants nothing to a member that is not alive in the registry
 (expired or gone) and drops what it held; the replica sets its lease to 0 (it admits
@@ -22,12 +26,13 @@ nothing new; its requests in flight finish) until the registry's heartbeat regis
 it again under a new epoch. A replica that dies gives its lease back when the lease
 expires: within ttl; the survivors see the room at their next check.
 
-Bounds: the slots in use by all replicas ≤ the pool, except while a fenced replica's
-requests in flight finish. A hot replica can lease at least ``pool − (N − 1) ×
-block`` ≈ ``pool × (3N + 1) / (4N)`` while the others are idle; a request finding its
-replica's lease full waits (queue) or is refused until the next check (≤ ``check_s``).
-Redis unreachable: the lease is used until its local deadline, then cut to
-``floor(pool / the most replicas seen in the last ttl)`` until Redis answers.
+Bounds: the slots (KV) in use by all replicas ≤ the pool, except while a fenced
+replica's requests in flight finish. A hot replica can lease at least ``pool − (N −
+1) × block`` ≈ ``pool × (3N + 1) / (4N)`` while the others are idle; a request
+finding its replica's lease full waits one round trip in the queue (or, in a tier
+without a queue, is refused while the lease grows for the next). Redis unreachable:
+the lease is used until its local deadline, then cut to ``floor(pool / the most
+replicas seen in the last ttl)`` until Redis answers.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +53,7 @@ log = logging.getLogger("sluice.store")
 # KEYS[1]: the pool's holders (sorted set, score: Redis-time deadline), KEYS[2]: their
 # amounts (hash member -> "slots kv"), KEYS[3]: the replica registry.
 # ARGV: member, want slots, want kv, pool slots, pool kv, ttl, now ('' = Redis TIME).
-# Returns {granted slots, granted kv, slots the others hold}; granted -1: fenced.
+# Returns {granted slots, granted kv, slots the others hold, kv the others hold}; granted -1: fenced.
 SLOT_LEASE = r"""
 local now
 if ARGV[7] ~= '' then now = tonumber(ARGV[7]) else
@@ -58,7 +63,7 @@ local m = ARGV[1]
 local alive = redis.call('ZSCORE', KEYS[3], m)
 if not alive or tonumber(alive) < now then
   redis.call('ZREM', KEYS[1], m); redis.call('HDEL', KEYS[2], m)
-  return {-1, 0, 0}
+  return {-1, 0, 0, 0}
 end
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. string.format('%.17g', now))
 for _, d in ipairs(dead) do redis.call('HDEL', KEYS[2], d) end
@@ -79,7 +84,7 @@ else
   redis.call('HSET', KEYS[2], m, gs .. ' ' .. gk)
   redis.call('ZADD', KEYS[1], string.format('%.17g', now + tonumber(ARGV[6])), m)
 end
-return {gs, gk, os_}
+return {gs, gk, os_, ok_}
 """
 
 
@@ -93,7 +98,8 @@ class PoolLease:
     kv: int = 0
     renew_at: float = -math.inf  # local time of the next renewal
     expires: float = -math.inf  # local deadline of the lease (Redis's is never earlier)
-    others: int = 0
+    others: int = 0  # slots the other replicas hold, as of the last exchange
+    others_kv: int = 0
 
 
 def block(pool: int, live: int) -> int:
@@ -121,7 +127,40 @@ class SlotLeases:
         self.leases: dict[str, PoolLease] = {}
         self.fenced = 0  # times an exchange found this replica's member gone
         self.errors = 0
+        self.wakes = 0  # checks run early because an acquire found its lease short
+        # lease name -> (slots, kv) refused for room since the last check (extproc.store.lease_plan)
+        self.short: dict[str, tuple[int, int]] = {}
         self._script = client.register_script(SLOT_LEASE)
+        self._wake = asyncio.Event()
+        self._woken = False  # the last check ran because of a wake
+        self._grew = False  # ... and some lease grew in it
+
+    # -- waking the check early -----------------------------------------------------------
+    def want_more(self, name: str, slots: int, kv: int) -> None:
+        """Requests of ``slots`` and ``kv`` found lease ``name`` short: the next check asks for them too."""
+        s, k = self.short.get(name, (0, 0))
+        self.short[name] = (s + slots, k + kv)
+
+    def poke(self) -> None:
+        """An acquire found its lease short: run the next check now (coalesced: many pokes, one check)."""
+        self._wake.set()
+
+    async def wait(self) -> None:
+        """Until the next check: ``check_s``, or sooner when poked.
+
+        A check run by a wake that grew nothing (the others hold the rest of the pool)
+        is not repeated by the next wake before ``check_s``: waiters that still do not
+        fit would otherwise poke a round trip per loop turn."""
+        if self._woken and not self._grew:
+            await asyncio.sleep(self.check_s)
+            self._woken = False
+        else:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.check_s)
+            self._woken = self._wake.is_set()
+            if self._woken:
+                self.wakes += 1
+        self._wake.clear()
 
     def keys(self, backend: str) -> list[str]:
         return [f"{self.prefix}:slots:{backend}", f"{self.prefix}:slots:{backend}:held", self.registry.keys[0]]
@@ -148,39 +187,51 @@ class SlotLeases:
             self._script(keys=self.keys(backend),
                          args=[member, slots, kv, ls.pool_slots, ls.pool_kv, repr(self.ttl_s), ""]),
             self.timeout_s)
-        gs, gk, others = (int(x) for x in got)
+        gs, gk, others, others_kv = (int(x) for x in got)
         if gs < 0:
             self.fenced += 1
             log.warning("slot leases: replica %s is fenced (its registration expired): %s lease dropped until "
                         "it registers again", member, backend)
             self.registry.beat_at = -math.inf  # the store's next heartbeat finds it fenced and registers anew
-            ls.slots, ls.kv, ls.others = 0, 0, 0
+            ls.slots, ls.kv, ls.others, ls.others_kv = 0, 0, 0, 0
             ls.renew_at = -math.inf
             return ls
-        ls.slots, ls.kv, ls.others = gs, gk, others
+        ls.slots, ls.kv, ls.others, ls.others_kv = gs, gk, others, others_kv
         ls.expires = now + self.ttl_s
         ls.renew_at = now + self.ttl_s / 3
         return ls
 
-    async def tick(self, usage: dict[str, tuple[int, int, int, int]],
+    async def tick(self, usage: Mapping[str, tuple[int, ...] | Callable[[], tuple[int, ...]]],
                    apply: Callable[[str, PoolLease], None] | None = None) -> dict[str, PoolLease]:
-        """One check: ``usage`` backend -> (pool slots, pool kv, slots in use, kv in use).
+        """One check: ``usage`` lease name -> (pool slots, pool kv, slots wanted, kv wanted[, exact]),
+        or a function returning it, called just before that lease is decided (what is in use
+        changes while earlier exchanges of the check are awaited; a lease must not shrink
+        below it).
 
-        ``apply`` is called with each lease that changed, a shrink before it is sent (so
-        the backend admits within it before Redis gives the rest away), a grant when it
-        arrives. Returns the leases that changed.
+        "Wanted" is what is in use plus what waits for room (``extproc.store.lease_plan``);
+        the lease is kept at that plus a block. ``exact`` (a draining pool endpoint): hold
+        just what is in use, no block. ``apply`` is called with each lease that changed, a
+        shrink before it is sent (so the backend admits within it before Redis gives the
+        rest away), a grant when it arrives. Returns the leases that changed.
         """
         live = self.registry.live
         changed: dict[str, PoolLease] = {}
+        grew = False
         for name in [n for n in self.leases if n not in usage]:
             with contextlib.suppress(Exception):
                 await self.exchange(name, 0, 0)
             del self.leases[name]
-        for name, (ps, pk, used_s, used_k) in usage.items():
+        for name, entry in usage.items():
+            ps, pk, used_s, used_k, *rest = entry() if callable(entry) else entry
+            exact = bool(rest and rest[0])
             ls = self.lease(name, ps, pk)
             before = (ls.slots, ls.kv)
-            ws = want(ps, used_s, ls.slots, live)
-            wk = want(pk, used_k, ls.kv, live) if pk > 0 else None
+            if exact:
+                ws = None if ls.slots == used_s else min(ps, used_s)
+                wk = None if pk <= 0 or ls.kv == used_k else min(pk, used_k)
+            else:
+                ws = want(ps, used_s, ls.slots, live)
+                wk = want(pk, used_k, ls.kv, live) if pk > 0 else None
             now = self.clock()
             if ws is None and wk is None and now < ls.renew_at:
                 continue
@@ -197,15 +248,18 @@ class SlotLeases:
                     ls.slots, ls.kv = min(ls.slots, ps // n), min(ls.kv, pk // n)
                     log.debug("slot leases: %s: %s; local share %d slots", name, exc, ls.slots)
             if (ls.slots, ls.kv) != before:
+                grew = grew or ls.slots > before[0] or ls.kv > before[1]
                 changed[name] = ls
                 if apply is not None:
                     apply(name, ls)
+        self._grew = grew
         return changed
 
     def snapshot(self) -> dict[str, Any]:
-        return {"fenced": self.fenced, "errors": self.errors,
+        return {"fenced": self.fenced, "errors": self.errors, "wakes": self.wakes,
                 "pools": {n: {"pool": ls.pool_slots, "leased": ls.slots, "others": ls.others,
-                              "pool_kv": ls.pool_kv, "leased_kv": ls.kv} for n, ls in self.leases.items()}}
+                              "pool_kv": ls.pool_kv, "leased_kv": ls.kv, "others_kv": ls.others_kv}
+                          for n, ls in self.leases.items()}}
 
     def release_all_sync(self, url: str | None) -> None:
         """Give every lease back at shutdown, through a blocking client."""
