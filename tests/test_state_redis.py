@@ -491,3 +491,38 @@ def test_fail_closed_answers_503_through_the_stream_path(server: RedisServer, mo
     assert rt.metrics.registry.get_sample_value("sluice_state_store_up") == 0
     assert rt.status()["in_flight"] == 0
     rt.close()
+
+
+def test_peek_agrees_with_the_local_share_while_redis_is_down(server: RedisServer) -> None:
+    """Through Envoy every request is peeked (request headers) before it is admitted (body).
+
+    While Redis is down, what the local share admitted is in its bucket already; the peek
+    must not subtract it a second time as "not yet sent to Redis", or a replica refuses
+    everything once it has spent one share's worth (found by tests/e2e/test_fleet_redis_down.py).
+    """
+    lim = Limits(tpm=60_000, rpm=1_000_000, burst_tokens=300, max_concurrency=100)  # 1000 tokens/s
+
+    async def main() -> tuple[int, int, int]:
+        (s,) = replicas(server.url, 1, "peekdown")
+        assert (await admit(s, 10, lim)).admitted
+        server.kill()
+        peeked_no = admitted = 0
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            now = time.monotonic()
+            p = s.peek("t", lim, 20, now)
+            v = await admit(s, 20, lim)
+            peeked_no += not p.admitted and v.admitted
+            if v.admitted:
+                admitted += 1
+                s.settle("t", 20, 20, time.monotonic())
+            await asyncio.sleep(0.01)
+        await s.aclose()
+        await s.client.aclose()
+        return peeked_no, admitted, int(s.breaker.up)
+
+    peeked_no, admitted, up = asyncio.run(main())
+    assert up == 0
+    # ~1.5 s at the share's 1000 tokens/s: ~70 requests of 20 after the share fills from empty
+    assert admitted >= 40, admitted
+    assert peeked_no == 0, f"peek refused {peeked_no} requests admit would have admitted"
