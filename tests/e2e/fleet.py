@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ class Fleet(Stack):
     redis: RedisServer | None = None
     grpc_ports: list[int] = field(default_factory=list)
     admin_ports: list[int] = field(default_factory=list)
+    _pool: ThreadPoolExecutor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -67,6 +69,9 @@ class Fleet(Stack):
         wait_http(f"http://127.0.0.1:{self.envoy_admin_port}/ready", proc=p.popen)
 
     def stop(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         for name in ["envoy", *(self.name(i) for i in range(self.replicas)), "sim"]:
             if name in self.procs:
                 self.procs[name].stop()
@@ -78,7 +83,11 @@ class Fleet(Stack):
         return f"http://127.0.0.1:{self.admin_ports[i]}"
 
     def states(self) -> list[dict[str, Any]]:
-        return [get_json(f"{self.admin(i)}/debug/state") for i in range(self.replicas)]
+        """Every replica's ``/debug/state``, fetched at once (one thread each: a sample of
+        all of them takes one round trip, not ``replicas``)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.replicas)
+        return list(self._pool.map(get_json, [f"{self.admin(i)}/debug/state" for i in range(self.replicas)]))
 
     def wait_settled_all(self, timeout: float = 10.0) -> list[dict[str, Any]]:
         return [wait_idle(f"{self.admin(i)}/debug/state", timeout, interval=0.02) for i in range(self.replicas)]

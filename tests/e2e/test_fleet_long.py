@@ -29,7 +29,7 @@ import pytest
 from extproc.policy.schema import hash_key
 from tests.e2e import harness
 from tests.e2e.fleet import Fleet, Sampler, backend_metrics, start_fleet, stop_fleet
-from tests.e2e.harness import eventually, get_json
+from tests.e2e.harness import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -91,7 +91,8 @@ async def _drive(url: str, seconds: float) -> dict[str, int]:
     return codes
 
 
-def worst_window(samples: list[tuple[float, float]], widths: tuple[float, ...]) -> tuple[float, float, float]:
+def worst_window(samples: list[tuple[float, float]], widths: tuple[float, ...], burst: float = BURST,
+                 rate: float = RATE) -> tuple[float, float, float]:
     """The largest consumed / (B + r·W) over windows between samples at most each width apart.
 
     Returns (ratio, window start relative to the first sample, window length)."""
@@ -106,7 +107,7 @@ def worst_window(samples: list[tuple[float, float]], widths: tuple[float, ...]) 
             tj, cj = samples[j]
             if tj - ti < width * 0.9:
                 continue
-            ratio = (cj - ci) / (BURST + RATE * (tj - ti))
+            ratio = (cj - ci) / (burst + rate * (tj - ti))
             if ratio > worst[0]:
                 worst = (ratio, ti - t_first, tj - ti)
     return worst
@@ -120,8 +121,7 @@ def test_three_replicas_one_tenant_64_streams_hold_every_limit(fleet: Fleet) -> 
 
     def replicas_view() -> tuple[int, int]:
         slots = kv = 0
-        for i in range(REPLICAS):
-            st = get_json(f"{f.admin(i)}/debug/state")
+        for st in f.states():
             be = st["backends"]["sim"]
             slots += be["slots"]["in_use"]
             kv += be["kv"]["reserved_tokens"]
@@ -178,3 +178,18 @@ def test_three_replicas_one_tenant_64_streams_hold_every_limit(fleet: Fleet) -> 
 def backend_total(f: Fleet) -> float:
     m = backend_metrics(f.sim_url)
     return m["vllm:prompt_tokens_total"] + m["vllm:generation_tokens_total"]
+
+
+@pytest.mark.xfail(strict=True, reason="known bug (reported): a replica's KV lease is kept at in use + block "
+                   "(block = ceil(KV / (4 N)) = 128 here), so on an idle replica a request whose footprint exceeds "
+                   "the block is refused (429 slots) although the pool has room")
+def test_a_request_larger_than_a_lease_block_is_admitted_when_the_pool_has_room(fleet: Fleet) -> None:
+    f = fleet
+    f.wait_settled_all(15)
+    n = 200  # footprint: 8 prompt + 200 tokens = 13 blocks = 208 tokens > the block, < the pool (1,536)
+    body = {"model": "sim-llama-8b", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": n}
+    headers = {"authorization": f"Bearer {KEY}", "x-sim-tokens": "10"}
+    time.sleep(BURST / RATE)  # the bucket full again after the long test
+    got = [httpx.post(f"{f.url}/v1/chat/completions", json=body, headers=headers, timeout=20) for _ in range(REPLICAS)]
+    print("\n" + ", ".join(f"{r.status_code} {r.headers.get('x-sluice-reason', '')}" for r in got))
+    assert [r.status_code for r in got] == [200] * REPLICAS  # one per replica (Envoy's round robin)

@@ -28,7 +28,7 @@ import pytest
 from extproc.policy.schema import hash_key
 from tests.e2e import harness
 from tests.e2e.fleet import Fleet, Sampler, backend_metrics, start_fleet, stop_fleet
-from tests.e2e.harness import eventually, get_json
+from tests.e2e.harness import eventually
 from tests.e2e.test_fleet_long import worst_window
 
 pytestmark = pytest.mark.e2e
@@ -120,8 +120,7 @@ def _outage(f: Fleet, what: str, before_s: float, outage_s: float, after_s: floa
 
     def replicas_view() -> list[tuple[int, int, int, int, bool]]:
         out = []
-        for i in range(REPLICAS):
-            st = get_json(f"{f.admin(i)}/debug/state")
+        for st in f.states():
             out.append((st["backends"]["sim"]["slots"]["in_use"], st["store"]["slot_leases"]["pools"]["sim"]["leased"],
                         st["ledger"]["precharged"], st["ledger"]["refunded"], st["store"]["up"]))
         return out
