@@ -567,9 +567,12 @@ def test_after_an_outage_longer_than_the_bucket_admission_goes_on_at_the_rate(se
     after = load.tokens(z + 0.3, z + 1.8)
     print(f"{how} {z - a:.1f} s: {load.tokens(a, z)} tokens on the local shares, {after} in the 1.5 s from 0.3 s "
           f"after Redis returned; worst 1 s window {load.worst_window(1.0):.3f}")
-    assert after >= 0.6 * RATE * 1.5, after
+    assert after >= 0.4 * RATE * 1.5, after  # (0 before the fix; ~0.9-1.0 x r here when the host is quiet)
+    # A Redis restarted empty starts from a replica's last view: the README's bound then
+    # also allows what the others spent since that view (a lease slice each, at most).
+    slack = 1.02 if how == "frozen" else 1.02 + n * 0.1 * BURST / (BURST + RATE * 0.5)
     for w in (0.5, 1.0, 2.0, 7.0):
-        assert load.worst_window(w) <= 1.02, f"window {w}s: {load.worst_window(w):.3f} x the contract"
+        assert load.worst_window(w) <= slack, f"window {w}s: {load.worst_window(w):.3f} x the contract"
 
 
 def test_a_local_share_admission_refunded_at_once_costs_nothing_when_redis_returns(server: RedisServer) -> None:
