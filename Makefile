@@ -12,8 +12,10 @@ TEST_SYSTEM_PACKAGES := chromium fonts-dejavu-core redis-server
 # redis-server (port 6380, bench/demo.py), which is then installed too.
 REPLICAS ?= 1
 DEMO_SYSTEM_PACKAGES := $(if $(filter-out 1,$(REPLICAS)),redis-server,)
+# `make bench` measures the Redis state store (bench.state_store) against a local redis-server.
+BENCH_SYSTEM_PACKAGES := redis-server
 
-.PHONY: install system-packages-test system-packages-demo demo test test-unit test-e2e bench lint envoy-config clean
+.PHONY: install system-packages-test system-packages-demo system-packages-bench demo test test-unit test-e2e bench lint envoy-config clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +32,9 @@ system-packages-test:
 system-packages-demo:
 	@sh bench/system_packages.sh $(DEMO_SYSTEM_PACKAGES)
 
+system-packages-bench:
+	@sh bench/system_packages.sh $(BENCH_SYSTEM_PACKAGES)
+
 demo: install system-packages-demo
 	$(PY) -m bench.demo --replicas $(REPLICAS)
 
@@ -42,7 +47,7 @@ test-unit: install
 test-e2e: install system-packages-test
 	$(PY) -m pytest -q -m e2e
 
-bench: install system-packages-demo
+bench: install system-packages-bench
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench.run
 

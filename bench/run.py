@@ -8,6 +8,7 @@
     python -m bench.run --only slowdown          # decode speed halved for 20 s: (e) vs (f)
     python -m bench.run --only longprompt        # 12 documents of 16k-24k tokens on steady chat
     python -m bench.run --only pool              # 3 engines, the trace's burst at 3x: Envoy RR / LR / Sluice picking
+    python -m bench.run --only state_store       # TPM/RPM state in Redis vs in-process; accuracy, 1 and 3 replicas
 
 Progress goes to stderr. The first run installs LiteLLM into ``bench/.litellm-venv``
 (~750 MB, a minute or two) for configuration (c); if that fails, (c) is reported as not
@@ -30,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-PARTS = ("headline", "longprompt", "slowdown", "pool", "tpm", "soak", "overhead", "tokenizer")
+PARTS = ("headline", "longprompt", "slowdown", "pool", "tpm", "state_store", "soak", "overhead", "tokenizer")
 
 
 def log(msg: str) -> None:
@@ -149,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
             from bench import tpm
             return tpm.markdown(tpm.run(workdir, quick=args.quick, log=log))
         timed("tpm", tpm_part)
+    if "state_store" in parts:
+        def state_store_part() -> str:
+            from bench import state_store
+            return state_store.markdown(state_store.run(seconds=4.0 if args.quick else 6.0, log=log))
+        timed("state_store", state_store_part)
     if "soak" in parts:
         def soak_part() -> str:
             from bench import soak

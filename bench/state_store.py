@@ -19,6 +19,7 @@ import multiprocessing as mp
 import random
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -166,37 +167,76 @@ def accuracy(url: str, replicas: int, seconds: float, clients: int = 64) -> tupl
     return worst, steady / (TPM / 60.0 * (seconds - 1.5))
 
 
+@dataclass
+class StateStoreResult:
+    local_us: float = 0.0
+    local_rate: float = 0.0
+    far: tuple[float, float, float] = (0.0, 0.0, 0.0)  # µs per decision, decisions/s, round trips
+    near: tuple[float, ...] = ()  # 64 clients: µs, decisions/s, admitted/s, p50 ms, p99 ms, round trips
+    one: tuple[float, ...] = ()  # 1 client, the same fields
+    accuracy: dict[int, tuple[float, float]] = field(default_factory=dict)  # replicas -> (worst, steady)
+    seconds: float = 6.0
+
+
+def run(seconds: float = 6.0, log: Any = None) -> StateStoreResult:
+    """Every measurement of this module in one run, on one throwaway ``redis-server``."""
+    out = StateStoreResult(seconds=seconds)
+    with tempfile.TemporaryDirectory() as tmp:
+        server = RedisServer(Path(tmp)).start()
+        try:
+            if log:
+                log("state store: policy cost, in-process vs Redis")
+            out.local_us, out.local_rate = bench_local(100_000)
+            out.far = asyncio.run(bench_redis_far(server.url, 20_000))
+            out.near = asyncio.run(bench_redis_near(server.url, 4.0, 64))
+            out.one = asyncio.run(bench_redis_near(server.url, 2.0, 1))
+            for n in (1, 3):
+                if log:
+                    log(f"state store: TPM accuracy, {n} replica(s), {seconds:.0f} s")
+                out.accuracy[n] = accuracy(server.url, n, seconds)
+        finally:
+            server.stop()
+    return out
+
+
+def markdown(r: StateStoreResult) -> str:
+    """The tables, with each Redis row's cost and rate also as a ratio to the in-process row."""
+    far_us, far_rate, far_trips = r.far
+    near_us, near_rate, near_ok, p50, p99, near_trips = r.near
+    one_us, one_rate, _, one50, one99, _ = r.one
+
+    def vs(us: float, rate: float) -> str:
+        return f"{us / r.local_us:.1f}× / {rate / r.local_rate:.3f}×"
+
+    lines = [
+        "## TPM/RPM state: in-process vs Redis (bench.state_store)", "",
+        "One process, a loopback `redis-server` started for the run; the ratios are to the in-process row "
+        "measured in the same run.", "",
+        "| state | µs CPU per decision (admit + settle) | decisions/s | vs in-process (cost / rate) | "
+        "Redis round trips per decision | admit latency p50 / p99 |",
+        "| --- | --- | --- | --- | --- | --- |",
+        f"| in-process (`memory`) | {r.local_us:.1f} | {r.local_rate:,.0f} | 1× / 1× | 0 | – |",
+        f"| Redis, the lease covers (far from the limit), 1 client | {far_us:.1f} | {far_rate:,.0f} | "
+        f"{vs(far_us, far_rate)} | {far_trips:.4f} | – |",
+        f"| Redis, at the limit (no lease covers), 1 client | {one_us:.1f} | {one_rate:,.0f} | "
+        f"{vs(one_us, one_rate)} | 1 | {one50:.2f} / {one99:.2f} ms |",
+        f"| Redis, at the limit, 64 clients ({near_ok:,.0f} admitted/s) | {near_us:.1f} | {near_rate:,.0f} | "
+        f"{vs(near_us, near_rate)} | {near_trips:.2f} | {p50:.2f} / {p99:.2f} ms |",
+        "",
+        f"TPM accuracy across replicas (separate processes on one Redis bucket, 64 clients in all, "
+        f"{TPM // 60} tokens/s, B = {BURST}, {r.seconds:.0f} s):", "",
+        "| replicas | worst 0.5/1/2 s window / (B + r·W) | steady consumption / TPM |",
+        "| --- | --- | --- |",
+    ]
+    lines += [f"| {n} | {worst:.3f} | {steady:.3f} |" for n, (worst, steady) in r.accuracy.items()]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.state_store", description=__doc__)
     ap.add_argument("--seconds", type=float, default=6.0, help="length of each accuracy run")
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        server = RedisServer(Path(tmp)).start()
-        try:
-            local_us, local_rate = bench_local(100_000)
-            far_us, far_rate, far_trips = asyncio.run(bench_redis_far(server.url, 20_000))
-            near_us, near_rate, near_ok, p50, p99, near_trips = asyncio.run(bench_redis_near(server.url, 4.0, 64))
-            one_us, one_rate, _, one50, one99, _ = asyncio.run(bench_redis_near(server.url, 2.0, 1))
-            acc = {n: accuracy(server.url, n, args.seconds) for n in (1, 3)}
-        finally:
-            server.stop()
-    print("\n### TPM/RPM state: in-process vs Redis (one process, loopback redis-server)\n")
-    print("| state | µs CPU per decision (admit + settle) | decisions/s | Redis round trips per decision | "
-          "admit latency p50 / p99 |")
-    print("| --- | --- | --- | --- | --- |")
-    print(f"| in-process (`memory`) | {local_us:.1f} | {local_rate:,.0f} | 0 | – |")
-    print(f"| Redis, the lease covers (far from the limit), 1 client | {far_us:.1f} | {far_rate:,.0f} | "
-          f"{far_trips:.4f} | – |")
-    print(f"| Redis, at the limit (no lease covers), 1 client | {one_us:.1f} | {one_rate:,.0f} | 1 | "
-          f"{one50:.2f} / {one99:.2f} ms |")
-    print(f"| Redis, at the limit, 64 clients ({near_ok:,.0f} admitted/s) | {near_us:.1f} | {near_rate:,.0f} | "
-          f"{near_trips:.2f} | {p50:.2f} / {p99:.2f} ms |")
-    print(f"\n### TPM accuracy across replicas (processes, 64 clients, {TPM // 60} tokens/s, "
-          f"{args.seconds:.0f} s)\n")
-    print("| replicas | worst 0.5/1/2 s window / (B + r·W) | steady consumption / TPM |")
-    print("| --- | --- | --- |")
-    for n, (worst, steady) in acc.items():
-        print(f"| {n} | {worst:.3f} | {steady:.3f} |")
+    print(markdown(run(args.seconds)))
     return 0
 
 

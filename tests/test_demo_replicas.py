@@ -33,3 +33,11 @@ def test_the_demo_ports_and_what_make_installs() -> None:
                            check=True).stdout
     assert "redis-server" not in one and "--replicas 1" in one
     assert "system_packages.sh redis-server" in three and "--replicas 3" in three
+
+
+def test_make_bench_installs_redis_and_runs_the_state_store_part() -> None:
+    from bench.run import PARTS
+
+    bench = subprocess.run(["make", "-n", "bench"], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert "system_packages.sh redis-server" in bench and "bench.run" in bench
+    assert "state_store" in PARTS

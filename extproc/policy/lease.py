@@ -40,6 +40,8 @@ class TenantLease:
     debit: float = 0.0  # excess usage and charges the store has not seen
     debit_r: float = 0.0  # requests admitted without the store
     sent: tuple[float, float, float] = (0.0, 0.0, 0.0)  # (credit, debit, debit_r) the store confirmed
+    down: float = 0.0  # the part of ``debit`` admitted on the local share (the store unreachable)
+    down_sent: float = 0.0  # ``down`` the store confirmed
     expires: float = -math.inf  # the lease may be spent before this (local clock)
     last_slice: float = 0.0
     spent_at_grant: float = 0.0  # spent_t when the lease was granted: unchanged means idle
@@ -88,6 +90,12 @@ class TenantLease:
         cap = self.limits.burst_tokens
         lvl = self.level_t
         return lvl if lvl >= cap else min(cap, lvl + rate * max(0.0, now - self.seen_at))
+
+    def estimate_raw_t(self, now: float) -> float:
+        """``estimate_t`` before the cap: what the refill since the last answer would add."""
+        if self.level_t is None:
+            return float(self.limits.burst_tokens)
+        return self.level_t + self.limits.tpm * self.scale / 60.0 * max(0.0, now - self.seen_at)
 
     def estimate_r(self, now: float) -> float:
         if self.level_r is None:

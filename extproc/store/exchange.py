@@ -90,7 +90,8 @@ class Exchanges:
         nums = (float(lim.burst_tokens), lim.tpm * scale / 60.0, float(lim.rpm), lim.rpm / 60.0,
                 ls.spent_t, ls.spent_r, ls.credit, ls.debit, ls.debit_r, c0, d0, r0,
                 ls.headroom(lim, scale), self.lease_ttl_s, self.registry.live, cap_t, cap_r, 1 if want else 0,
-                self.holder_grace_s, ls.estimate_t(now), ls.estimate_r(now))
+                self.holder_grace_s, ls.estimate_t(now), ls.estimate_r(now), ls.down, ls.down_sent,
+                ls.estimate_raw_t(now))
         return [self.registry.member, repr(now) if self.caller_clock else "", " ".join(map(repr, nums)),
                 " ".join(map(str, costs))]
 
@@ -99,7 +100,7 @@ class Exchanges:
         waiters, ls.waiters = ls.waiters, []
         want = want and not ls.forgotten and not self._closing
         args = self._args(ls, now, [c for c, _ in waiters], want)
-        sent = (ls.credit, ls.debit, ls.debit_r)
+        sent = (ls.credit, ls.debit, ls.debit_r, ls.down)
         # The lease goes back with this exchange: nothing more is spent from it.
         ls.granted_t, ls.granted_r = ls.spent_t, ls.spent_r
         ls.lease_limits, ls.lease_scale = ls.limits, ls.scale
@@ -116,7 +117,7 @@ class Exchanges:
         task.add_done_callback(lambda _: watchdog.cancel())
 
     async def _exchange(self, tenant: str, ls: TenantLease, args: list[str], waiters: list[tuple[int, Any]],
-                        sent: tuple[float, float, float], now: float) -> None:
+                        sent: tuple[float, float, float, float], now: float) -> None:
         try:
             reply = await self._script(keys=[f"{self.prefix}:tb:{tenant}", self.registry.keys[0]], args=args)
         except STORE_ERRORS as exc:
@@ -134,7 +135,7 @@ class Exchanges:
         self.registry.observe(int(_f(reply[4])), self.clock())
         ls.level_t, ls.level_r, ls.seen_at = tl, rl, now
         ls.granted_t, ls.granted_r = g, q
-        ls.sent = sent
+        ls.sent, ls.down_sent = (sent[0], sent[1], sent[2]), sent[3]
         ls.expires = now + self.lease_ttl_s * 0.9  # Redis's deadline is later: its clock started after ours
         ls.fallback = None  # reconciled: every charge made without Redis is in its books now
         for i, (cost, fut) in enumerate(waiters):

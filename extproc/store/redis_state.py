@@ -125,10 +125,14 @@ class RedisState(Exchanges):
             return Verdict(True, *self.view(tenant, limits, now))
         ls.limits = limits
         tv, rv = ls.view(now)
-        # The raw level (the view floors debt at 0), less what the store has not heard yet.
-        level = ls.fallback[0].remaining(now) if ls.fallback is not None else ls.estimate_t(now)
-        pending = (ls.debit - ls.sent[1]) - (ls.credit - ls.sent[0])
-        room = level + ls.lease_t - pending
+        if ls.fallback is not None:
+            # The local share's bucket already counts what it admitted (Redis down): the
+            # debits waiting for Redis are those, not to be taken off a second time.
+            room = ls.fallback[0].remaining(now) + ls.lease_t
+        else:
+            # The raw level (the view floors debt at 0), less what the store has not heard yet.
+            pending = (ls.debit - ls.sent[1]) - (ls.credit - ls.sent[0])
+            room = ls.estimate_t(now) + ls.lease_t - pending
         if room >= cost and rv.remaining >= 1:
             return Verdict(True, tv, rv)
         tpm_wait = max(0.0, cost - room) / max(limits.tpm * ls.scale / 60.0, 1e-9)
@@ -231,6 +235,7 @@ class RedisState(Exchanges):
         tb.settle(0, cost, now)
         rb.settle(0, 1, now)
         ls.debit += cost
+        ls.down += cost
         ls.debit_r += 1
         return self._admitted(ls, cost, now)
 

@@ -38,6 +38,9 @@ local cap_t, cap_r, want, grace = tonumber(A[18]), tonumber(A[19]), A[20] == '1'
 -- A bucket Redis does not have starts from the caller's estimate: full for a new
 -- tenant, the last level it saw (refilled since) when Redis restarted empty.
 local init_t, init_r = tonumber(A[22]), tonumber(A[23])
+-- Debits this holder made on its local share (Redis unreachable), cumulative and the
+-- base it last had confirmed, and its estimate of the level before the cap (init_raw).
+local down, down0, init_raw = tonumber(A[24]), tonumber(A[25]), tonumber(A[26])
 
 local raw = redis.call('HGETALL', KEYS[1])
 local f = {}
@@ -56,7 +59,8 @@ for k, v in pairs(f) do
     local o = string.sub(k, 3)
     local e = num('e:'..o, 0)
     if o ~= h and tonumber(v) + grace < now then
-      redis.call('HDEL', KEYS[1], 'g:'..o, 'q:'..o, 's:'..o, 'u:'..o, 'c:'..o, 'd:'..o, 'v:'..o, 'e:'..o, 'x:'..o)
+      redis.call('HDEL', KEYS[1], 'g:'..o, 'q:'..o, 's:'..o, 'u:'..o, 'c:'..o, 'd:'..o, 'v:'..o, 'e:'..o, 'x:'..o,
+                 'o:'..o)
     elseif e > ts then
       local ut = math.max(0, num('g:'..o, 0) - num('s:'..o, 0))
       local ur = math.max(0, num('q:'..o, 0) - num('u:'..o, 0))
@@ -79,16 +83,34 @@ local function refill(level, cap, rate, held)
   if level >= room then return level end
   return math.min(room, level + rate * dt)
 end
+-- The refill the cap threw away over a gap of a second or more (an outage: nobody
+-- reached Redis), kept for a second: the local shares spent from that same refill
+-- while Redis was away, so their debits are forgiven up to it (else they are charged
+-- twice, and the tenant refused for about D - B / r after an outage of D).
+local w = num('w', 0)
+if now - num('wt', 0) > 1 then w = 0 end
+if f['tl'] == nil then
+  w = math.max(0, init_raw - tc)
+elseif dt >= 1 then
+  local room = num('tc', tc) - held_t
+  w = math.max(0, tl + num('tr', trate) * dt - math.max(tl, room))
+end
+if w > 0 and (f['tl'] == nil or dt >= 1) then redis.call('HSET', KEYS[1], 'wt', string.format('%.17g', now)) end
 tl = refill(tl, num('tc', tc), num('tr', trate), held_t)
 rl = refill(rl, num('rc', rc), num('rr', rrate), held_r)
 -- This holder's unspent lease comes back; the level is clamped to the (new) room.
 tl = math.min(tc - out_t, tl + mine_t)
 rl = math.min(rc - out_r, rl + mine_r)
--- Settles: refunds capped at the room, excess and owed charges in full (debt).
+-- Settles: refunds and excess netted (they happened within one flush; a local share's
+-- pre-charge and its refund arrive together), then capped at the room; a net excess
+-- and owed charges in full (debt).
 local refund = math.max(0, cred - num('c:'..h, cbase))
 local excess = math.max(0, deb - num('d:'..h, dbase))
 local owed_r = math.max(0, debr - num('v:'..h, rbase))
-tl = math.min(tc - out_t, tl + refund) - excess
+local net = excess - refund
+local forgive = math.min(math.max(0, down - num('o:'..h, down0)), w, math.max(0, net))
+net, w = net - forgive, w - forgive
+tl = math.min(tc - out_t, tl - net)
 rl = rl - owed_r
 
 local res = {}
@@ -119,7 +141,8 @@ local function fmt(x) return string.format('%.17g', x) end
 redis.call('HSET', KEYS[1], 'tl', fmt(tl), 'rl', fmt(rl), 'ts', fmt(math.max(num('ts', now), now)),
   'tc', fmt(tc), 'tr', fmt(trate), 'rc', fmt(rc), 'rr', fmt(rrate),
   'g:'..h, fmt(st + gt + slt), 'q:'..h, fmt(sr + gr + slr), 's:'..h, fmt(st + gt), 'u:'..h, fmt(sr + gr),
-  'c:'..h, fmt(cred), 'd:'..h, fmt(deb), 'v:'..h, fmt(debr), 'e:'..h, fmt(now + ttl), 'x:'..h, fmt(now))
+  'c:'..h, fmt(cred), 'd:'..h, fmt(deb), 'v:'..h, fmt(debr), 'e:'..h, fmt(now + ttl), 'x:'..h, fmt(now),
+  'o:'..h, fmt(down), 'w', fmt(w))
 local full = ttl
 if tl < tc then full = math.max(full, (tc - tl) / math.max(trate, 1e-6)) end
 if rl < rc then full = math.max(full, (rc - rl) / math.max(rrate, 1e-6)) end
