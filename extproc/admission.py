@@ -27,6 +27,10 @@ from extproc.policy.schema import Backend, Limits, Model, Policy, Tenant
 from extproc.policy.tenant_breakers import REASON_TENANT_OPEN
 from extproc.runtime import Runtime
 
+# Refusals for room that a bigger lease may cure (a shared store): see Admission._await_lease.
+_LEASE_SHORT = frozenset({decision.Cause.KV_EXHAUSTED, decision.Cause.SLOTS_EXHAUSTED})
+LEASE_WAIT_HINT_S = 2.0  # Envoy's message timeout while the lease check runs (bounded at 0.5 s, runtime)
+
 
 class Reject(Exception):
     def __init__(self, reason: str, message: str, *, code: str | None = None, param: str | None = None,
@@ -60,6 +64,7 @@ class Ticket:
     route_verdict: BreakerVerdict | None = None  # the model route's own breaker, if it has one
     tenant: str = ""
     tenant_verdict: BreakerVerdict | None = None  # the tenant's breaker on this backend
+    lease_short: SlotRequest | None = None  # refused for room in a shared lease: retried after one lease check
     prefix: tuple[int, ...] = ()  # prompt prefix keys when the pool has prefix affinity (extproc.prefix_key)
 
     def report_outcome(self, outcome: Outcome, latency_s: float | None, now: float) -> None:
@@ -227,8 +232,26 @@ class Admission:
             return []
         if isinstance(got, decision.Queue):
             return [self._wait_hint()]
+        if be.lease_wait is not None and got.cause in _LEASE_SHORT and ticket.lease_short is None:
+            # Shared leases: the room may be in the pool but not yet in this replica's lease;
+            # the refusal woke the lease task, so wait for that one check and try once more.
+            ticket.lease_short = req
+            return [pb.ProcessingResponse(override_message_timeout=msg.duration_from(LEASE_WAIT_HINT_S))]
         if got.reason == decision.Reason.SLOTS and self._shadow("slots"):
             return []
+        raise Reject.of(got)
+
+    async def _await_lease(self, ticket: Ticket) -> None:
+        be, req = ticket.runtime, ticket.lease_short
+        assert be.lease_wait is not None and req is not None
+        await be.lease_wait()
+        got = be.acquire(req, self.rt.clock(), ticket.prefix)
+        if isinstance(got, Hold):
+            ticket.hold = got
+            return
+        assert isinstance(got, decision.Reject)  # a request that may not queue is never queued
+        if got.reason == decision.Reason.SLOTS and self._shadow("slots"):
+            return
         raise Reject.of(got)
 
     def _wait_hint(self) -> pb.ProcessingResponse:
@@ -237,6 +260,8 @@ class Admission:
 
     async def wait_in_queue(self, ticket: Ticket, now: float) -> None:
         be = ticket.runtime
+        if ticket.lease_short is not None:
+            return await self._await_lease(ticket)
         w = be.enqueue(self.tier.name, self.tenant.name, self.limits.max_concurrency, ticket.kv, now, ticket.prefix)
         if isinstance(w, str):
             if self._shadow("queue"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +106,8 @@ class BackendState:
     # Called when an acquire is denied for room (not a tenant cap): a shared store's
     # lease task is woken to grow the lease (extproc.store.lease_plan.on_short).
     on_short: Callable[[BackendState, int, float], None] | None = None
+    # Until the lease check that on_short asked for has ended (a shared store; None: no leases).
+    lease_wait: Callable[[], Awaitable[None]] | None = None
 
     @classmethod
     def create(cls, spec: Backend, policy: Policy, now: float) -> BackendState:

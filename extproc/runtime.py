@@ -142,12 +142,16 @@ class Runtime:
         if self.slot_leases is None:
             return 0
         async with self._lease_lock:  # one exchange in flight per lease
-            usage: dict[str, Callable[[], tuple[int, ...]]] = {}
-            for spec in self.full_policy.backends:
-                be = self.backends.get(spec.name)
-                if be is not None:
-                    usage.update(lease_plan.usage(spec, be, self.slot_leases, self.clock))
-            changed = await self.slot_leases.tick(usage, self._apply_lease)
+            waiting = self.slot_leases.begin_check()
+            try:
+                usage: dict[str, Callable[[], tuple[int, ...]]] = {}
+                for spec in self.full_policy.backends:
+                    be = self.backends.get(spec.name)
+                    if be is not None:
+                        usage.update(lease_plan.usage(spec, be, self.slot_leases, self.clock))
+                changed = await self.slot_leases.tick(usage, self._apply_lease)
+            finally:
+                self.slot_leases.end_check(waiting)
         return len(changed)
 
     def _place_lease(self, be: BackendState) -> None:
@@ -158,6 +162,9 @@ class Runtime:
         if be.on_short is None:
             leases = self.slot_leases
             be.on_short = lambda b, kv, now: lease_plan.on_short(leases, b, kv, now)
+            # A tier without a queue waits for that one check rather than be refused at once
+            # (bounded: a throttled wake waits check_s, the exchange timeout_s, plus loop lag).
+            be.lease_wait = lambda: leases.next_check(max(0.5, leases.timeout_s + 2 * leases.check_s))
 
     def _apply_lease(self, name: str, lease: PoolLease) -> None:
         name = lease_plan.backend_of(name)

@@ -134,12 +134,15 @@ class SlotLeases:
         self._wake = asyncio.Event()
         self._woken = False  # the last check ran because of a wake
         self._grew = False  # ... and some lease grew in it
+        self.asked = 0  # want_more calls so far: a check started after the n-th has read it
+        self._lease_waiters: list[tuple[int, asyncio.Future[None]]] = []  # (asked when refused, woken by)
 
     # -- waking the check early -----------------------------------------------------------
     def want_more(self, name: str, slots: int, kv: int) -> None:
         """Requests of ``slots`` and ``kv`` found lease ``name`` short: the next check asks for them too."""
         s, k = self.short.get(name, (0, 0))
         self.short[name] = (s + slots, k + kv)
+        self.asked += 1
 
     def poke(self) -> None:
         """An acquire found its lease short: run the next check now (coalesced: many pokes, one check)."""
@@ -161,6 +164,31 @@ class SlotLeases:
             if self._woken:
                 self.wakes += 1
         self._wake.clear()
+
+    async def next_check(self, timeout_s: float) -> None:
+        """Until a check that has read the caller's ``want_more`` (the last one) has ended, or
+        ``timeout_s``. Not simply the next check to end: one already running may have read it
+        (and grown the lease), and the check after that shrinks the lease again, since the
+        refusal it recorded is no longer pending."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._lease_waiters.append((self.asked, fut))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(fut, timeout_s)
+
+    def begin_check(self) -> int:
+        """A check starts: it reads every ``want_more`` so far (pass the result to ``end_check``)."""
+        return self.asked
+
+    def end_check(self, seen: int) -> None:
+        """The check begun at ``seen`` has ended: wake who it answered."""
+        keep = []
+        for asked, fut in self._lease_waiters:
+            if asked <= seen:
+                if not fut.done():
+                    fut.set_result(None)
+            elif not fut.done():
+                keep.append((asked, fut))
+        self._lease_waiters = keep
 
     def keys(self, backend: str) -> list[str]:
         return [f"{self.prefix}:slots:{backend}", f"{self.prefix}:slots:{backend}:held", self.registry.keys[0]]

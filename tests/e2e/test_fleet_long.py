@@ -180,9 +180,6 @@ def backend_total(f: Fleet) -> float:
     return m["vllm:prompt_tokens_total"] + m["vllm:generation_tokens_total"]
 
 
-@pytest.mark.xfail(strict=True, reason="known bug (reported): a replica's KV lease is kept at in use + block "
-                   "(block = ceil(KV / (4 N)) = 128 here), so on an idle replica a request whose footprint exceeds "
-                   "the block is refused (429 slots) although the pool has room")
 def test_a_request_larger_than_a_lease_block_is_admitted_when_the_pool_has_room(fleet: Fleet) -> None:
     f = fleet
     f.wait_settled_all(15)
