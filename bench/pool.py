@@ -1,7 +1,7 @@
 """A pool of three simulated engines of different KV sizes under the conversation trace's
 busiest stretch at 3x: who places the requests?
 
-    python -m bench.pool [--quick] [--configs round_robin,least_request,sluice] [--workdir DIR]
+    python -m bench.pool [--quick] [--configs round_robin,least_request,sluice,sluice_prefix] [--workdir DIR]
 
 Traffic: the densest window of Azure's conversation trace (``bench.trace_window``),
 replayed with its gaps divided by 3 (arrivals at 3x the trace's rate there), prompt and
@@ -17,7 +17,9 @@ placement differs:
 - ``least_request``: Envoy's LEAST_REQUEST over them;
 - ``sluice``: the backend is a pool (``endpoints:``); Sluice places each request
   (``extproc.policy.placement``) and Envoy's ORIGINAL_DST cluster follows;
-- ``sluice_prefix``: as ``sluice`` plus ``placement: {prefix_affinity: true}``.
+- ``sluice_prefix``: as ``sluice`` plus ``placement: {prefix_affinity: true}``;
+- ``sluice_prefix_sticky`` (only when asked for with ``--configs``): as ``sluice_prefix``
+  with ``affinity_min_headroom: 0``.
 
 A configuration whose policy the schema refuses, or whose engine flags the simulated
 engine lacks, or that is ``Placement.blocked``, is reported as not run.
@@ -105,8 +107,12 @@ PLACEMENTS: dict[str, Placement] = {
     "sluice": Placement("Sluice picking", None),
     # Prefix affinity (issue 11 item 4): the engines cache prefixes in every configuration.
     "sluice_prefix": Placement("Sluice picking + prefix affinity", None, {"placement": {"prefix_affinity": True}}),
+    # Not run by default: affinity without its headroom rule (the preferred endpoint wins
+    # whenever the request fits there), to see what the rule costs in cache hits.
+    "sluice_prefix_sticky": Placement("Sluice picking + prefix affinity, min headroom 0", None,
+                                      {"placement": {"prefix_affinity": True, "affinity_min_headroom": 0.0}}),
 }
-CONFIGS = tuple(PLACEMENTS)
+CONFIGS = ("round_robin", "least_request", "sluice", "sluice_prefix")  # the default run
 
 
 @dataclass(frozen=True)
@@ -502,7 +508,8 @@ def markdown(b: PoolBench) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a 15 s trace window (5 s replayed) and a 5 s capacity run (~1 min): a smoke test")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"comma-separated, of {', '.join(PLACEMENTS)} (default: {', '.join(CONFIGS)})")
     ap.add_argument("--workdir", type=Path, default=None, help="where configs and process logs go (kept)")
     args = ap.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="sluice-pool-"))

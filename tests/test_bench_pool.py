@@ -114,6 +114,9 @@ def test_prefix_affinity_runs_and_every_engine_caches_prefixes() -> None:
     assert hook.lb is None and hook.backend == {"placement": {"prefix_affinity": True}}
     assert pool.unavailable(hook) is None
     assert build_policy(pool.policy([1, 2, 3], hook)).backends[0].placement.prefix_affinity
+    sticky = build_policy(pool.policy([1, 2, 3], pool.PLACEMENTS["sluice_prefix_sticky"])).backends[0].placement
+    assert sticky.prefix_affinity and sticky.affinity_min_headroom == 0.0
+    assert "sluice_prefix_sticky" not in pool.CONFIGS and set(pool.CONFIGS) < set(pool.PLACEMENTS)
     # The cache is on in every configuration, so the comparison isolates placement.
     for p in pool.PLACEMENTS.values():
         assert "--enable-prefix-caching" in pool.sim_args(512, p, 1.0)
