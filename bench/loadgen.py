@@ -8,7 +8,9 @@ server reported. A client that gives up (no first token in time, or too slow ove
 closes its socket, as real ones do: one connection per request (``force_close``), and
 an abandoned response is closed, not drained.
 
-Prompts are ``hello`` repeated: one token per word in cl100k and o200k alike.
+Prompts are ``hello`` repeated: one token per word in cl100k and o200k alike; a caller
+that needs other prompts (``bench.conversations``) passes ``body``, a function of the
+request giving its JSON body, to ``send``, ``OpenLoop`` or ``closed_loop``.
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ def _retry_after(headers: Mapping[str, str]) -> float | None:
 async def send(session: aiohttp.ClientSession, base_url: str, key: str, req: Request, t0: float,
                client: ClientPolicy = ClientPolicy(), headers: Mapping[str, str] | None = None,
                cut_after_tokens: int | None = None, stream: bool = True,
-               track: dict[int, Result] | None = None) -> Result:
+               track: dict[int, Result] | None = None, body: bytes | None = None) -> Result:
     """One request; ``cut_after_tokens`` makes the client hang up after that many tokens.
 
     ``track`` receives the result as soon as it exists, so a caller that cancels the
@@ -180,7 +182,8 @@ async def send(session: aiohttp.ClientSession, base_url: str, key: str, req: Req
     try:
         # Patience for the first token; once it arrives, for the whole answer.
         async with asyncio.timeout_at(start + client.ttft_s) as patience:
-            resp = await session.post(base_url + CHAT_PATH, data=chat_body(req, stream), headers=hdrs)
+            data = chat_body(req, stream) if body is None else body
+            resp = await session.post(base_url + CHAT_PATH, data=data, headers=hdrs)
             res.status, res.head = resp.status, time.monotonic() - t0
             res.reason = resp.headers.get("x-sluice-reason", "")
             res.degraded = resp.headers.get("x-sluice-degraded", "")
@@ -214,6 +217,7 @@ class OpenLoop:
     client: Mapping[str, ClientPolicy] = field(default_factory=dict)  # tier -> patience
     drain_s: float = 10.0
     headers: Callable[[Request], Mapping[str, str]] | None = None
+    body: Callable[[Request], bytes] | None = None  # the request's JSON body; default chat_body
 
     async def run(self, requests: Sequence[Request], t0: float | None = None) -> list[Result]:
         t0 = time.monotonic() if t0 is None else t0
@@ -228,7 +232,8 @@ class OpenLoop:
                 extra = self.headers(req) if self.headers else None
                 policy = self.client.get(req.tier, ClientPolicy())
                 tasks.append(asyncio.create_task(
-                    send(session, self.base_url, self.keys[req.tier], req, t0, policy, extra, track=live)))
+                    send(session, self.base_url, self.keys[req.tier], req, t0, policy, extra, track=live,
+                         body=self.body(req) if self.body else None)))
             if tasks:
                 await asyncio.wait(tasks, timeout=self.drain_s)
             for t in tasks:
@@ -246,7 +251,8 @@ class OpenLoop:
 
 async def closed_loop(base_url: str, keys: Mapping[str, str], requests: Iterator[Request], workers: int,
                       seconds: float, t0: float | None = None,
-                      on_result: Callable[[Result], Awaitable[None]] | None = None) -> list[Result]:
+                      on_result: Callable[[Result], Awaitable[None]] | None = None,
+                      body: Callable[[Request], bytes] | None = None) -> list[Result]:
     """``workers`` clients, each sending the next request as soon as its last one ends."""
     t0 = time.monotonic() if t0 is None else t0
     stop_at = t0 + seconds
@@ -259,7 +265,8 @@ async def closed_loop(base_url: str, keys: Mapping[str, str], requests: Iterator
                 req = next(requests)
             except StopIteration:
                 return
-            res = await send(session, base_url, keys[req.tier], req, t0, patience)
+            res = await send(session, base_url, keys[req.tier], req, t0, patience,
+                             body=body(req) if body else None)
             out.append(res)
             if on_result is not None:
                 await on_result(res)

@@ -1,22 +1,28 @@
 """A pool of three simulated engines of different KV sizes under the conversation trace's
 busiest stretch at 3x: who places the requests?
 
-    python -m bench.pool [--quick] [--configs round_robin,least_request,sluice] [--workdir DIR]
+    python -m bench.pool [--quick] [--configs round_robin,least_request,sluice,sluice_prefix] [--workdir DIR]
 
 Traffic: the densest window of Azure's conversation trace (``bench.trace_window``),
-replayed with its gaps divided by 3 (arrivals at 3x the trace's rate there), prompts and
-completions as in the trace, dealt 15 % premium / 85 % free. Every configuration gets the
-same requests through the same Sluice admission (two tiers, one budget: the sum of the
-three engines') and the real Envoy; only the placement differs:
+replayed with its gaps divided by 3 (arrivals at 3x the trace's rate there), prompt and
+completion sizes as in the trace, dealt 15 % premium / 85 % free; the prompts' text is
+conversation-shaped (``bench.conversations``: shared system prompts, next turns repeating
+the previous one), and every engine caches prefixes (``--enable-prefix-caching``). Every
+configuration gets the same requests, byte for byte, through the same Sluice admission
+(two tiers, one budget: the sum of the three engines') and the real Envoy; only the
+placement differs:
 
 - ``round_robin``: Envoy's ROUND_ROBIN over a STATIC cluster of the three (Sluice sees one
   backend of the summed size and does not place);
 - ``least_request``: Envoy's LEAST_REQUEST over them;
 - ``sluice``: the backend is a pool (``endpoints:``); Sluice places each request
   (``extproc.policy.placement``) and Envoy's ORIGINAL_DST cluster follows;
-- ``sluice_prefix``: as ``sluice`` plus ``placement: {prefix_affinity: true}`` and the
-  engines' prefix cache; reported as not run while the policy schema or the engine lacks
-  them, or the traffic lacks shared prefixes (``Placement.blocked``, see PLACEMENTS).
+- ``sluice_prefix``: as ``sluice`` plus ``placement: {prefix_affinity: true}``;
+- ``sluice_prefix_sticky`` (only when asked for with ``--configs``): as ``sluice_prefix``
+  with ``affinity_min_headroom: 0``.
+
+A configuration whose policy the schema refuses, or whose engine flags the simulated
+engine lacks, or that is ``Placement.blocked``, is reported as not run.
 
 Capacity, measured first in the same run: the same three engines behind Sluice picking,
 fed a saturating closed loop of the same mix (1.5x the clients whose mean KV footprint
@@ -27,7 +33,10 @@ their streaming) during the burst's arrivals after the same warm-up.
 
 Per configuration: preemptions, KV peak and mean per engine, goodput and its share of
 the capacity, premium TTFT p50/p99 (client-measured, queueing included), outcomes (429,
-503, other failures), and ratios against the first configuration run (round-robin).
+503, other failures), ratios against the first configuration run (round-robin), each
+engine's prefix cache hit rate (hit / queried prompt tokens, as vLLM's
+``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total``) and Sluice's
+``sluice_prefix_affinity_total{result}`` (hit / spill / miss, from ``/debug/state``).
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from bench.conversations import Conversations
 from bench.loadgen import ClientPolicy, OpenLoop, Result, closed_loop, new_session, send
 from bench.metrics import pct, tier_stats, tokens_between
 from bench.procs import Proc, envoy_binary, free_port, get_json, wait_http, wait_idle
@@ -74,8 +84,12 @@ KEYS = {"premium": "sk-bench-pool-premium", "free": "sk-bench-pool-free"}
 MIX = Mix(premium_share=0.15, batch_share=0.0)  # premium alone offers ~0.6x the capacity in the burst
 CLIENTS = {"premium": ClientPolicy(15, 120), "free": ClientPolicy(15, 120)}
 COMPRESS = 3.0
-# The engines schedule as vLLM V1 does: prompts prefilled in 2,048-token chunks mixed with decode.
-SIM_EXTRA = ("--chunked-prefill", "--max-num-batched-tokens", "2048")
+# The engines schedule as vLLM V1 does: prompts prefilled in 2,048-token chunks mixed with decode,
+# and cache prefixes as vLLM V1 does by default, in every configuration: only placement differs.
+SIM_EXTRA = ("--chunked-prefill", "--max-num-batched-tokens", "2048", "--enable-prefix-caching")
+CAPACITY_RATE = 8.0  # req/s: the capacity loop's requests get arrival times this far apart for
+# the conversation model (its turn gaps); about the rate the closed loop gets through them
+CAPACITY_REQUESTS = 3000  # far more than the capacity loop sends
 
 
 @dataclass(frozen=True)
@@ -91,17 +105,14 @@ PLACEMENTS: dict[str, Placement] = {
     "round_robin": Placement("Envoy round-robin", "ROUND_ROBIN"),
     "least_request": Placement("Envoy least-request", "LEAST_REQUEST"),
     "sluice": Placement("Sluice picking", None),
-    # Prefix affinity (issue 11 item 4, branch wt-prefix): the policy field and the engines'
-    # prefix cache. Blocked on the traffic: bench.loadgen's prompts are one word repeated, so
-    # every prompt is a prefix of every longer one and a cache would hit on all of them,
-    # affinity or not. It needs prompts that share prefixes as conversations and system
-    # prompts do (the trace has no conversation ids), for every configuration alike.
-    "sluice_prefix": Placement("Sluice picking + prefix affinity", None, {"placement": {"prefix_affinity": True}},
-                               sim=("--enable-prefix-caching",),
-                               blocked="prompts that share prefixes only as conversations do (the load's are "
-                                       "one repeated word)"),
+    # Prefix affinity (issue 11 item 4): the engines cache prefixes in every configuration.
+    "sluice_prefix": Placement("Sluice picking + prefix affinity", None, {"placement": {"prefix_affinity": True}}),
+    # Not run by default: affinity without its headroom rule (the preferred endpoint wins
+    # whenever the request fits there), to see what the rule costs in cache hits.
+    "sluice_prefix_sticky": Placement("Sluice picking + prefix affinity, min headroom 0", None,
+                                      {"placement": {"prefix_affinity": True, "affinity_min_headroom": 0.0}}),
 }
-CONFIGS = tuple(PLACEMENTS)
+CONFIGS = ("round_robin", "least_request", "sluice", "sluice_prefix")  # the default run
 
 
 @dataclass(frozen=True)
@@ -157,7 +168,7 @@ def unavailable(placement: Placement) -> str | None:
     from bench.simbackend.__main__ import build_parser
 
     known = {s for a in build_parser()._actions for s in a.option_strings}
-    missing = [f for f in placement.sim if f.startswith("--") and f not in known]
+    missing = [f for f in (*SIM_EXTRA, *placement.sim) if f.startswith("--") and f not in known]
     if missing:
         return f"the simulated engine has no {', '.join(missing)}"
     return f"it needs {placement.blocked}" if placement.blocked else None
@@ -191,6 +202,14 @@ class Run:
     error: str | None = None
     notes: list[str] = field(default_factory=list)
     state: list[dict[str, Any]] = field(default_factory=list)  # Sluice's queue and endpoints' room, sampled
+    affinity: dict[str, int] | None = None  # sluice_prefix_affinity_total by result at the end; None: off
+
+    def prefix_hit_rates(self) -> list[float]:
+        """Per engine, then all together: prefix cache hit tokens / queried tokens (nan: none)."""
+        pcs = [e.get("prefix_cache") or {} for e in self.engines]
+        pairs = [(c.get("hits_tokens", 0), c.get("queries_tokens", 0)) for c in pcs]
+        pairs.append((sum(h for h, _ in pairs), sum(q for _, q in pairs)))
+        return [h / q if q else math.nan for h, q in pairs]
 
     @property
     def goodput(self) -> float:
@@ -309,6 +328,8 @@ def _finish(run: Run, stack: Stack) -> None:
         {"results": [dataclasses.asdict(r) for r in run.results], "kv": run.kv, "engines": run.engines,
          "sluice": run.state}))
     end = wait_idle(stack.state_url, 10)
+    aff = end["backends"]["sim"].get("prefix_affinity")
+    run.affinity = None if aff is None else {k: aff.get(k, 0) for k in ("hit", "spill", "miss")}
     led = end["ledger"]
     run.notes.append(f"after the run: Sluice in flight {end['in_flight']}, ledger balanced {led['balanced']}")
 
@@ -318,6 +339,8 @@ def measure_capacity(workdir: Path, size: Sizing, log: Callable[[str], None]) ->
     rows = load_trace()
     reqs = sample_mix(rows, 20000, MIX, seed=3)
     workers = math.ceil(1.5 * sum(ENGINES) * BLOCK / mean_kv_tokens(reqs))
+    reqs = [dataclasses.replace(r, at=i / CAPACITY_RATE) for i, r in enumerate(reqs[:CAPACITY_REQUESTS])]
+    convs = Conversations(reqs)
     run = Run("capacity", f"capacity: Sluice picking, closed loop of {workers} clients",
               window=(size.warm_s, size.capacity_s), seconds=size.capacity_s)
     log(f"pool capacity: {workers} closed-loop clients for {size.capacity_s:.0f} s")
@@ -327,7 +350,8 @@ def measure_capacity(workdir: Path, size: Sizing, log: Callable[[str], None]) ->
             t0 = time.monotonic()
             kv = asyncio.create_task(sample_kv(stack.engine_urls(), t0, stop, run.kv))
             try:
-                return await closed_loop(stack.url, KEYS, iter(reqs), workers, size.capacity_s + size.capacity_tail_s, t0)
+                return await closed_loop(stack.url, KEYS, iter(reqs), workers, size.capacity_s + size.capacity_tail_s, t0,
+                                         body=convs.body)
             finally:
                 stop.set()
                 await kv
@@ -336,7 +360,8 @@ def measure_capacity(workdir: Path, size: Sizing, log: Callable[[str], None]) ->
     return run
 
 
-def run_config(name: str, workdir: Path, reqs: list[Request], size: Sizing, log: Callable[[str], None]) -> Run:
+def run_config(name: str, workdir: Path, reqs: list[Request], bodies: dict[int, bytes], size: Sizing,
+               log: Callable[[str], None]) -> Run:
     placement = PLACEMENTS[name]
     arrivals = max(r.at for r in reqs)
     run = Run(name, placement.title, window=(size.warm_s, arrivals))
@@ -353,7 +378,8 @@ def run_config(name: str, workdir: Path, reqs: list[Request], size: Sizing, log:
                 t0 = time.monotonic() + 0.2
                 kv = asyncio.create_task(sample_kv(stack.engine_urls(), t0, stop, run.kv, stack.state_url, run.state))
                 try:
-                    return await OpenLoop(stack.url, KEYS, CLIENTS, drain_s=size.drain_s).run(reqs, t0)
+                    return await OpenLoop(stack.url, KEYS, CLIENTS, drain_s=size.drain_s,
+                                          body=lambda r: bodies[r.id]).run(reqs, t0)
                 finally:
                     stop.set()
                     await kv
@@ -374,6 +400,7 @@ class PoolBench:
     requests: list[Request]
     trace_start_s: float
     size: Sizing
+    conversations: dict[str, float] = field(default_factory=dict)  # Conversations.summary() of the burst
 
     @property
     def capacity_tok_s(self) -> float:
@@ -393,10 +420,16 @@ def run(workdir: Path, *, quick: bool = False, configs: str = ",".join(CONFIGS),
     reqs = burst_schedule(rows, start, size.window_s, COMPRESS, MIX)
     log(f"trace window: {size.window_s:.0f} s from {rows[start].t:.0f} s (the densest), {len(reqs)} arrivals, "
         f"replayed {COMPRESS:.0f}x faster")
+    convs = Conversations(reqs)
+    bodies = {r.id: convs.body(r) for r in reqs}  # built before the clock starts, the same for all
+    summary = convs.summary()
+    log("prompts: {conversations:.0f} conversations, {follow_ups:.0%} of requests are follow-up turns, "
+        "{with_system:.0%} carry a system prompt, {shared_tokens:.0%} of prompt tokens precede the last user turn"
+        .format(**summary))
     cap = measure_capacity(workdir, size, log)
     log(f"pool capacity: {cap.goodput:.0f} completion tok/s")
-    runs = {name: run_config(name, workdir, reqs, size, log) for name in configs.split(",") if name}
-    return PoolBench(cap, runs, reqs, rows[start].t, size)
+    runs = {name: run_config(name, workdir, reqs, bodies, size, log) for name in configs.split(",") if name}
+    return PoolBench(cap, runs, reqs, rows[start].t, size, summary)
 
 
 def _f(x: float, fmt: str = "{:.2f}") -> str:
@@ -419,23 +452,32 @@ def markdown(b: PoolBench) -> str:
         f"{COMPRESS:.0f}x compressed: {len(b.requests)} requests in {arrivals:.0f} s ({offered_rps:.1f} req/s, "
         f"{prem} premium, {len(b.requests) - prem} free).",
         "",
+        *([f"Prompts (`bench.conversations`, the same bytes in every configuration; every engine caches prefixes): "
+           f"{c['conversations']:.0f} conversations, {100 * c['follow_ups']:.0f} % of requests are follow-up turns, "
+           f"{100 * c['with_system']:.0f} % carry one of the shared system prompts, "
+           f"{100 * c['shared_tokens']:.0f} % of prompt tokens precede the request's last user turn.", ""]
+          if (c := b.conversations) else []),
         f"Capacity (same run): Sluice picking fed a saturating closed loop of the same mix: "
         f"**{cap.goodput:.0f} completion tok/s**, {b.capacity_rps:.2f} req/s (offered in the burst: "
         f"{_f(ratio(offered_rps, b.capacity_rps), '{:.1f}')}x), preemptions "
-        f"{_per_engine([str(e.get('preemptions_total', '?')) for e in cap.engines])}. Goodput: completion tokens/s "
+        f"{_per_engine([str(e.get('preemptions_total', '?')) for e in cap.engines])}, prefix cache hits "
+        f"{_f(100 * cap.prefix_hit_rates()[-1], '{:.0f}')} % of prompt tokens. Goodput: completion tokens/s "
         f"of requests that finished OK, {b.size.warm_s:.0f} s to {arrivals:.0f} s (the arrivals after a warm-up). "
         f"Unfinished: still streaming {b.size.drain_s:.0f} s after the last arrival (cut); other: client "
-        f"timeouts and transport errors. Ratios (x) against the first row.",
+        f"timeouts and transport errors. Ratios (x) against the first row. Prefix cache hit %: prompt tokens the "
+        f"engine found cached / prompt tokens it was asked for (per engine, then all); affinity: Sluice's "
+        f"placements by prefix affinity (hit / spill / miss).",
         "",
         f"| placement | preemptions ({sizes}) | KV peak % | KV mean % | goodput tok/s | % of capacity | "
-        "goodput x | premium TTFT p50 / p99 s | p99 x | premium ok | free ok | 429 / 503 / unfinished / other |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "goodput x | premium TTFT p50 / p99 s | p99 x | premium ok | free ok | 429 / 503 / unfinished / other | "
+        f"prefix cache hit % ({sizes} / all) | affinity hit / spill / miss |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     base: Run | None = None
     notes: list[str] = []
     for run in b.runs.values():
         if run.error:
-            out.append(f"| {run.title} | {run.error.split(' (')[0]} |" + " |" * 10)
+            out.append(f"| {run.title} | {run.error.split(' (')[0]} |" + " |" * 12)
             continue
         base = base or run
         a, w = run.window
@@ -453,7 +495,9 @@ def markdown(b: PoolBench) -> str:
             f"{_f(ratio(run.goodput, base.goodput))} | {_f(run.premium_ttft(.5))} / {_f(run.premium_ttft(.99))} | "
             f"{_f(ratio(run.premium_ttft(.99), base.premium_ttft(.99)))} | "
             f"{st['premium'].ok}/{st['premium'].sent} | {st['free'].ok}/{st['free'].sent} | "
-            f"{s429} / {s503} / {unfinished} / {other} |")
+            f"{s429} / {s503} / {unfinished} / {other} | "
+            f"{_per_engine([_f(100 * h, '{:.0f}') for h in run.prefix_hit_rates()])} | "
+            f"{'off' if run.affinity is None else ' / '.join(str(run.affinity[k]) for k in ('hit', 'spill', 'miss'))} |")
         notes.append(f"{run.title}: premium response headers p50 / p99 {_f(run.premium_wait(.5))} / "
                      f"{_f(run.premium_wait(.99))} s (the wait in Sluice's queue), headers to first token "
                      f"{_f(run.premium_engine(.5))} / {_f(run.premium_engine(.99))} s (the engine)")
@@ -464,7 +508,8 @@ def markdown(b: PoolBench) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a 15 s trace window (5 s replayed) and a 5 s capacity run (~1 min): a smoke test")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"comma-separated, of {', '.join(PLACEMENTS)} (default: {', '.join(CONFIGS)})")
     ap.add_argument("--workdir", type=Path, default=None, help="where configs and process logs go (kept)")
     args = ap.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="sluice-pool-"))

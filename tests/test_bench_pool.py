@@ -3,12 +3,17 @@ ratios and means, the configurations' policies (no processes started)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import random
 
 import pytest
 
-from bench import pool
+from bench import conversations, pool
+from bench.conversations import Conversations
 from bench.loadgen import Result
+from bench.simbackend.openai_fmt import generated_text
 from bench.trace import CHAT_MODEL, CHAT_WINDOW, Mix, Request, TraceRow
 from bench.trace_window import burst_schedule, densest_window, mean_between, ratio
 from extproc.policy.schema import build_policy
@@ -104,19 +109,28 @@ def test_envoy_placements_balance_a_static_cluster_and_sluice_follows_its_header
             assert c["type"] == "ORIGINAL_DST" and "original_dst_lb_config" in c
 
 
-def test_the_prefix_affinity_hook_reports_why_it_cannot_run() -> None:
+def test_prefix_affinity_runs_and_every_engine_caches_prefixes() -> None:
     hook = pool.PLACEMENTS["sluice_prefix"]
     assert hook.lb is None and hook.backend == {"placement": {"prefix_affinity": True}}
-    why = pool.unavailable(hook) or ""
-    try:
-        build_policy(pool.policy([1, 2, 3], hook))
-    except ValueError:
-        assert "schema refuses `placement`" in why
-    else:  # the field exists: then the engine flag, then the traffic
-        assert "--enable-prefix-caching" in why or why == f"it needs {hook.blocked}"
+    assert pool.unavailable(hook) is None
+    assert build_policy(pool.policy([1, 2, 3], hook)).backends[0].placement.prefix_affinity
+    sticky = build_policy(pool.policy([1, 2, 3], pool.PLACEMENTS["sluice_prefix_sticky"])).backends[0].placement
+    assert sticky.prefix_affinity and sticky.affinity_min_headroom == 0.0
+    assert "sluice_prefix_sticky" not in pool.CONFIGS and set(pool.CONFIGS) < set(pool.PLACEMENTS)
+    # The cache is on in every configuration, so the comparison isolates placement.
+    for p in pool.PLACEMENTS.values():
+        assert "--enable-prefix-caching" in pool.sim_args(512, p, 1.0)
     flagged = pool.Placement("x", None, sim=("--no-such-engine-flag",))
     assert "--no-such-engine-flag" in (pool.unavailable(flagged) or "")
     assert pool.unavailable(pool.Placement("y", None, blocked="z")) == "it needs z"
+
+
+def test_prefix_hit_rates_per_engine_and_pooled() -> None:
+    run = pool.Run("sluice", "s", engines=[{"prefix_cache": {"hits_tokens": 30, "queries_tokens": 100}},
+                                           {"prefix_cache": {"hits_tokens": 0, "queries_tokens": 100}},
+                                           {"prefix_cache": None}])
+    hits = run.prefix_hit_rates()
+    assert hits[:2] == [0.3, 0.0] and math.isnan(hits[2]) and hits[3] == pytest.approx(0.15)
 
 
 def _result(i: int, tier: str, sent: float, first: float, end: float, tokens: int, status: int = 200) -> Result:
@@ -129,19 +143,22 @@ def _run(name: str, scale: float, preempt: int) -> pool.Run:
     results = [_result(0, "premium", 1.0, 1.0 + scale, 9.0, 800), _result(1, "premium", 2.0, 2.0 + 2 * scale, 9.0, 800),
                _result(2, "free", 3.0, 3.5, 9.0, 400), _result(3, "free", 3.0, 3.0, 3.0, 0, status=503),
                Result(4, "free", "burst", 4.0, status=200, head=4.1, first=4.2, end=30.0, tokens=5, gave_up="run_end")]
-    engines = [{"preemptions_total": preempt, "kv_blocks_peak": b // 2, "kv_blocks_total": b} for b in pool.ENGINES]
+    engines = [{"preemptions_total": preempt, "kv_blocks_peak": b // 2, "kv_blocks_total": b,
+                "prefix_cache": {"hits_tokens": 25 * k, "queries_tokens": 100}} for k, b in enumerate(pool.ENGINES)]
     return pool.Run(name, pool.PLACEMENTS[name].title, results, kv=[[(1.0, 0.5), (5.0, 0.25)]] * 3,
-                    engines=engines, window=(0.0, 10.0))
+                    engines=engines, window=(0.0, 10.0),
+                    affinity={"hit": 5, "spill": 2, "miss": 1} if name == "sluice_prefix" else None)
 
 
 def test_markdown_reports_per_engine_ratios_and_outcomes() -> None:
-    rr, sl = _run("round_robin", 2.0, 7), _run("sluice", 1.0, 0)
-    blocked = pool.Run("sluice_prefix", pool.PLACEMENTS["sluice_prefix"].title, error="not run: it needs x (y)")
+    rr, sl, af = _run("round_robin", 2.0, 7), _run("sluice", 1.0, 0), _run("sluice_prefix", 1.0, 0)
+    blocked = pool.Run("blocked", "Blocked", error="not run: it needs x (y)")
     cap = pool.Run("capacity", "cap", [_result(9, "premium", 0.0, 0.1, 5.0, 2000)], window=(0.0, 10.0),
                    engines=[{"preemptions_total": 0}] * 3)
     reqs = [Request(i, float(i), "burst", "premium" if i < 2 else "free", CHAT_MODEL, 100, 512, 10) for i in range(5)]
-    md = pool.markdown(pool.PoolBench(cap, {"round_robin": rr, "sluice": sl, "sluice_prefix": blocked}, reqs,
-                                      1814.0, pool.FULL))
+    summary = {"requests": 5, "conversations": 3, "follow_ups": 0.4, "with_system": 0.6, "shared_tokens": 0.25}
+    md = pool.markdown(pool.PoolBench(cap, {"round_robin": rr, "sluice": sl, "sluice_prefix": af, "blocked": blocked},
+                                      reqs, 1814.0, pool.FULL, summary))
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in md.splitlines() if line.startswith("| ")}
     # Goodput: (800 + 800 + 400) tokens over the 10 s window; capacity: 2000 over 10 s.
     r, s = rows["Envoy round-robin"], rows["Sluice picking"]
@@ -150,5 +167,96 @@ def test_markdown_reports_per_engine_ratios_and_outcomes() -> None:
     assert r[4] == s[4] == "200" and r[5] == "100" and r[6] == "1.00"  # 200 tok/s: all of the capacity
     assert r[7] == "2.00 / 4.00" and s[7] == "1.00 / 2.00" and s[8] == "0.50"  # premium TTFT, p99 vs round-robin
     assert r[9] == "2/2" and r[10] == "1/3" and r[11].rstrip(" |") == "0 / 1 / 1 / 0"
-    assert rows["Sluice picking + prefix affinity"][1].rstrip(" |") == "not run: it needs x"
+    assert rows["Blocked"][1].rstrip(" |") == "not run: it needs x"
+    lines = {line.split(" | ")[0]: line for line in md.splitlines() if line.startswith("| ")}
+    assert lines["| Blocked"].count("|") == lines["| Envoy round-robin"].count("|")  # as many cells
+    # Prefix cache hits per engine (0, 25, 50 of 100 queried tokens) and pooled; affinity counts.
+    assert r[12] == "0 / 25 / 50 / 25" and r[13].rstrip(" |") == "off"
+    assert rows["Sluice picking + prefix affinity"][13].rstrip(" |") == "5 / 2 / 1"
+    assert "3 conversations, 40 % of requests are follow-up turns" in md
     assert "premium response headers p50 / p99 0.50 / 1.00 s" in md  # half the TTFT, as built above
+
+
+# The conversation-shaped prompts (bench.conversations).
+
+def _schedule(n: int = 400, gap: float = 0.25, seed: int = 3) -> list[Request]:
+    rng = random.Random(seed)
+    return [Request(i, i * gap, "burst", "free", CHAT_MODEL, rng.choice((300, 450, 1500, 2400, 4000)), 512,
+                    rng.randint(20, 300)) for i in range(n)]
+
+
+def _tokens(body: bytes) -> int:
+    from bench.simbackend.parse import count_prompt, parse_chat
+    from extproc import tokens
+
+    return count_prompt(parse_chat(json.loads(body)), tokens.get_encoding("cl100k_base"))
+
+
+def test_conversation_prompts_keep_the_trace_sizes_and_are_deterministic() -> None:
+    reqs = _schedule()
+    convs = Conversations(reqs)
+    for r in reqs[:60]:
+        assert _tokens(convs.body(r)) == r.prompt_tokens  # the gateway's and the engine's count
+    assert convs.body(reqs[0], stream=False) != convs.body(reqs[0])
+    again = Conversations(reqs)
+    assert [again.body(r) for r in reqs] == [convs.body(r) for r in reqs]
+    other = Conversations(reqs, seed=99)
+    assert other.body(reqs[5]) != convs.body(reqs[5])
+    tiny = dataclasses.replace(reqs[0], prompt_tokens=3)
+    assert _tokens(Conversations([tiny]).body(tiny)) == conversations.MIN_PROMPT
+
+
+def test_system_prompts_are_shared_and_distinct() -> None:
+    reqs = _schedule()
+    convs = Conversations(reqs)
+    by_system: dict[int, list[list[dict[str, str]]]] = {}
+    for r in reqs:
+        p = convs.prompts[r.id]
+        if p.system is not None:
+            by_system.setdefault(p.system, []).append(convs.messages(r.id))
+    assert len(by_system) >= 4 and max(len(v) for v in by_system.values()) >= 20  # shared by many requests
+    texts = {k: v[0][0]["content"] for k, v in by_system.items()}
+    for k, ms in by_system.items():
+        assert all(m[0] == {"role": "system", "content": texts[k]} for m in ms)
+        words = texts[k].split()
+        assert len(words) == conversations.SYSTEM_PROMPTS[k] and len(set(words)) > len(words) // 3  # not one word
+    # Different system prompts differ from their first word; first user turns do too.
+    firsts = [t.split()[0] for t in texts.values()]
+    assert len(set(firsts)) == len(firsts)
+    users = [convs.messages(r.id)[-1]["content"] for r in reqs if convs.prompts[r.id].turn == 0]
+    assert len({u.split()[0] + u.split()[-1] for u in users}) > 0.9 * len(users)
+
+
+def test_conversations_grow_by_repeating_the_previous_turn() -> None:
+    reqs = _schedule()
+    convs = Conversations(reqs)
+    by_id = {r.id: r for r in reqs}
+    last: dict[int, tuple[Request, list[dict[str, str]]]] = {}
+    follow = 0
+    for r in reqs:
+        p, msgs = convs.prompts[r.id], convs.messages(r.id)
+        if p.turn:
+            prev, prev_msgs = last[p.conversation]
+            follow += 1
+            assert r.at - prev.at >= conversations.TURN_GAP_S
+            # The previous prompt's messages, the reply the engine gave, then a new user turn.
+            assert msgs[:len(prev_msgs)] == prev_msgs
+            assert msgs[len(prev_msgs)] == {"role": "assistant", "content": generated_text(0, prev.completion)}
+            assert msgs[-1]["role"] == "user" and len(msgs) == len(prev_msgs) + 2
+            assert len(msgs[-1]["content"].split()) >= conversations.MIN_TURN
+            assert r.prompt_tokens > by_id[prev.id].prompt_tokens
+        last[p.conversation] = (r, msgs)
+    assert follow > 0.15 * len(reqs)
+    assert max(p.turn for p in convs.prompts.values()) >= 2
+    s = convs.summary()
+    assert s["requests"] == len(reqs) and 0.15 < s["follow_ups"] < 0.7 and s["shared_tokens"] > 0.2
+
+
+def test_the_words_are_one_token_each_in_both_encodings() -> None:
+    from extproc import tokens
+
+    vocab = conversations.vocabulary()
+    assert len(vocab) == conversations.VOCAB and len(set(vocab)) == len(vocab)
+    text = conversations.words("k", 3000)
+    for name in ("cl100k_base", "o200k_base"):
+        assert len(tokens.get_encoding(name).encode_ordinary(text)) == 3000
