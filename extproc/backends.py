@@ -250,8 +250,17 @@ class BackendState:
     def slot_for(self, tier: str, tenant: str, tenant_cap: int | None, scale: float) -> PoolName | Denied:
         return self.pool.slot_for(tier, tenant, tenant_cap, scale)
 
-    def fits_somewhere(self, kv: int, now: float) -> bool:
-        return self.endpoints is None or self.endpoints.fits_somewhere(kv, now)
+    def fits_somewhere(self, kv: int, now: float, tier: str | None = None) -> bool:
+        if self.endpoints is None:
+            return True
+        return self.endpoints.fits_somewhere(kv, now, self._owed(tier, now))
+
+    def _owed(self, tier: str | None, now: float) -> str | None:
+        """The pool endpoint a request of ``tier`` may not take: owed to a blocked,
+        more important waiter (extproc.policy.owed)."""
+        if self.endpoints is None or tier is None or not self.waiters:
+            return None
+        return self.endpoints.owed(self.waiting(), self.priorities, tier, now)
 
     # -- KV budget (extproc.policy.kv) ------------------------------------------------------
     def footprint(self, tokens: int) -> int:
@@ -296,7 +305,7 @@ class BackendState:
         grant = self.pool.grant(tier, tenant, d.pool)
         endpoint = affinity = None
         if self.endpoints is not None:
-            placed = self.endpoints.place(kv, now, prefix)
+            placed = self.endpoints.place(kv, now, prefix, self._owed(tier, now))
             if placed is None:
                 self.pool.release(grant)
                 return Denied("kv_exhausted", f"a footprint of {kv} tokens fits on no endpoint of the pool now")

@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from extproc.policy.affinity import PrefixAffinity
 from extproc.policy.breaker import Breaker, BreakerState, Outcome
+from extproc.policy.owed import owed_endpoint
 from extproc.policy.placement import Candidate, Placement, largest_capacity, pick
 from extproc.policy.schema import (
     Backend,
@@ -185,14 +187,21 @@ class EndpointSet:
         return largest_capacity([Candidate(k, True, 0, st.spec.kv_capacity_tokens, 1.0, 0, 1)
                                  for k, st in self.by_key.items() if not st.draining])
 
-    def place(self, kv: int, now: float, prefix: tuple[int, ...] = ()) -> Placement | None:
+    def owed(self, waiting: Sequence[tuple[str, int]], priorities: Mapping[str, int], tier: str | None,
+             now: float) -> str | None:
+        """The endpoint owed to a blocked waiter above ``tier`` (extproc.policy.owed), or None."""
+        if tier is None or not waiting:
+            return None
+        return owed_endpoint(self.candidates(now), waiting, priorities, tier)
+
+    def place(self, kv: int, now: float, prefix: tuple[int, ...] = (), exclude: str | None = None) -> Placement | None:
         """Pick an endpoint and reserve on it; ``prefix`` (extproc.prefix_key) steers the
         pick to the endpoint that last served the longest known part of it, and records
-        where it went."""
+        where it went; ``exclude`` (an owed endpoint) is not picked."""
         aff = self.affinity if prefix else None
         known = aff.lookup(prefix, now) if aff is not None else None
         preferred = known[0] if known is not None else None
-        got = pick(self.candidates(now), kv, preferred, self.placement.affinity_min_headroom)
+        got = pick(self.candidates(now), kv, preferred, self.placement.affinity_min_headroom, exclude)
         if got is not None:
             st = self.by_key[got.key]
             st.kv_in_use += kv
@@ -204,8 +213,8 @@ class EndpointSet:
                 got = replace(got, affinity=result)
         return got
 
-    def fits_somewhere(self, kv: int, now: float) -> bool:
-        return pick(self.candidates(now), kv) is not None
+    def fits_somewhere(self, kv: int, now: float, exclude: str | None = None) -> bool:
+        return pick(self.candidates(now), kv, exclude=exclude) is not None
 
     def release(self, key: str, kv: int) -> None:
         st = self.by_key.get(key)

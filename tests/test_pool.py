@@ -163,3 +163,62 @@ def test_one_failing_endpoint_opens_its_breaker_not_the_pools() -> None:
     # The last one standing: its failures are the pool's.
     assert be.endpoints.record("127.0.0.1:7002", Outcome.FAILURE, None, 0.0) == Outcome.FAILURE
     assert be.endpoints.record("127.0.0.1:7002", Outcome.SUCCESS, None, 0.0) == Outcome.SUCCESS
+
+
+def two_tiers(endpoints: list[dict[str, Any]]) -> BackendState:
+    d = doc(endpoints)
+    d["tiers"] = {"hi": {"priority": 100, "tpm": 100000, "rpm": 100, "max_queue_depth": 8, "max_queue_wait_ms": 1000,
+                         "queue_weight": 4},
+                  "lo": {"priority": 10, "tpm": 100000, "rpm": 100, "max_queue_depth": 8, "max_queue_wait_ms": 1000}}
+    d["tenants"] = [{"name": "a", "tier": "hi", "keys": [hash_key("a")]},
+                    {"name": "z", "tier": "lo", "keys": [hash_key("z")]}]
+    p = build_policy(d)
+    return BackendState.create(p.backends[0], p, 0.0)
+
+
+def test_a_premium_head_that_fits_no_endpoint_is_owed_one_and_placed_there() -> None:
+    """Owed KV per endpoint: small free requests keep fitting where room frees, the premium
+    request needs more than any endpoint has; it gets the endpoint nearest to fitting it,
+    and the free tier goes to the other one meanwhile."""
+    import asyncio
+
+    from extproc.backends import Waiter
+
+    async def run() -> None:
+        be = two_tiers([{"address": "127.0.0.1:7001", "kv_capacity_tokens": 1000},
+                        {"address": "127.0.0.1:7002", "kv_capacity_tokens": 1000}])
+        assert be.endpoints is not None
+        eps = be.endpoints.by_key
+        first = [be.try_acquire("lo", "z", None, 300, 0.0) for _ in range(4)]  # 600 on each endpoint
+        assert all(isinstance(h, Hold) for h in first)
+        assert {k: e.kv_in_use for k, e in eps.items()} == {"127.0.0.1:7001": 600, "127.0.0.1:7002": 600}
+        # 800 fits the pool (1200 + 800 <= 2000) but no endpoint (400 free on each): it waits.
+        assert isinstance(be.try_acquire("hi", "a", None, 800, 0.0), Denied)
+        big = be.enqueue("hi", "a", None, 800, 0.0)
+        assert isinstance(big, Waiter)
+        # Both are 400 short; the tie goes to 7001 (the key): it is owed to the premium head.
+        assert be.endpoints.owed(be.waiting(), be.priorities, "lo", 0.0) == "127.0.0.1:7001"
+        # One free request on 7001 finishes: 700 free there. Without the rule the next free
+        # request would take it (most headroom); now it goes to 7002.
+        on_7001 = [h for h in first if isinstance(h, Hold) and h.endpoint == "127.0.0.1:7001"]
+        be.release(on_7001[0], 0.0)
+        assert not big.future.done()
+        small = be.try_acquire("lo", "z", None, 200, 0.0)
+        assert isinstance(small, Hold) and small.endpoint == "127.0.0.1:7002"
+        # 7002 is full for another 300; 7001 stays owed: the free request waits.
+        assert isinstance(be.try_acquire("lo", "z", None, 300, 0.0), Denied)
+        assert eps["127.0.0.1:7001"].kv_in_use == 300
+        # The last free request on 7001 finishes: the premium head is placed there at once.
+        be.release(on_7001[1], 0.0)
+        got = await asyncio.wait_for(big.future, 1)
+        assert isinstance(got, Hold) and got.endpoint == "127.0.0.1:7001"
+        # Nothing is owed any more: free requests may use 7001's last 200 again.
+        assert be.endpoints.owed(be.waiting(), be.priorities, "lo", 0.0) is None
+        last = be.try_acquire("lo", "z", None, 200, 0.0)
+        assert isinstance(last, Hold) and last.endpoint == "127.0.0.1:7001"
+        for h in [got, small, last, *(h for h in first if h not in on_7001)]:
+            assert isinstance(h, Hold)
+            be.release(h, 0.0)
+        assert be.kv_in_use == 0 and all(e.kv_in_use == 0 and e.in_flight == 0 for e in eps.values())
+
+    asyncio.run(run())

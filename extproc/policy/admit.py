@@ -78,6 +78,6 @@ def refused(req: SlotRequest, why: Denied) -> Queue | Reject:
 
 def can_admit(view: BackendView, tier: str, head_kv: int | None, now: float) -> bool:
     """Whether the head of ``tier``'s queue (footprint ``head_kv``; None: no live head) could go now."""
-    if head_kv is not None and not (kv_fits(view, head_kv, now, tier) and view.fits_somewhere(head_kv, now)):
+    if head_kv is not None and not (kv_fits(view, head_kv, now, tier) and view.fits_somewhere(head_kv, now, tier)):
         return False
     return not isinstance(view.slot_for(tier, PROBE_TENANT, None, view.slot_scale(now)), Denied)

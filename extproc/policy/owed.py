@@ -1,0 +1,88 @@
+"""Owed KV per endpoint: the room a blocked, more important waiter is kept in a pool. Pure.
+
+On one backend the owed-KV rule (``extproc.policy.kv``) keeps free the room a more
+important waiter needs. A pool's budget is the sum of its endpoints', and a request
+must fit one endpoint: a premium request of 5k tokens can fit the pool's sum while
+fitting no single endpoint, and small lower-tier requests keep landing on whichever
+endpoint frees room first, so the room never accumulates anywhere and the premium
+request (and every one of its tier behind it) waits until its deadline.
+
+The rule: when the head of a tier above the requester's fits no endpoint now (the
+most important such tier, as the owed-KV rule takes the most important waiter), one
+endpoint is *owed* to it, and the requester is not placed there; the other endpoints
+stay open to it. The owed endpoint is where the waiter would fit soonest:
+
+* only usable endpoints (breaker not open, metrics fresh) whose whole cache holds the
+  footprint (a lone request fits an empty endpoint, as in placement);
+* fewest KV tokens that must be released there first: ``in_use + kv - budget`` while
+  the footprint fits the endpoint's watermark-scaled budget, else all of ``in_use``
+  (it waits for the endpoint to empty: the lone-request rule);
+* then fewest slots that must be released, the larger cache, the key.
+
+Since nothing of a lower tier lands on the owed endpoint, its reservations only
+shrink and the waiter fits there once enough of them have finished. The choice is
+recomputed from the state on every decision (no memory): it moves only to an
+endpoint that needs strictly less released, so it moves finitely often and the head
+is placed. Without any usable endpoint that can hold it, nothing is owed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+from extproc.policy.placement import Candidate, fits
+
+__all__ = ["blocked_head", "designate", "owed_endpoint", "shortfall"]
+
+
+def shortfall(c: Candidate, kv: int) -> tuple[int, int] | None:
+    """(KV tokens, slots) that must be released on ``c`` before ``kv`` fits; None if never."""
+    if not c.usable:
+        return None
+    slots = max(0, c.in_flight - c.max_concurrency + 1)
+    if c.kv_capacity is None:
+        return 0, slots
+    if kv > c.kv_capacity:
+        return None
+    budget = c.kv_capacity * c.kv_scale
+    tokens = max(0, math.ceil(c.kv_in_use + kv - budget)) if kv <= budget else c.kv_in_use
+    return min(tokens, c.kv_in_use), slots
+
+
+def designate(candidates: Iterable[Candidate], kv: int) -> str | None:
+    """The endpoint a footprint of ``kv`` would fit on soonest (see the module doc)."""
+    best: tuple[int, int, float, str] | None = None
+    for c in candidates:
+        need = shortfall(c, kv)
+        if need is None:
+            continue
+        key = (need[0], need[1], -float("inf") if c.kv_capacity is None else -c.kv_capacity, c.key)
+        if best is None or key < best:
+            best = key
+    return None if best is None else best[3]
+
+
+def blocked_head(candidates: Sequence[Candidate], waiting: Sequence[tuple[str, int]],
+                 priorities: Mapping[str, int], tier: str) -> int | None:
+    """The footprint of the head of the most important tier above ``tier`` whose head fits
+    no endpoint now (``waiting`` in queue order: the first of a tier is its head)."""
+    mine = priorities.get(tier, 0)
+    heads: dict[str, int] = {}
+    for t, kv in waiting:
+        if t not in heads and priorities.get(t, 0) > mine:
+            heads[t] = kv
+    for t in sorted(heads, key=lambda t: -priorities.get(t, 0)):
+        kv = heads[t]
+        if not any(fits(c, kv) for c in candidates):
+            return kv
+    return None
+
+
+def owed_endpoint(candidates: Sequence[Candidate], waiting: Sequence[tuple[str, int]],
+                  priorities: Mapping[str, int], tier: str) -> str | None:
+    """The endpoint a request of ``tier`` may not be placed on, or None."""
+    if not waiting:
+        return None
+    kv = blocked_head(candidates, waiting, priorities, tier)
+    return None if kv is None else designate(candidates, kv)
