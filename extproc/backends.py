@@ -23,6 +23,7 @@ from extproc.policy.admission_queue import AdmissionQueue, Enqueued, TierQueueCo
 from extproc.policy.breaker import Breaker, BreakerConfig
 from extproc.policy.concurrency import AdaptiveLimit
 from extproc.policy.decision import Admit, Queue, Reject
+from extproc.policy.owed import LOOK_AHEAD
 from extproc.policy.schema import Backend, BreakerOverride, BreakerSettings, Policy
 from extproc.policy.slots import Denied, PoolName, SlotGrant, SlotPool
 from extproc.policy.tenant_breakers import TenantBreakers
@@ -255,12 +256,34 @@ class BackendState:
             return True
         return self.endpoints.fits_somewhere(kv, now, self._owed(tier, now))
 
-    def _owed(self, tier: str | None, now: float) -> str | None:
-        """The pool endpoint a request of ``tier`` may not take: owed to a blocked,
-        more important waiter (extproc.policy.owed)."""
+    def _owed(self, tier: str | None, now: float, behind_head: bool = False) -> tuple[str, ...]:
+        """The pool endpoints a request of ``tier`` may not take: owed to a blocked, more
+        important waiter, and to its own tier's head when it goes past it (extproc.policy.owed)."""
         if self.endpoints is None or tier is None or not self.waiters:
-            return None
-        return self.endpoints.owed(self.waiting(), self.priorities, tier, now)
+            return ()
+        return self.endpoints.owed(self.waiting(), self.priorities, tier, now, behind_head)
+
+    def _head(self, tier: str) -> Waiter | None:
+        return next((w for w in self.waiters.values() if w.tier == tier and not w.future.done()), None)
+
+    def _behind_head(self, tier: str, ids: list[int], now: float) -> int | None:
+        """Look-ahead (extproc.policy.owed): a request behind ``tier``'s head that may go
+        first because the head fits no endpoint now, and it fits one not owed to the head."""
+        head = self._head(tier)
+        if self.endpoints is None or head is None or not kvmath.kv_fits(self, head.kv, now, tier):
+            return None  # no pool, or the head waits for the pool's budget: FIFO
+        if self.endpoints.fits_somewhere(head.kv, now, self._owed(tier, now)):
+            return None  # it fits: it waits for a slot, and so would the others
+        exclude = self._owed(tier, now, behind_head=True)
+        scale = self.slot_scale(now)
+        for wid in ids:
+            w = self.waiters.get(wid)
+            if w is None or w.future.done() or w.kv >= head.kv:
+                continue
+            if kvmath.kv_fits(self, w.kv, now, tier) and self.endpoints.fits_somewhere(w.kv, now, exclude) \
+                    and not isinstance(self.slot_for(tier, w.tenant, w.tenant_cap, scale), Denied):
+                return wid
+        return None
 
     # -- KV budget (extproc.policy.kv) ------------------------------------------------------
     def footprint(self, tokens: int) -> int:
@@ -296,16 +319,16 @@ class BackendState:
         return Denied(got.cause, got.detail if isinstance(got, Queue) else got.message)
 
     def _take(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
-              prefix: tuple[int, ...] = ()) -> Hold | Denied:
+              prefix: tuple[int, ...] = (), behind_head: bool = False) -> Hold | Denied:
         got = admit.take(self, tier, tenant, cap, kv, now)
-        return self._apply(tier, tenant, got, kv, now, prefix) if isinstance(got, Admit) else got
+        return self._apply(tier, tenant, got, kv, now, prefix, behind_head) if isinstance(got, Admit) else got
 
     def _apply(self, tier: str, tenant: str, d: Admit, kv: int, now: float,
-               prefix: tuple[int, ...] = ()) -> Hold | Denied:
+               prefix: tuple[int, ...] = (), behind_head: bool = False) -> Hold | Denied:
         grant = self.pool.grant(tier, tenant, d.pool)
         endpoint = affinity = None
         if self.endpoints is not None:
-            placed = self.endpoints.place(kv, now, prefix, self._owed(tier, now))
+            placed = self.endpoints.place(kv, now, prefix, self._owed(tier, now, behind_head))
             if placed is None:
                 self.pool.release(grant)
                 return Denied("kv_exhausted", f"a footprint of {kv} tokens fits on no endpoint of the pool now")
@@ -341,14 +364,16 @@ class BackendState:
     def pump(self, now: float) -> int:
         """Hand free slots to waiting requests, fairly across tiers. Returns how many."""
         handed = 0
+        behind = None if self.endpoints is None else (lambda tier, ids: self._behind_head(tier, ids, now))
         while self.queue.depth():
-            wid = self.queue.next_eligible(lambda tier: self.can_admit(tier, now), now)
+            wid = self.queue.next_eligible(lambda tier: self.can_admit(tier, now), now, behind, LOOK_AHEAD)
             if wid is None:
                 break
             w = self.waiters.get(wid)
             if w is None or w.future.done():
                 continue
-            self._resolve(w, self._take(w.tier, w.tenant, w.tenant_cap, w.kv, now, w.prefix))
+            past = self._head(w.tier) is not w  # admitted by look-ahead: the head keeps its endpoint
+            self._resolve(w, self._take(w.tier, w.tenant, w.tenant_cap, w.kv, now, w.prefix, past))
             handed += 1
         return handed
 

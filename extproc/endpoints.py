@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from extproc.policy.affinity import PrefixAffinity
 from extproc.policy.breaker import Breaker, BreakerState, Outcome
-from extproc.policy.owed import owed_endpoint
+from extproc.policy.owed import owed_endpoints
 from extproc.policy.placement import Candidate, Placement, largest_capacity, pick
 from extproc.policy.schema import (
     Backend,
@@ -188,16 +188,18 @@ class EndpointSet:
                                  for k, st in self.by_key.items() if not st.draining])
 
     def owed(self, waiting: Sequence[tuple[str, int]], priorities: Mapping[str, int], tier: str | None,
-             now: float) -> str | None:
-        """The endpoint owed to a blocked waiter above ``tier`` (extproc.policy.owed), or None."""
+             now: float, behind_head: bool = False) -> tuple[str, ...]:
+        """The endpoints owed to blocked waiters (extproc.policy.owed): to the head of a tier
+        above ``tier``, and with ``behind_head`` to the head of ``tier`` itself."""
         if tier is None or not waiting:
-            return None
-        return owed_endpoint(self.candidates(now), waiting, priorities, tier)
+            return ()
+        return owed_endpoints(self.candidates(now), waiting, priorities, tier, behind_head)
 
-    def place(self, kv: int, now: float, prefix: tuple[int, ...] = (), exclude: str | None = None) -> Placement | None:
+    def place(self, kv: int, now: float, prefix: tuple[int, ...] = (),
+              exclude: Collection[str] = ()) -> Placement | None:
         """Pick an endpoint and reserve on it; ``prefix`` (extproc.prefix_key) steers the
         pick to the endpoint that last served the longest known part of it, and records
-        where it went; ``exclude`` (an owed endpoint) is not picked."""
+        where it went; ``exclude`` (owed endpoints) is not picked."""
         aff = self.affinity if prefix else None
         known = aff.lookup(prefix, now) if aff is not None else None
         preferred = known[0] if known is not None else None
@@ -213,7 +215,7 @@ class EndpointSet:
                 got = replace(got, affinity=result)
         return got
 
-    def fits_somewhere(self, kv: int, now: float, exclude: str | None = None) -> bool:
+    def fits_somewhere(self, kv: int, now: float, exclude: Collection[str] = ()) -> bool:
         return pick(self.candidates(now), kv, exclude=exclude) is not None
 
     def release(self, key: str, kv: int) -> None:

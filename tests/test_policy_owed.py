@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.policy.owed import blocked_head, designate, owed_endpoint, shortfall
+from extproc.policy.owed import blocked_head, designate, owed_endpoint, owed_endpoints, shortfall
 from extproc.policy.placement import Candidate, pick
 
 
@@ -71,10 +71,10 @@ def test_a_lower_tier_goes_elsewhere_while_the_owed_endpoint_drains() -> None:
     assert owed == "a"
     # Without the rule the free request takes the most headroom: a, the owed one.
     assert pick(eps, 900).key == "a"  # type: ignore[union-attr]
-    assert pick(eps, 900, exclude=owed).key == "b"  # type: ignore[union-attr]
+    assert pick(eps, 900, exclude=(owed,)).key == "b"  # type: ignore[union-attr]
     # b full too: the free request waits rather than take a's room.
     full = [eps[0], replace(eps[1], kv_in_use=15500)]
-    assert pick(full, 900, exclude=owed_endpoint(full, waiting, PRIO, "free")) is None
+    assert pick(full, 900, exclude=owed_endpoints(full, waiting, PRIO, "free")) is None
     # Premium itself is owed nothing by its own head, and no waiter: nothing owed.
     assert owed_endpoint(eps, waiting, PRIO, "premium") is None
     assert owed_endpoint(eps, [], PRIO, "free") is None
@@ -141,7 +141,7 @@ def test_a_blocked_premium_head_is_eventually_placed(
         kv, duration, n = arrivals[step % len(arrivals)]
         for _ in range(n):
             eps = cands()
-            p = pick(eps, kv, exclude=owed_endpoint(eps, waiting, PRIO, "free"))
+            p = pick(eps, kv, exclude=owed_endpoints(eps, waiting, PRIO, "free"))
             if p is None:
                 break
             assert p.key != owed

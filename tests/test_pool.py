@@ -197,7 +197,7 @@ def test_a_premium_head_that_fits_no_endpoint_is_owed_one_and_placed_there() -> 
         big = be.enqueue("hi", "a", None, 800, 0.0)
         assert isinstance(big, Waiter)
         # Both are 400 short; the tie goes to 7001 (the key): it is owed to the premium head.
-        assert be.endpoints.owed(be.waiting(), be.priorities, "lo", 0.0) == "127.0.0.1:7001"
+        assert be.endpoints.owed(be.waiting(), be.priorities, "lo", 0.0) == ("127.0.0.1:7001",)
         # One free request on 7001 finishes: 700 free there. Without the rule the next free
         # request would take it (most headroom); now it goes to 7002.
         on_7001 = [h for h in first if isinstance(h, Hold) and h.endpoint == "127.0.0.1:7001"]
@@ -213,12 +213,51 @@ def test_a_premium_head_that_fits_no_endpoint_is_owed_one_and_placed_there() -> 
         got = await asyncio.wait_for(big.future, 1)
         assert isinstance(got, Hold) and got.endpoint == "127.0.0.1:7001"
         # Nothing is owed any more: free requests may use 7001's last 200 again.
-        assert be.endpoints.owed(be.waiting(), be.priorities, "lo", 0.0) is None
+        assert be.endpoints.owed(be.waiting(), be.priorities, "lo", 0.0) == ()
         last = be.try_acquire("lo", "z", None, 200, 0.0)
         assert isinstance(last, Hold) and last.endpoint == "127.0.0.1:7001"
         for h in [got, small, last, *(h for h in first if h not in on_7001)]:
             assert isinstance(h, Hold)
             be.release(h, 0.0)
         assert be.kv_in_use == 0 and all(e.kv_in_use == 0 and e.in_flight == 0 for e in eps.values())
+
+    asyncio.run(run())
+
+
+def test_look_ahead_lets_smaller_premium_requests_pass_a_head_that_fits_nowhere() -> None:
+    """Same tier, behind a head that fits no endpoint: a smaller request that fits an endpoint
+    not owed to the head goes first; the head keeps its endpoint and is placed there."""
+    import asyncio
+
+    from extproc.backends import Waiter
+
+    async def run() -> None:
+        be = two_tiers([{"address": "127.0.0.1:7001", "kv_capacity_tokens": 1000},
+                        {"address": "127.0.0.1:7002", "kv_capacity_tokens": 1000}])
+        assert be.endpoints is not None
+        free = [be.try_acquire("lo", "z", None, 300, 0.0) for _ in range(4)]  # 600 on each
+        assert all(isinstance(h, Hold) for h in free)
+        head = be.enqueue("hi", "a", None, 800, 0.0)
+        small = be.enqueue("hi", "a", None, 300, 0.0)
+        third = be.enqueue("hi", "a", None, 300, 0.0)
+        assert isinstance(head, Waiter) and isinstance(small, Waiter) and isinstance(third, Waiter)
+        assert be.tick(0.0) == 1
+        got = await asyncio.wait_for(small.future, 1)
+        # 7001 and 7002 have the same room and 7001 wins ties, but 7001 is owed to the head.
+        assert isinstance(got, Hold) and got.endpoint == "127.0.0.1:7002"
+        assert not head.future.done() and not third.future.done()
+        # 7002 has 100 left, 7001 400 but owed: the third waits too.
+        assert be.tick(0.0) == 0
+        for h in free:
+            if isinstance(h, Hold) and h.endpoint == "127.0.0.1:7001":
+                be.release(h, 0.0)
+        placed = await asyncio.wait_for(head.future, 1)
+        assert isinstance(placed, Hold) and placed.endpoint == "127.0.0.1:7001"
+        assert not third.future.done()  # 200 left on 7001, 100 on 7002
+        be.leave(third)
+        for h in [got, placed, *(h for h in free if isinstance(h, Hold) and h.endpoint == "127.0.0.1:7002")]:
+            assert isinstance(h, Hold)
+            be.release(h, 0.0)
+        assert be.kv_in_use == 0 and be.pool.in_use().total == 0
 
     asyncio.run(run())

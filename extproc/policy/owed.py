@@ -24,6 +24,13 @@ shrink and the waiter fits there once enough of them have finished. The choice i
 recomputed from the state on every decision (no memory): it moves only to an
 endpoint that needs strictly less released, so it moves finitely often and the head
 is placed. Without any usable endpoint that can hold it, nothing is owed.
+
+Look-ahead within a tier: the queue is FIFO within a tier, so every request of the
+tier waits behind a head that fits nowhere. In a pool, up to ``LOOK_AHEAD`` requests
+behind such a head may go first when they fit an endpoint *other than the one owed
+to the head* (and the head's only block is placement: it fits the pool's budget, and
+no slot is missing). The head keeps its owed endpoint against its own tier as against
+lower ones, so it is placed as above; the requests behind it no longer wait for it.
 """
 
 from __future__ import annotations
@@ -33,7 +40,11 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from extproc.policy.placement import Candidate, fits
 
-__all__ = ["blocked_head", "designate", "owed_endpoint", "shortfall"]
+__all__ = ["LOOK_AHEAD", "blocked_head", "designate", "owed_endpoint", "owed_endpoints", "shortfall"]
+
+# How many requests behind a tier's head that fits no endpoint the queue looks at for one
+# that fits (extproc.policy.admission_queue ``behind``): bounded, so a pump stays cheap.
+LOOK_AHEAD = 8
 
 
 def shortfall(c: Candidate, kv: int) -> tuple[int, int] | None:
@@ -86,3 +97,20 @@ def owed_endpoint(candidates: Sequence[Candidate], waiting: Sequence[tuple[str, 
         return None
     kv = blocked_head(candidates, waiting, priorities, tier)
     return None if kv is None else designate(candidates, kv)
+
+
+def owed_endpoints(candidates: Sequence[Candidate], waiting: Sequence[tuple[str, int]],
+                   priorities: Mapping[str, int], tier: str, behind_head: bool = False) -> tuple[str, ...]:
+    """Every endpoint a request of ``tier`` may not be placed on: the one owed above it, and,
+    for a request admitted past its own tier's blocked head (``behind_head``), the head's."""
+    out: list[str] = []
+    above = owed_endpoint(candidates, waiting, priorities, tier)
+    if above is not None:
+        out.append(above)
+    if behind_head:
+        kv = next((kv for t, kv in waiting if t == tier), None)
+        if kv is not None and not any(fits(c, kv) for c in candidates):
+            mine = designate(candidates, kv)
+            if mine is not None and mine not in out:
+                out.append(mine)
+    return tuple(out)

@@ -31,7 +31,7 @@ evict those blocks before the request runs, and then it needs them all.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 
@@ -76,14 +76,14 @@ def score(c: Candidate, kv: int) -> tuple[float, float, float, str]:
 
 
 def pick(candidates: Iterable[Candidate], kv: int, preferred: str | None = None,
-         min_headroom: float = 0.0, exclude: str | None = None) -> Placement | None:
+         min_headroom: float = 0.0, exclude: Collection[str] = ()) -> Placement | None:
     """The best endpoint for a request of KV footprint ``kv``, or None if it fits nowhere;
     ``preferred`` wins while it fits with ``min_headroom`` left (prefix affinity);
-    ``exclude`` is never chosen (an endpoint owed to a more important waiter,
+    ``exclude`` is never chosen (endpoints owed to blocked waiters,
     ``extproc.policy.owed``)."""
     best: Placement | None = None
     for c in candidates:
-        if c.key == exclude or not fits(c, kv):
+        if c.key in exclude or not fits(c, kv):
             continue
         s = score(c, kv)
         if c.key == preferred and -s[0] >= min_headroom:
