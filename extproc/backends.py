@@ -254,17 +254,20 @@ class BackendState:
     def fits_somewhere(self, kv: int, now: float, tier: str | None = None) -> bool:
         if self.endpoints is None:
             return True
-        return self.endpoints.fits_somewhere(kv, now, self._owed(tier, now))
+        return self.endpoints.fits_somewhere(kv, now, self.owed_endpoints(tier, now))
 
-    def _owed(self, tier: str | None, now: float, behind_head: bool = False) -> tuple[str, ...]:
+    def owed_endpoints(self, tier: str | None, now: float, behind_head: bool = False) -> tuple[str, ...]:
         """The pool endpoints a request of ``tier`` may not take: owed to a blocked, more
         important waiter, and to its own tier's head when it goes past it (extproc.policy.owed)."""
         if self.endpoints is None or tier is None or not self.waiters:
             return ()
-        return self.endpoints.owed(self.waiting(), self.priorities, tier, now, behind_head)
+        heads = {t: w.kv for t in self.configs if (w := self._head(t)) is not None}
+        return self.endpoints.owed(heads, self.priorities, tier, now, behind_head)
 
     def _head(self, tier: str) -> Waiter | None:
-        return next((w for w in self.waiters.values() if w.tier == tier and not w.future.done()), None)
+        """The first waiter of ``tier``'s queue (FIFO: its head), if it still waits."""
+        w = self.waiters.get(self.queue.head(tier))  # type: ignore[arg-type]
+        return w if w is not None and not w.future.done() else None
 
     def _behind_head(self, tier: str, ids: list[int], now: float) -> int | None:
         """Look-ahead (extproc.policy.owed): a request behind ``tier``'s head that may go
@@ -272,9 +275,9 @@ class BackendState:
         head = self._head(tier)
         if self.endpoints is None or head is None or not kvmath.kv_fits(self, head.kv, now, tier):
             return None  # no pool, or the head waits for the pool's budget: FIFO
-        if self.endpoints.fits_somewhere(head.kv, now, self._owed(tier, now)):
+        if self.endpoints.fits_somewhere(head.kv, now, self.owed_endpoints(tier, now)):
             return None  # it fits: it waits for a slot, and so would the others
-        exclude = self._owed(tier, now, behind_head=True)
+        exclude = self.owed_endpoints(tier, now, behind_head=True)
         scale = self.slot_scale(now)
         for wid in ids:
             w = self.waiters.get(wid)
@@ -328,7 +331,7 @@ class BackendState:
         grant = self.pool.grant(tier, tenant, d.pool)
         endpoint = affinity = None
         if self.endpoints is not None:
-            placed = self.endpoints.place(kv, now, prefix, self._owed(tier, now, behind_head))
+            placed = self.endpoints.place(kv, now, prefix, self.owed_endpoints(tier, now, behind_head))
             if placed is None:
                 self.pool.release(grant)
                 return Denied("kv_exhausted", f"a footprint of {kv} tokens fits on no endpoint of the pool now")
@@ -364,15 +367,24 @@ class BackendState:
     def pump(self, now: float) -> int:
         """Hand free slots to waiting requests, fairly across tiers. Returns how many."""
         handed = 0
-        behind = None if self.endpoints is None else (lambda tier, ids: self._behind_head(tier, ids, now))
+        passed: list[int] = []  # what look-ahead admitted past its tier's head
+
+        def behind(tier: str, ids: list[int]) -> int | None:
+            wid = self._behind_head(tier, ids, now)
+            if wid is not None:
+                passed.append(wid)
+            return wid
+
         while self.queue.depth():
-            wid = self.queue.next_eligible(lambda tier: self.can_admit(tier, now), now, behind, LOOK_AHEAD)
+            wid = self.queue.next_eligible(lambda tier: self.can_admit(tier, now), now,
+                                           None if self.endpoints is None else behind, LOOK_AHEAD)
             if wid is None:
                 break
+            past = wid in passed  # the head keeps its owed endpoint against it
+            passed.clear()
             w = self.waiters.get(wid)
             if w is None or w.future.done():
                 continue
-            past = self._head(w.tier) is not w  # admitted by look-ahead: the head keeps its endpoint
             self._resolve(w, self._take(w.tier, w.tenant, w.tenant_cap, w.kv, now, w.prefix, past))
             handed += 1
         return handed

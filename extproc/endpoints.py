@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
 from extproc.policy.affinity import PrefixAffinity
@@ -187,13 +187,14 @@ class EndpointSet:
         return largest_capacity([Candidate(k, True, 0, st.spec.kv_capacity_tokens, 1.0, 0, 1)
                                  for k, st in self.by_key.items() if not st.draining])
 
-    def owed(self, waiting: Sequence[tuple[str, int]], priorities: Mapping[str, int], tier: str | None,
+    def owed(self, heads: Mapping[str, int], priorities: Mapping[str, int], tier: str | None,
              now: float, behind_head: bool = False) -> tuple[str, ...]:
-        """The endpoints owed to blocked waiters (extproc.policy.owed): to the head of a tier
-        above ``tier``, and with ``behind_head`` to the head of ``tier`` itself."""
-        if tier is None or not waiting:
+        """The endpoints owed to blocked waiters (extproc.policy.owed; ``heads``: each waiting
+        tier's head footprint): to the head of a tier above ``tier``, and with ``behind_head``
+        to the head of ``tier`` itself."""
+        if tier is None or not heads:
             return ()
-        return owed_endpoints(self.candidates(now), waiting, priorities, tier, behind_head)
+        return owed_endpoints(self.candidates(now), heads, priorities, tier, behind_head)
 
     def place(self, kv: int, now: float, prefix: tuple[int, ...] = (),
               exclude: Collection[str] = ()) -> Placement | None:

@@ -21,6 +21,14 @@ def cand(key: str, *, kv_in_use: int = 0, cap: int | None = 1000, scale: float =
 PRIO = {"premium": 100, "standard": 50, "free": 10}
 
 
+def heads(waiting: list[tuple[str, int]]) -> dict[str, int]:
+    """Each tier's head footprint, from a queue in order."""
+    out: dict[str, int] = {}
+    for t, kv in waiting:
+        out.setdefault(t, kv)
+    return out
+
+
 @pytest.mark.parametrize("c,kv,want", [
     (cand("a", kv_in_use=700), 500, (200, 0)),  # 700 + 500 - 1000
     (cand("a", kv_in_use=300), 500, (0, 0)),  # fits now
@@ -61,12 +69,12 @@ def test_designate_takes_the_endpoint_that_needs_least_released_not_the_biggest(
 ])
 def test_blocked_head(waiting: list[tuple[str, int]], tier: str, want: int | None) -> None:
     eps = [cand("a", kv_in_use=700), cand("b", kv_in_use=700)]
-    assert blocked_head(eps, waiting, PRIO, tier) == want
+    assert blocked_head(eps, heads(waiting), PRIO, tier) == want
 
 
 def test_a_lower_tier_goes_elsewhere_while_the_owed_endpoint_drains() -> None:
     eps = [cand("a", cap=8000, kv_in_use=4000), cand("b", cap=16000, kv_in_use=13000)]
-    waiting = [("premium", 5000)]
+    waiting = {"premium": 5000}
     owed = owed_endpoint(eps, waiting, PRIO, "free")
     assert owed == "a"
     # Without the rule the free request takes the most headroom: a, the owed one.
@@ -77,7 +85,7 @@ def test_a_lower_tier_goes_elsewhere_while_the_owed_endpoint_drains() -> None:
     assert pick(full, 900, exclude=owed_endpoints(full, waiting, PRIO, "free")) is None
     # Premium itself is owed nothing by its own head, and no waiter: nothing owed.
     assert owed_endpoint(eps, waiting, PRIO, "premium") is None
-    assert owed_endpoint(eps, [], PRIO, "free") is None
+    assert owed_endpoint(eps, {}, PRIO, "free") is None
 
 
 # -- the property: a blocked premium head is placed while free traffic keeps coming -------------
@@ -126,7 +134,7 @@ def test_a_blocked_premium_head_is_eventually_placed(
         for js in jobs:
             js[:] = [[kv, left - 1] for kv, left in js if left > 1]
         eps = cands()
-        waiting = [("premium", head)]
+        waiting = {"premium": head}
         got = pick(eps, head)
         if got is not None:
             placed_at = step

@@ -197,7 +197,7 @@ def test_a_premium_head_that_fits_no_endpoint_is_owed_one_and_placed_there() -> 
         big = be.enqueue("hi", "a", None, 800, 0.0)
         assert isinstance(big, Waiter)
         # Both are 400 short; the tie goes to 7001 (the key): it is owed to the premium head.
-        assert be.endpoints.owed(be.waiting(), be.priorities, "lo", 0.0) == ("127.0.0.1:7001",)
+        assert be.owed_endpoints("lo", 0.0) == ("127.0.0.1:7001",)
         # One free request on 7001 finishes: 700 free there. Without the rule the next free
         # request would take it (most headroom); now it goes to 7002.
         on_7001 = [h for h in first if isinstance(h, Hold) and h.endpoint == "127.0.0.1:7001"]
@@ -213,7 +213,7 @@ def test_a_premium_head_that_fits_no_endpoint_is_owed_one_and_placed_there() -> 
         got = await asyncio.wait_for(big.future, 1)
         assert isinstance(got, Hold) and got.endpoint == "127.0.0.1:7001"
         # Nothing is owed any more: free requests may use 7001's last 200 again.
-        assert be.endpoints.owed(be.waiting(), be.priorities, "lo", 0.0) == ()
+        assert be.owed_endpoints("lo", 0.0) == ()
         last = be.try_acquire("lo", "z", None, 200, 0.0)
         assert isinstance(last, Hold) and last.endpoint == "127.0.0.1:7001"
         for h in [got, small, last, *(h for h in first if h not in on_7001)]:

@@ -220,6 +220,11 @@ class AdmissionQueue(Generic[K]):
             s.tag = max(s.tag, self._vtime)
         return item_id
 
+    def head(self, tier: str) -> K | None:
+        """The next item of ``tier`` in FIFO order, or None if its line is empty."""
+        t = self._tiers.get(tier)
+        return next(iter(t.items), None) if t is not None else None
+
     def depth(self, tier: str | None = None) -> int:
         return len(self._where) if tier is None else len(self._tier(tier).items)
 

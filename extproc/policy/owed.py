@@ -74,41 +74,38 @@ def designate(candidates: Iterable[Candidate], kv: int) -> str | None:
     return None if best is None else best[3]
 
 
-def blocked_head(candidates: Sequence[Candidate], waiting: Sequence[tuple[str, int]],
+def blocked_head(candidates: Sequence[Candidate], heads: Mapping[str, int],
                  priorities: Mapping[str, int], tier: str) -> int | None:
     """The footprint of the head of the most important tier above ``tier`` whose head fits
-    no endpoint now (``waiting`` in queue order: the first of a tier is its head)."""
+    no endpoint now (``heads``: each waiting tier's head footprint)."""
     mine = priorities.get(tier, 0)
-    heads: dict[str, int] = {}
-    for t, kv in waiting:
-        if t not in heads and priorities.get(t, 0) > mine:
-            heads[t] = kv
-    for t in sorted(heads, key=lambda t: -priorities.get(t, 0)):
+    above = sorted((t for t in heads if priorities.get(t, 0) > mine), key=lambda t: -priorities.get(t, 0))
+    for t in above:
         kv = heads[t]
         if not any(fits(c, kv) for c in candidates):
             return kv
     return None
 
 
-def owed_endpoint(candidates: Sequence[Candidate], waiting: Sequence[tuple[str, int]],
+def owed_endpoint(candidates: Sequence[Candidate], heads: Mapping[str, int],
                   priorities: Mapping[str, int], tier: str) -> str | None:
     """The endpoint a request of ``tier`` may not be placed on, or None."""
-    if not waiting:
+    if not heads:
         return None
-    kv = blocked_head(candidates, waiting, priorities, tier)
+    kv = blocked_head(candidates, heads, priorities, tier)
     return None if kv is None else designate(candidates, kv)
 
 
-def owed_endpoints(candidates: Sequence[Candidate], waiting: Sequence[tuple[str, int]],
+def owed_endpoints(candidates: Sequence[Candidate], heads: Mapping[str, int],
                    priorities: Mapping[str, int], tier: str, behind_head: bool = False) -> tuple[str, ...]:
     """Every endpoint a request of ``tier`` may not be placed on: the one owed above it, and,
     for a request admitted past its own tier's blocked head (``behind_head``), the head's."""
     out: list[str] = []
-    above = owed_endpoint(candidates, waiting, priorities, tier)
+    above = owed_endpoint(candidates, heads, priorities, tier)
     if above is not None:
         out.append(above)
     if behind_head:
-        kv = next((kv for t, kv in waiting if t == tier), None)
+        kv = heads.get(tier)
         if kv is not None and not any(fits(c, kv) for c in candidates):
             mine = designate(candidates, kv)
             if mine is not None and mine not in out:
