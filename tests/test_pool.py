@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from extproc.backends import BackendState, Hold
 from extproc.policy.breaker import Outcome
@@ -258,6 +260,67 @@ def test_look_ahead_lets_smaller_premium_requests_pass_a_head_that_fits_nowhere(
         for h in [got, placed, *(h for h in free if isinstance(h, Hold) and h.endpoint == "127.0.0.1:7002")]:
             assert isinstance(h, Hold)
             be.release(h, 0.0)
+        assert be.kv_in_use == 0 and be.pool.in_use().total == 0
+
+    asyncio.run(run())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 30), st.integers(0, 1), st.integers(1, 200),
+                          st.integers(1, 8)), min_size=5, max_size=30))
+def test_premium_waiters_are_placed_while_free_traffic_keeps_coming(
+        steps: list[tuple[int, int, int, int, int]]) -> None:
+    """The pool with both rules, driven step by step: free requests arrive every step for
+    ever (the drawn steps cycled), premium ones of any size up to the largest cache only
+    during the first steps. Every premium request is placed within a bound, and no
+    endpoint ever holds more than its cache."""
+    import asyncio
+
+    from extproc.backends import Waiter
+
+    caps = {"127.0.0.1:7001": 800, "127.0.0.1:7002": 1600, "127.0.0.1:7003": 3200}
+
+    async def run() -> None:
+        be = two_tiers([{"address": k, "kv_capacity_tokens": c, "max_concurrency": 8} for k, c in caps.items()])
+        assert be.endpoints is not None
+        running: list[tuple[int, Hold]] = []  # (finishes at step, hold)
+        waiting: list[tuple[Waiter, int]] = []  # (waiter, duration once placed)
+        premium: list[Waiter] = []
+        for step in range(400):
+            for end, h in [r for r in running if r[0] <= step]:
+                running.remove((end, h))
+                be.release(h, float(step))
+            be.tick(float(step))
+            n_free, free_blocks, has_premium, premium_blocks, duration = steps[step % len(steps)]
+            arrivals = [("lo", "z", free_blocks * 10)] * n_free
+            if has_premium and step < 40:
+                arrivals.append(("hi", "a", premium_blocks * 16))  # up to 3200: the largest cache
+            for tier, tenant, kv in arrivals:
+                got = be.try_acquire(tier, tenant, None, kv, float(step))
+                if isinstance(got, Hold):
+                    running.append((step + duration, got))
+                    continue
+                w = be.enqueue(tier, tenant, None, kv, float(step))
+                if isinstance(w, Waiter):
+                    waiting.append((w, duration))
+                    if tier == "hi":
+                        premium.append(w)
+            await asyncio.sleep(0)
+            for w, d in [x for x in waiting if x[0].future.done()]:
+                waiting.remove((w, d))
+                got = w.future.result()
+                assert isinstance(got, Hold)
+                running.append((step + d, got))
+            for key, ep in be.endpoints.by_key.items():
+                assert ep.kv_in_use <= caps[key] and ep.in_flight <= 8
+            if step >= 40 and all(w.future.done() for w in premium):
+                break
+        assert all(w.future.done() for w in premium), \
+            f"premium still waiting at step {step}: {[w.kv for w in premium if not w.future.done()]}"
+        for w, _ in waiting:
+            be.leave(w)
+        for _, h in running:
+            be.release(h, 1000.0)
         assert be.kv_in_use == 0 and be.pool.in_use().total == 0
 
     asyncio.run(run())
