@@ -266,7 +266,8 @@ class BackendState:
 
     def _head(self, tier: str) -> Waiter | None:
         """The first waiter of ``tier``'s queue (FIFO: its head), if it still waits."""
-        w = self.waiters.get(self.queue.head(tier))  # type: ignore[arg-type]
+        wid = self.queue.head(tier)
+        w = None if wid is None else self.waiters.get(wid)
         return w if w is not None and not w.future.done() else None
 
     def _behind_head(self, tier: str, ids: list[int], now: float) -> int | None:

@@ -22,8 +22,8 @@ stay open to it. The owed endpoint is where the waiter would fit soonest:
 Since nothing of a lower tier lands on the owed endpoint, its reservations only
 shrink and the waiter fits there once enough of them have finished. The choice is
 recomputed from the state on every decision (no memory): it moves only to an
-endpoint that needs strictly less released, so it moves finitely often and the head
-is placed. Without any usable endpoint that can hold it, nothing is owed.
+endpoint that needs less released (or as much, and earlier in the tie-break), so it
+moves finitely often and the head is placed. Without any usable endpoint that can hold it, nothing is owed.
 
 Look-ahead within a tier: the queue is FIFO within a tier, so every request of the
 tier waits behind a head that fits nowhere. In a pool, up to ``LOOK_AHEAD`` requests
