@@ -23,6 +23,7 @@ from extproc.policy.admission_queue import AdmissionQueue, Enqueued, TierQueueCo
 from extproc.policy.breaker import Breaker, BreakerConfig
 from extproc.policy.concurrency import AdaptiveLimit
 from extproc.policy.decision import Admit, Cause, Queue, Reject
+from extproc.policy.owed import LOOK_AHEAD
 from extproc.policy.schema import Backend, BreakerOverride, BreakerSettings, Policy
 from extproc.policy.slots import Denied, PoolName, SlotGrant, SlotPool
 from extproc.policy.tenant_breakers import TenantBreakers
@@ -257,8 +258,43 @@ class BackendState:
     def slot_for(self, tier: str, tenant: str, tenant_cap: int | None, scale: float) -> PoolName | Denied:
         return self.pool.slot_for(tier, tenant, tenant_cap, scale)
 
-    def fits_somewhere(self, kv: int, now: float) -> bool:
-        return self.endpoints is None or self.endpoints.fits_somewhere(kv, now)
+    def fits_somewhere(self, kv: int, now: float, tier: str | None = None) -> bool:
+        if self.endpoints is None:
+            return True
+        return self.endpoints.fits_somewhere(kv, now, self.owed_endpoints(tier, now))
+
+    def owed_endpoints(self, tier: str | None, now: float, behind_head: bool = False) -> tuple[str, ...]:
+        """The pool endpoints a request of ``tier`` may not take: owed to a blocked, more
+        important waiter, and to its own tier's head when it goes past it (extproc.policy.owed)."""
+        if self.endpoints is None or tier is None or not self.waiters:
+            return ()
+        heads = {t: w.kv for t in self.configs if (w := self._head(t)) is not None}
+        return self.endpoints.owed(heads, self.priorities, tier, now, behind_head)
+
+    def _head(self, tier: str) -> Waiter | None:
+        """The first waiter of ``tier``'s queue (FIFO: its head), if it still waits."""
+        wid = self.queue.head(tier)
+        w = None if wid is None else self.waiters.get(wid)
+        return w if w is not None and not w.future.done() else None
+
+    def _behind_head(self, tier: str, ids: list[int], now: float) -> int | None:
+        """Look-ahead (extproc.policy.owed): a request behind ``tier``'s head that may go
+        first because the head fits no endpoint now, and it fits one not owed to the head."""
+        head = self._head(tier)
+        if self.endpoints is None or head is None or not kvmath.kv_fits(self, head.kv, now, tier):
+            return None  # no pool, or the head waits for the pool's budget: FIFO
+        if self.endpoints.fits_somewhere(head.kv, now, self.owed_endpoints(tier, now)):
+            return None  # it fits: it waits for a slot, and so would the others
+        exclude = self.owed_endpoints(tier, now, behind_head=True)
+        scale = self.slot_scale(now)
+        for wid in ids:
+            w = self.waiters.get(wid)
+            if w is None or w.future.done() or w.kv >= head.kv:
+                continue
+            if kvmath.kv_fits(self, w.kv, now, tier) and self.endpoints.fits_somewhere(w.kv, now, exclude) \
+                    and not isinstance(self.slot_for(tier, w.tenant, w.tenant_cap, scale), Denied):
+                return wid
+        return None
 
     # -- KV budget (extproc.policy.kv) ------------------------------------------------------
     def footprint(self, tokens: int) -> int:
@@ -298,16 +334,16 @@ class BackendState:
         return Denied(got.cause, got.detail if isinstance(got, Queue) else got.message)
 
     def _take(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
-              prefix: tuple[int, ...] = ()) -> Hold | Denied:
+              prefix: tuple[int, ...] = (), behind_head: bool = False) -> Hold | Denied:
         got = admit.take(self, tier, tenant, cap, kv, now)
-        return self._apply(tier, tenant, got, kv, now, prefix) if isinstance(got, Admit) else got
+        return self._apply(tier, tenant, got, kv, now, prefix, behind_head) if isinstance(got, Admit) else got
 
     def _apply(self, tier: str, tenant: str, d: Admit, kv: int, now: float,
-               prefix: tuple[int, ...] = ()) -> Hold | Denied:
+               prefix: tuple[int, ...] = (), behind_head: bool = False) -> Hold | Denied:
         grant = self.pool.grant(tier, tenant, d.pool)
         endpoint = affinity = None
         if self.endpoints is not None:
-            placed = self.endpoints.place(kv, now, prefix)
+            placed = self.endpoints.place(kv, now, prefix, self.owed_endpoints(tier, now, behind_head))
             if placed is None:
                 self.pool.release(grant)
                 return Denied("kv_exhausted", f"a footprint of {kv} tokens fits on no endpoint of the pool now")
@@ -343,14 +379,25 @@ class BackendState:
     def pump(self, now: float) -> int:
         """Hand free slots to waiting requests, fairly across tiers. Returns how many."""
         handed = 0
+        passed: list[int] = []  # what look-ahead admitted past its tier's head
+
+        def behind(tier: str, ids: list[int]) -> int | None:
+            wid = self._behind_head(tier, ids, now)
+            if wid is not None:
+                passed.append(wid)
+            return wid
+
         while self.queue.depth():
-            wid = self.queue.next_eligible(lambda tier: self.can_admit(tier, now), now)
+            wid = self.queue.next_eligible(lambda tier: self.can_admit(tier, now), now,
+                                           None if self.endpoints is None else behind, LOOK_AHEAD)
             if wid is None:
                 break
+            past = wid in passed  # the head keeps its owed endpoint against it
+            passed.clear()
             w = self.waiters.get(wid)
             if w is None or w.future.done():
                 continue
-            self._resolve(w, self._take(w.tier, w.tenant, w.tenant_cap, w.kv, now, w.prefix))
+            self._resolve(w, self._take(w.tier, w.tenant, w.tenant_cap, w.kv, now, w.prefix, past))
             handed += 1
         return handed
 

@@ -22,10 +22,12 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
 from extproc.policy.affinity import PrefixAffinity
 from extproc.policy.breaker import Breaker, BreakerState, Outcome
+from extproc.policy.owed import owed_endpoints
 from extproc.policy.placement import Candidate, Placement, largest_capacity, pick
 from extproc.policy.schema import (
     Backend,
@@ -211,14 +213,24 @@ class EndpointSet:
         return largest_capacity([Candidate(k, True, 0, st.spec.kv_capacity_tokens, 1.0, 0, 1)
                                  for k, st in self.by_key.items() if not st.draining])
 
-    def place(self, kv: int, now: float, prefix: tuple[int, ...] = ()) -> Placement | None:
+    def owed(self, heads: Mapping[str, int], priorities: Mapping[str, int], tier: str | None,
+             now: float, behind_head: bool = False) -> tuple[str, ...]:
+        """The endpoints owed to blocked waiters (extproc.policy.owed; ``heads``: each waiting
+        tier's head footprint): to the head of a tier above ``tier``, and with ``behind_head``
+        to the head of ``tier`` itself."""
+        if tier is None or not heads:
+            return ()
+        return owed_endpoints(self.candidates(now), heads, priorities, tier, behind_head)
+
+    def place(self, kv: int, now: float, prefix: tuple[int, ...] = (),
+              exclude: Collection[str] = ()) -> Placement | None:
         """Pick an endpoint and reserve on it; ``prefix`` (extproc.prefix_key) steers the
         pick to the endpoint that last served the longest known part of it, and records
-        where it went."""
+        where it went; ``exclude`` (owed endpoints) is not picked."""
         aff = self.affinity if prefix else None
         known = aff.lookup(prefix, now) if aff is not None else None
         preferred = known[0] if known is not None else None
-        got = pick(self.candidates(now, kv), kv, preferred, self.placement.affinity_min_headroom)
+        got = pick(self.candidates(now, kv), kv, preferred, self.placement.affinity_min_headroom, exclude)
         if got is not None:
             st = self.by_key[got.key]
             st.kv_in_use += kv
@@ -230,8 +242,8 @@ class EndpointSet:
                 got = replace(got, affinity=result)
         return got
 
-    def fits_somewhere(self, kv: int, now: float) -> bool:
-        return pick(self.candidates(now, kv), kv) is not None
+    def fits_somewhere(self, kv: int, now: float, exclude: Collection[str] = ()) -> bool:
+        return pick(self.candidates(now, kv), kv, exclude=exclude) is not None
 
     def plan(self, kvs: list[int], now: float) -> dict[str, tuple[int, int]]:
         """Where requests of footprints ``kvs`` would go if this replica's leases could grow:

@@ -209,6 +209,33 @@ def test_blocked_tier_does_not_block_others_and_keeps_its_turn() -> None:
     assert only_premium.depth() == 1
 
 
+def test_look_ahead_admits_one_behind_a_vetoed_head_and_uses_the_tiers_turn() -> None:
+    q = two_tiers()
+    for name in ("p0", "p1", "p2", "p3"):
+        q.enqueue(name, "premium", 0.0)
+    q.enqueue("f0", "free", 0.0)
+    seen: list[list[str]] = []
+
+    def behind(tier: str, items: list[str]) -> str | None:
+        seen.append(items)
+        return "p2" if tier == "premium" else None
+
+    # The head p0 is vetoed; the caller names p2 among the two items looked at.
+    got = q.next_eligible(lambda tier: tier != "premium", 0.0, behind, look_ahead=2)
+    assert got == "p2" and seen == [["p1", "p2"]]
+    assert q.depth("premium") == 3 and "p2" not in q and "p0" in q
+    # Premium's turn was used (its tag advanced, so free at tag 0 is due now); then the
+    # head goes first once it can, FIFO for the rest.
+    assert admit_all(q, 4) == ["f0", "p0", "p1", "p3"]
+    # Without a look-ahead, or an answer outside the window, nothing changes.
+    q2 = two_tiers()
+    q2.enqueue("a", "premium", 0.0)
+    q2.enqueue("b", "premium", 0.0)
+    assert q2.next_eligible(lambda tier: False, 0.0, lambda t, items: "b", look_ahead=0) is None
+    assert q2.next_eligible(lambda tier: False, 0.0, lambda t, items: "zz", look_ahead=1) is None
+    assert q2.depth() == 2
+
+
 def test_ties_go_to_higher_priority() -> None:
     q = two_tiers()
     q.enqueue("f", "free", 0.0)

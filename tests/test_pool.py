@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from extproc.backends import BackendState, Hold
 from extproc.policy.breaker import Outcome
@@ -192,3 +194,162 @@ def test_a_leased_endpoint_takes_only_what_this_replica_leases_there() -> None:
     big.leased_kv = 4000
     assert isinstance(be.try_acquire("t", "a", None, 10, 0.0), Hold)  # the big one's slot lease (1) is full ...
     assert big.in_flight == 1  # ... so it went to the small one
+
+
+def two_tiers(endpoints: list[dict[str, Any]]) -> BackendState:
+    d = doc(endpoints)
+    d["tiers"] = {"hi": {"priority": 100, "tpm": 100000, "rpm": 100, "max_queue_depth": 8, "max_queue_wait_ms": 1000,
+                         "queue_weight": 4},
+                  "lo": {"priority": 10, "tpm": 100000, "rpm": 100, "max_queue_depth": 8, "max_queue_wait_ms": 1000}}
+    d["tenants"] = [{"name": "a", "tier": "hi", "keys": [hash_key("a")]},
+                    {"name": "z", "tier": "lo", "keys": [hash_key("z")]}]
+    p = build_policy(d)
+    return BackendState.create(p.backends[0], p, 0.0)
+
+
+def test_a_premium_head_that_fits_no_endpoint_is_owed_one_and_placed_there() -> None:
+    """Owed KV per endpoint: small free requests keep fitting where room frees, the premium
+    request needs more than any endpoint has; it gets the endpoint nearest to fitting it,
+    and the free tier goes to the other one meanwhile."""
+    import asyncio
+
+    from extproc.backends import Waiter
+
+    async def run() -> None:
+        be = two_tiers([{"address": "127.0.0.1:7001", "kv_capacity_tokens": 1000},
+                        {"address": "127.0.0.1:7002", "kv_capacity_tokens": 1000}])
+        assert be.endpoints is not None
+        eps = be.endpoints.by_key
+        first = [be.try_acquire("lo", "z", None, 300, 0.0) for _ in range(4)]  # 600 on each endpoint
+        assert all(isinstance(h, Hold) for h in first)
+        assert {k: e.kv_in_use for k, e in eps.items()} == {"127.0.0.1:7001": 600, "127.0.0.1:7002": 600}
+        # 800 fits the pool (1200 + 800 <= 2000) but no endpoint (400 free on each): it waits.
+        assert isinstance(be.try_acquire("hi", "a", None, 800, 0.0), Denied)
+        big = be.enqueue("hi", "a", None, 800, 0.0)
+        assert isinstance(big, Waiter)
+        # Both are 400 short; the tie goes to 7001 (the key): it is owed to the premium head.
+        assert be.owed_endpoints("lo", 0.0) == ("127.0.0.1:7001",)
+        # One free request on 7001 finishes: 700 free there. Without the rule the next free
+        # request would take it (most headroom); now it goes to 7002.
+        on_7001 = [h for h in first if isinstance(h, Hold) and h.endpoint == "127.0.0.1:7001"]
+        be.release(on_7001[0], 0.0)
+        assert not big.future.done()
+        small = be.try_acquire("lo", "z", None, 200, 0.0)
+        assert isinstance(small, Hold) and small.endpoint == "127.0.0.1:7002"
+        # 7002 is full for another 300; 7001 stays owed: the free request waits.
+        assert isinstance(be.try_acquire("lo", "z", None, 300, 0.0), Denied)
+        assert eps["127.0.0.1:7001"].kv_in_use == 300
+        # The last free request on 7001 finishes: the premium head is placed there at once.
+        be.release(on_7001[1], 0.0)
+        got = await asyncio.wait_for(big.future, 1)
+        assert isinstance(got, Hold) and got.endpoint == "127.0.0.1:7001"
+        # Nothing is owed any more: free requests may use 7001's last 200 again.
+        assert be.owed_endpoints("lo", 0.0) == ()
+        last = be.try_acquire("lo", "z", None, 200, 0.0)
+        assert isinstance(last, Hold) and last.endpoint == "127.0.0.1:7001"
+        for h in [got, small, last, *(h for h in first if h not in on_7001)]:
+            assert isinstance(h, Hold)
+            be.release(h, 0.0)
+        assert be.kv_in_use == 0 and all(e.kv_in_use == 0 and e.in_flight == 0 for e in eps.values())
+
+    asyncio.run(run())
+
+
+def test_look_ahead_lets_smaller_premium_requests_pass_a_head_that_fits_nowhere() -> None:
+    """Same tier, behind a head that fits no endpoint: a smaller request that fits an endpoint
+    not owed to the head goes first; the head keeps its endpoint and is placed there."""
+    import asyncio
+
+    from extproc.backends import Waiter
+
+    async def run() -> None:
+        be = two_tiers([{"address": "127.0.0.1:7001", "kv_capacity_tokens": 1000},
+                        {"address": "127.0.0.1:7002", "kv_capacity_tokens": 1000}])
+        assert be.endpoints is not None
+        free = [be.try_acquire("lo", "z", None, 300, 0.0) for _ in range(4)]  # 600 on each
+        assert all(isinstance(h, Hold) for h in free)
+        head = be.enqueue("hi", "a", None, 800, 0.0)
+        small = be.enqueue("hi", "a", None, 300, 0.0)
+        third = be.enqueue("hi", "a", None, 300, 0.0)
+        assert isinstance(head, Waiter) and isinstance(small, Waiter) and isinstance(third, Waiter)
+        assert be.tick(0.0) == 1
+        got = await asyncio.wait_for(small.future, 1)
+        # 7001 and 7002 have the same room and 7001 wins ties, but 7001 is owed to the head.
+        assert isinstance(got, Hold) and got.endpoint == "127.0.0.1:7002"
+        assert not head.future.done() and not third.future.done()
+        # 7002 has 100 left, 7001 400 but owed: the third waits too.
+        assert be.tick(0.0) == 0
+        for h in free:
+            if isinstance(h, Hold) and h.endpoint == "127.0.0.1:7001":
+                be.release(h, 0.0)
+        placed = await asyncio.wait_for(head.future, 1)
+        assert isinstance(placed, Hold) and placed.endpoint == "127.0.0.1:7001"
+        assert not third.future.done()  # 200 left on 7001, 100 on 7002
+        be.leave(third)
+        for h in [got, placed, *(h for h in free if isinstance(h, Hold) and h.endpoint == "127.0.0.1:7002")]:
+            assert isinstance(h, Hold)
+            be.release(h, 0.0)
+        assert be.kv_in_use == 0 and be.pool.in_use().total == 0
+
+    asyncio.run(run())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 30), st.integers(0, 1), st.integers(1, 200),
+                          st.integers(1, 8)), min_size=5, max_size=30))
+def test_premium_waiters_are_placed_while_free_traffic_keeps_coming(
+        steps: list[tuple[int, int, int, int, int]]) -> None:
+    """The pool with both rules, driven step by step: free requests arrive every step for
+    ever (the drawn steps cycled), premium ones of any size up to the largest cache only
+    during the first steps. Every premium request is placed within a bound, and no
+    endpoint ever holds more than its cache."""
+    import asyncio
+
+    from extproc.backends import Waiter
+
+    caps = {"127.0.0.1:7001": 800, "127.0.0.1:7002": 1600, "127.0.0.1:7003": 3200}
+
+    async def run() -> None:
+        be = two_tiers([{"address": k, "kv_capacity_tokens": c, "max_concurrency": 8} for k, c in caps.items()])
+        assert be.endpoints is not None
+        running: list[tuple[int, Hold]] = []  # (finishes at step, hold)
+        waiting: list[tuple[Waiter, int]] = []  # (waiter, duration once placed)
+        premium: list[Waiter] = []
+        for step in range(400):
+            for end, h in [r for r in running if r[0] <= step]:
+                running.remove((end, h))
+                be.release(h, float(step))
+            be.tick(float(step))
+            n_free, free_blocks, has_premium, premium_blocks, duration = steps[step % len(steps)]
+            arrivals = [("lo", "z", free_blocks * 10)] * n_free
+            if has_premium and step < 40:
+                arrivals.append(("hi", "a", premium_blocks * 16))  # up to 3200: the largest cache
+            for tier, tenant, kv in arrivals:
+                got = be.try_acquire(tier, tenant, None, kv, float(step))
+                if isinstance(got, Hold):
+                    running.append((step + duration, got))
+                    continue
+                w = be.enqueue(tier, tenant, None, kv, float(step))
+                if isinstance(w, Waiter):
+                    waiting.append((w, duration))
+                    if tier == "hi":
+                        premium.append(w)
+            await asyncio.sleep(0)
+            for w, d in [x for x in waiting if x[0].future.done()]:
+                waiting.remove((w, d))
+                got = w.future.result()
+                assert isinstance(got, Hold)
+                running.append((step + d, got))
+            for key, ep in be.endpoints.by_key.items():
+                assert ep.kv_in_use <= caps[key] and ep.in_flight <= 8
+            if step >= 40 and all(w.future.done() for w in premium):
+                break
+        assert all(w.future.done() for w in premium), \
+            f"premium still waiting at step {step}: {[w.kv for w in premium if not w.future.done()]}"
+        for w, _ in waiting:
+            be.leave(w)
+        for _, h in running:
+            be.release(h, 1000.0)
+        assert be.kv_in_use == 0 and be.pool.in_use().total == 0
+
+    asyncio.run(run())

@@ -21,6 +21,11 @@ A vetoed tier keeps its place: its tag is lifted to ``V`` at most, so when it ca
 admit again its head goes next. Like an idle tier, it banks no credit for the time
 it could not use capacity, so it cannot starve the others afterwards.
 
+Look-ahead: a caller may let a vetoed tier admit one of the few items behind its
+head instead (``behind``), when the head is blocked by something the items behind
+it do not need (a pool where the head fits no endpoint; the caller keeps the room
+it is owed). FIFO otherwise.
+
 Deadlines: ``next_eligible`` may admit an item whose ``max_wait_s`` passed since the
 last ``expire`` call (a slot free now beats a 503); call ``expire(now)`` first for
 strict deadlines. Every enqueued item leaves exactly once: admitted, removed or
@@ -170,25 +175,42 @@ class AdmissionQueue(Generic[K]):
         gone.sort(key=lambda pair: pair[0])
         return [item_id for _, item_id in gone]
 
-    def next_eligible(self, can_admit: Callable[[str], bool], now: float) -> K | None:
+    def next_eligible(self, can_admit: Callable[[str], bool], now: float,
+                      behind: Callable[[str, list[K]], K | None] | None = None,
+                      look_ahead: int = 0) -> K | None:
         """Dequeue the next item to admit, or None if no queued tier may admit now.
 
         ``can_admit`` is asked about backlogged tiers in fair order, stopping at the
-        first yes.
+        first yes. When it says no and ``behind`` is given, ``behind(tier, items)`` may
+        name one of the up to ``look_ahead`` items after the tier's head to admit
+        instead (the caller keeps the head's claim); the tier's turn is used as if the
+        head had gone.
         """
         now = self._clock(now)
         line = sorted(
             (t.tag, -t.cfg.priority, t.order, name) for name, t in self._tiers.items() if t.items
         )
         skipped: list[_Tier[K]] = []
+        chosen: K | None = None
         for *_, name in line:
             t = self._tiers[name]
             if can_admit(name):
                 break
+            if behind is not None and look_ahead > 0 and len(t.items) > 1:
+                it = iter(t.items)
+                next(it)
+                chosen = behind(name, [k for _, k in zip(range(look_ahead), it, strict=False)])
+                if chosen is not None and chosen in t.items:
+                    break
+                chosen = None
             skipped.append(t)
         else:
             return None
-        item_id, _ = t.items.popitem(last=False)
+        if chosen is None:
+            item_id, _ = t.items.popitem(last=False)
+        else:
+            item_id = chosen
+            del t.items[item_id]
         del self._where[item_id]
         self._vtime = max(self._vtime, t.tag)
         t.tag += 1.0 / t.cfg.weight
@@ -197,6 +219,11 @@ class AdmissionQueue(Generic[K]):
         for s in skipped:  # keep their place, bank no credit
             s.tag = max(s.tag, self._vtime)
         return item_id
+
+    def head(self, tier: str) -> K | None:
+        """The next item of ``tier`` in FIFO order, or None if its line is empty."""
+        t = self._tiers.get(tier)
+        return next(iter(t.items), None) if t is not None else None
 
     def depth(self, tier: str | None = None) -> int:
         return len(self._where) if tier is None else len(self._tier(tier).items)

@@ -6,7 +6,8 @@ In order, cheapest refusal first:
    (``too_large_for_backend``), whatever the load.
 2. A tier whose queue is not empty keeps its order (FIFO within a tier): a newcomer
    waits behind it. It may still take a slot no waiter of its tier can use, e.g. a
-   premium guaranteed slot while free-tier requests wait for shared ones.
+   premium guaranteed slot while free-tier requests wait for shared ones. (In a pool
+   the queue may look past a head that fits no endpoint: ``extproc.policy.owed``.)
 3. KV: the footprint must fit the budget, leaving what a more important waiter is
    owed (``extproc.policy.kv``).
 4. A slot: the tenant's cap, then the tier's guarantee, then the shared pool, at the
@@ -78,6 +79,6 @@ def refused(req: SlotRequest, why: Denied) -> Queue | Reject:
 
 def can_admit(view: BackendView, tier: str, head_kv: int | None, now: float) -> bool:
     """Whether the head of ``tier``'s queue (footprint ``head_kv``; None: no live head) could go now."""
-    if head_kv is not None and not (kv_fits(view, head_kv, now, tier) and view.fits_somewhere(head_kv, now)):
+    if head_kv is not None and not (kv_fits(view, head_kv, now, tier) and view.fits_somewhere(head_kv, now, tier)):
         return False
     return not isinstance(view.slot_for(tier, PROBE_TENANT, None, view.slot_scale(now)), Denied)

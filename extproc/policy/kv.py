@@ -7,7 +7,9 @@ pool), with two rules on top:
 
 * Owed KV: room a more important waiter needs and does not get is kept free, so a
   large premium request is not overtaken forever by small lower-tier ones that each
-  fit in the room freed so far (priority inversion under KV pressure).
+  fit in the room freed so far (priority inversion under KV pressure). Here it
+  guards the backend's (a pool's: the summed) budget; in a pool the room must also
+  accumulate on one endpoint, which ``extproc.policy.owed`` keeps.
 * A lone request always fits a scaled-down budget if it fits the whole cache (or
   the lease): otherwise a large prompt could starve forever while the scale is low.
 

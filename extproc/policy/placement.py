@@ -16,7 +16,8 @@ low. Among candidates the score, lowest first, is:
 4. the endpoint's key, so the choice is deterministic.
 
 No candidate: ``None``, and the request waits in the pool's queue as it does when the
-pool's own budget is spent.
+pool's own budget is spent. An endpoint owed to a blocked, more important waiter
+(``extproc.policy.owed``) is not a candidate for the requests it is owed against.
 
 Prefix affinity (``preferred``): the endpoint that last served the request's prompt
 prefix, whose engine likely holds it in its prefix cache, is chosen over the score
@@ -30,7 +31,7 @@ evict those blocks before the request runs, and then it needs them all.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 
@@ -75,12 +76,14 @@ def score(c: Candidate, kv: int) -> tuple[float, float, float, str]:
 
 
 def pick(candidates: Iterable[Candidate], kv: int, preferred: str | None = None,
-         min_headroom: float = 0.0) -> Placement | None:
+         min_headroom: float = 0.0, exclude: Collection[str] = ()) -> Placement | None:
     """The best endpoint for a request of KV footprint ``kv``, or None if it fits nowhere;
-    ``preferred`` wins while it fits with ``min_headroom`` left (prefix affinity)."""
+    ``preferred`` wins while it fits with ``min_headroom`` left (prefix affinity);
+    ``exclude`` is never chosen (endpoints owed to blocked waiters,
+    ``extproc.policy.owed``)."""
     best: Placement | None = None
     for c in candidates:
-        if not fits(c, kv):
+        if c.key in exclude or not fits(c, kv):
             continue
         s = score(c, kv)
         if c.key == preferred and -s[0] >= min_headroom:

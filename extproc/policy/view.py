@@ -93,8 +93,9 @@ class BackendView(Protocol):
         """The pool a slot would come from at ``scale``, or why there is none."""
         ...
 
-    def fits_somewhere(self, kv: int, now: float) -> bool:
-        """Whether a pool endpoint has room for ``kv`` now (True for a single address)."""
+    def fits_somewhere(self, kv: int, now: float, tier: str | None = None) -> bool:
+        """Whether a pool endpoint has room for ``kv`` now (True for a single address); with
+        ``tier``, leaving out the endpoint owed to a blocked waiter above it (extproc.policy.owed)."""
         ...
 
 
@@ -157,5 +158,5 @@ class BackendSnapshot:
             return Denied(REASON_EXHAUSTED, f"{self.slots_in_use} slots in use, budget {budget}")
         return "shared"
 
-    def fits_somewhere(self, kv: int, now: float) -> bool:
+    def fits_somewhere(self, kv: int, now: float, tier: str | None = None) -> bool:
         return self.endpoint_room is None or kv <= self.endpoint_room
