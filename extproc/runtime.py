@@ -164,7 +164,9 @@ class Runtime:
             be.on_short = lambda b, kv, now: lease_plan.on_short(leases, b, kv, now)
             # A tier without a queue waits for that one check rather than be refused at once
             # (bounded: a throttled wake waits check_s, the exchange timeout_s, plus loop lag).
-            be.lease_wait = lambda: leases.next_check(max(0.5, leases.timeout_s + 2 * leases.check_s))
+            # Not while the store is down: no lease can grow, and a refusal must stay quick.
+            be.lease_wait = lambda: leases.next_check(max(0.5, leases.timeout_s + 2 * leases.check_s),
+                                                      skip=not getattr(self.state, "up", True))
 
     def _apply_lease(self, name: str, lease: PoolLease) -> None:
         name = lease_plan.backend_of(name)

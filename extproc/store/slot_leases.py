@@ -134,6 +134,7 @@ class SlotLeases:
         self._wake = asyncio.Event()
         self._woken = False  # the last check ran because of a wake
         self._grew = False  # ... and some lease grew in it
+        self.failing = False  # the last exchange failed (a lease waiter does not wait for the next)
         self.asked = 0  # want_more calls so far: a check started after the n-th has read it
         self._lease_waiters: list[tuple[int, asyncio.Future[None]]] = []  # (asked when refused, woken by)
 
@@ -165,11 +166,14 @@ class SlotLeases:
                 self.wakes += 1
         self._wake.clear()
 
-    async def next_check(self, timeout_s: float) -> None:
+    async def next_check(self, timeout_s: float, skip: bool = False) -> None:
         """Until a check that has read the caller's ``want_more`` (the last one) has ended, or
         ``timeout_s``. Not simply the next check to end: one already running may have read it
         (and grown the lease), and the check after that shrinks the lease again, since the
-        refusal it recorded is no longer pending."""
+        refusal it recorded is no longer pending. ``skip`` (the store is down; so is the last
+        exchange): return at once, no lease can grow."""
+        if skip or self.failing:
+            return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._lease_waiters.append((self.asked, fut))
         with contextlib.suppress(asyncio.TimeoutError):
@@ -269,8 +273,10 @@ class SlotLeases:
                 apply(name, ls)
             try:
                 await self.exchange(name, ask_s, ask_k)
+                self.failing = False
             except Exception as exc:  # noqa: BLE001 - any store failure: keep the lease until it expires
                 self.errors += 1
+                self.failing = True
                 if now >= ls.expires:
                     n = max(1, self.registry.most_seen(now) or 1)
                     ls.slots, ls.kv = min(ls.slots, ps // n), min(ls.kv, pk // n)
