@@ -186,7 +186,7 @@ def test_a_replica_that_never_returns_holds_the_claims_up_only_for_the_bound(ser
                 f.t[0] += 0.05
                 f.tick(r)
         assert a.lease == 7 and a.leases.claims  # 2 of the 3 replicas seen have reported
-        f.t[0] += a.leases.recover_s  # the bound (ttl / 3) passes
+        f.t[0] += a.leases.recover_s  # the bound (ttl / 2) passes
         f.tick(a)
         assert a.leases.claims == {} and a.lease == POOL - b.lease == 9, (a.lease, b.lease)
         assert max(f.samples) <= POOL, f.samples

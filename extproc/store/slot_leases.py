@@ -33,6 +33,35 @@ finding its replica's lease full waits one round trip in the queue (or, in a tie
 without a queue, is refused while the lease grows for the next). Redis unreachable:
 the lease is used until its local deadline, then cut to ``floor(pool / the most
 replicas seen in the last ttl)`` until Redis answers.
+
+Redis back without the leases (restarted empty, or frozen past the ttl so that every
+member expired): each replica finds itself fenced, by an exchange (granted -1) or by
+its heartbeat (``Registry.fences``; an epoch counter restarted from 0 may hand out the
+same member name again, so the name is not what tells). At the first sign it takes a
+*claim* per lease, what it holds then (before the fence zeroes it), and until the claim
+is lifted it asks for no more than that. A pool's claim is lifted when an exchange on it
+shows that every registered replica has reported on the pool (``KEYS[4]``, each
+member's last exchange, a grant of 0 included) and that at least as many have as were
+registered before the loss (``Registry.steady``, the count at the last unfenced
+heartbeat, or more seen since); or when ``recover_s`` (ttl/2) has passed: a replica
+seen before that has not registered again by then is taken as gone (a running replica
+that reaches Redis heartbeats every ttl/3, so it registers again within ttl/3 of the
+loss and reports at its next check, ``check_s`` later). A capped lease that
+wants more exchanges every check, so the lift is seen within ``check_s``.
+
+Why the pool is not exceeded: before the loss, every local lease ≤ what Redis recorded
+for it (it shrinks locally before it is sent, grows only when Redis answers), and
+Redis's records sum to ≤ the pool; while Redis cannot be reached a local lease only
+shrinks (to the local share). So the claims, each taken from a local lease, sum to ≤
+the pool. Until every replica has reported, each asks for ≤ its claim and Redis grants
+≤ what is asked: the leases sum to ≤ the pool. Once every replica has reported, Redis's
+records cover every lease held, and the script's rule (grant ≤ pool − what the others
+hold) keeps the sum ≤ the pool as before. The exceptions: requests in flight beyond a
+lease that was cut or fenced (they finish; the lease admits nothing new until in use is
+below it), and a replica that is alive but registers again only after ``recover_s``
+(paused, or cut off from Redis that long), which may find its room taken: it holds then
+what it was granted plus its requests in flight. Admission does not wait for the lift:
+a replica admits within its claim as soon as its own lease is granted again.
 """
 
 from __future__ import annotations
@@ -138,8 +167,8 @@ class SlotLeases:
         self.ttl_s, self.check_s, self.timeout_s, self.clock = ttl_s, check_s, timeout_s, clock
         # Redis back without the leases (see the module docstring): each lease capped at its
         # claim (what it held when the loss was found) until every replica has reported on
-        # its pool, or recover_s (ttl/3) has passed.
-        self.recover_s = ttl_s / 3 if recover_s is None else recover_s
+        # its pool, or recover_s (ttl/2) has passed.
+        self.recover_s = ttl_s / 2 if recover_s is None else recover_s
         self.claims: dict[str, tuple[int, int]] = {}  # lease name -> (slots, kv) claim, while recovering
         self.recover_n = 0  # replicas to wait for: the most registered before the loss
         self.recover_until = -math.inf
