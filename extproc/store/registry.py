@@ -25,6 +25,10 @@ class Registry:
         self.keys = [f"{prefix}:replicas", f"{prefix}:epoch"]
         self.member = ""
         self.live = 1
+        # replicas registered at the last heartbeat that found this one alive (not fenced):
+        # how many to wait for when Redis comes back without the leases (slot_leases)
+        self.steady = 1
+        self.fences = 0  # heartbeats that found this replica fenced (its member gone)
         self.beat_at = -float("inf")  # local time of the last successful heartbeat
         self._seen: deque[tuple[float, int]] = deque()
 
@@ -41,6 +45,10 @@ class Registry:
         self.live = max(1, int(live))
         self.beat_at = now
         self.observe(self.live, now)
+        if not int(fenced):
+            self.steady = self.live
+        else:
+            self.fences += 1
         if int(fenced):
             log.warning("state store: replica %s was fenced (its registration expired or Redis lost it); "
                         "registered again as %s", self.replica_id, self.member)

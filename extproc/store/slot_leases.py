@@ -33,6 +33,35 @@ finding its replica's lease full waits one round trip in the queue (or, in a tie
 without a queue, is refused while the lease grows for the next). Redis unreachable:
 the lease is used until its local deadline, then cut to ``floor(pool / the most
 replicas seen in the last ttl)`` until Redis answers.
+
+Redis back without the leases (restarted empty, or frozen past the ttl so that every
+member expired): each replica finds itself fenced, by an exchange (granted -1) or by
+its heartbeat (``Registry.fences``; an epoch counter restarted from 0 may hand out the
+same member name again, so the name is not what tells). At the first sign it takes a
+*claim* per lease, what it holds then (before the fence zeroes it), and until the claim
+is lifted it asks for no more than that. A pool's claim is lifted when an exchange on it
+shows that every registered replica has reported on the pool (``KEYS[4]``, each
+member's last exchange, a grant of 0 included) and that at least as many have as were
+registered before the loss (``Registry.steady``, the count at the last unfenced
+heartbeat, or more seen since); or when ``recover_s`` (ttl/2) has passed: a replica
+seen before that has not registered again by then is taken as gone (a running replica
+that reaches Redis heartbeats every ttl/3, so it registers again within ttl/3 of the
+loss and reports at its next check, ``check_s`` later). A capped lease that
+wants more exchanges every check, so the lift is seen within ``check_s``.
+
+Why the pool is not exceeded: before the loss, every local lease ≤ what Redis recorded
+for it (it shrinks locally before it is sent, grows only when Redis answers), and
+Redis's records sum to ≤ the pool; while Redis cannot be reached a local lease only
+shrinks (to the local share). So the claims, each taken from a local lease, sum to ≤
+the pool. Until every replica has reported, each asks for ≤ its claim and Redis grants
+≤ what is asked: the leases sum to ≤ the pool. Once every replica has reported, Redis's
+records cover every lease held, and the script's rule (grant ≤ pool − what the others
+hold) keeps the sum ≤ the pool as before. The exceptions: requests in flight beyond a
+lease that was cut or fenced (they finish; the lease admits nothing new until in use is
+below it), and a replica that is alive but registers again only after ``recover_s``
+(paused, or cut off from Redis that long), which may find its room taken: it holds then
+what it was granted plus its requests in flight. Admission does not wait for the lift:
+a replica admits within its claim as soon as its own lease is granted again.
 """
 
 from __future__ import annotations
@@ -51,9 +80,11 @@ from extproc.store.registry import Registry
 log = logging.getLogger("sluice.store")
 
 # KEYS[1]: the pool's holders (sorted set, score: Redis-time deadline), KEYS[2]: their
-# amounts (hash member -> "slots kv"), KEYS[3]: the replica registry.
+# amounts (hash member -> "slots kv"), KEYS[3]: the replica registry, KEYS[4]: the members
+# that reported on this pool (sorted set, score: Redis-time deadline; a holder of 0 too).
 # ARGV: member, want slots, want kv, pool slots, pool kv, ttl, now ('' = Redis TIME).
-# Returns {granted slots, granted kv, slots the others hold, kv the others hold}; granted -1: fenced.
+# Returns {granted slots, granted kv, slots the others hold, kv the others hold, registered
+# members that reported here within the ttl, registered members}; granted -1: fenced.
 SLOT_LEASE = r"""
 local now
 if ARGV[7] ~= '' then now = tonumber(ARGV[7]) else
@@ -63,7 +94,7 @@ local m = ARGV[1]
 local alive = redis.call('ZSCORE', KEYS[3], m)
 if not alive or tonumber(alive) < now then
   redis.call('ZREM', KEYS[1], m); redis.call('HDEL', KEYS[2], m)
-  return {-1, 0, 0, 0}
+  return {-1, 0, 0, 0, 0, 0}
 end
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. string.format('%.17g', now))
 for _, d in ipairs(dead) do redis.call('HDEL', KEYS[2], d) end
@@ -84,7 +115,15 @@ else
   redis.call('HSET', KEYS[2], m, gs .. ' ' .. gk)
   redis.call('ZADD', KEYS[1], string.format('%.17g', now + tonumber(ARGV[6])), m)
 end
-return {gs, gk, os_, ok_}
+local nows = string.format('%.17g', now)
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', '(' .. nows)
+redis.call('ZADD', KEYS[4], string.format('%.17g', now + tonumber(ARGV[6])), m)
+local reported = 0
+for _, r in ipairs(redis.call('ZRANGE', KEYS[4], 0, -1)) do
+  local a = redis.call('ZSCORE', KEYS[3], r)
+  if a and tonumber(a) >= now then reported = reported + 1 end
+end
+return {gs, gk, os_, ok_, reported, redis.call('ZCOUNT', KEYS[3], nows, '+inf')}
 """
 
 
@@ -100,6 +139,8 @@ class PoolLease:
     expires: float = -math.inf  # local deadline of the lease (Redis's is never earlier)
     others: int = 0  # slots the other replicas hold, as of the last exchange
     others_kv: int = 0
+    reported: int = 0  # registered members that had reported on this pool, as of the last exchange
+    registered: int = 0  # registered members then
 
 
 def block(pool: int, live: int) -> int:
@@ -120,10 +161,19 @@ class SlotLeases:
     """Every backend's pool lease of one replica; ``run`` keeps them (see the module docstring)."""
 
     def __init__(self, client: Any, registry: Registry, prefix: str = "sluice", *, ttl_s: float = 10.0,
-                 check_s: float = 0.05, timeout_s: float = 0.1,
+                 check_s: float = 0.05, timeout_s: float = 0.1, recover_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.client, self.registry, self.prefix = client, registry, prefix
         self.ttl_s, self.check_s, self.timeout_s, self.clock = ttl_s, check_s, timeout_s, clock
+        # Redis back without the leases (see the module docstring): each lease capped at its
+        # claim (what it held when the loss was found) until every replica has reported on
+        # its pool, or recover_s (ttl/2) has passed.
+        self.recover_s = ttl_s / 2 if recover_s is None else recover_s
+        self.claims: dict[str, tuple[int, int]] = {}  # lease name -> (slots, kv) claim, while recovering
+        self.recover_n = 0  # replicas to wait for: the most registered before the loss
+        self.recover_until = -math.inf
+        self.recoveries = 0  # times this replica found its leases lost (fenced)
+        self._fences = 0  # the registry's fences already acted on (it counts from 0 too)
         self.leases: dict[str, PoolLease] = {}
         self.fenced = 0  # times an exchange found this replica's member gone
         self.errors = 0
@@ -194,8 +244,43 @@ class SlotLeases:
                 keep.append((asked, fut))
         self._lease_waiters = keep
 
+    # -- Redis back without the leases ----------------------------------------------------
+    def _recover(self, now: float) -> None:
+        """This replica's leases are no longer in Redis (its member was fenced: Redis restarted
+        empty, or froze past the ttl): claim what it holds now, and re-assert it at once."""
+        for ls in self.leases.values():
+            ls.renew_at = -math.inf  # the next check re-asserts every lease under the new member
+        if self.claims and now < self.recover_until:
+            return  # already recovering: the claims taken at the first sign still bound the leases
+        self.claims = {name: (ls.slots, ls.kv) for name, ls in self.leases.items()}
+        self.recover_n = max(self.registry.steady, self.registry.most_seen(now) or 1)
+        self.recover_until = now + self.recover_s
+        self.recoveries += 1
+        log.warning("slot leases: Redis lost this replica's leases; holding at most %s until the %d replicas "
+                    "seen have reported (or %.1fs)", self.claims, self.recover_n, self.recover_s)
+
+    def cap(self, name: str, now: float) -> tuple[int, int] | None:
+        """The most lease ``name`` may ask for while recovering (None: not recovering)."""
+        if not self.claims:
+            return None
+        if now >= self.recover_until:
+            log.info("slot leases: not every replica reported within %.1fs of Redis losing the leases; "
+                        "asking as usual", self.recover_s)
+            self.claims = {}
+            return None
+        return self.claims.get(name, (0, 0))
+
+    def _reported(self, name: str, ls: PoolLease) -> None:
+        """An exchange while recovering: every registered replica (and as many as before the
+        loss) has reported on this pool, so Redis knows all it must: the claim is lifted."""
+        if name in self.claims and ls.reported >= max(ls.registered, self.recover_n):
+            del self.claims[name]
+            if not self.claims:
+                log.info("slot leases: every replica reported again; asking as usual")
+
     def keys(self, backend: str) -> list[str]:
-        return [f"{self.prefix}:slots:{backend}", f"{self.prefix}:slots:{backend}:held", self.registry.keys[0]]
+        return [f"{self.prefix}:slots:{backend}", f"{self.prefix}:slots:{backend}:held", self.registry.keys[0],
+                f"{self.prefix}:slots:{backend}:reported"]
 
     def lease(self, backend: str, pool_slots: int, pool_kv: int) -> PoolLease:
         ls = self.leases.get(backend)
@@ -219,9 +304,10 @@ class SlotLeases:
             self._script(keys=self.keys(backend),
                          args=[member, slots, kv, ls.pool_slots, ls.pool_kv, repr(self.ttl_s), ""]),
             self.timeout_s)
-        gs, gk, others, others_kv = (int(x) for x in got)
+        gs, gk, others, others_kv, reported, registered = (int(x) for x in got)
         if gs < 0:
             self.fenced += 1
+            self._recover(now)
             log.warning("slot leases: replica %s is fenced (its registration expired): %s lease dropped until "
                         "it registers again", member, backend)
             self.registry.beat_at = -math.inf  # the store's next heartbeat finds it fenced and registers anew
@@ -229,6 +315,7 @@ class SlotLeases:
             ls.renew_at = -math.inf
             return ls
         ls.slots, ls.kv, ls.others, ls.others_kv = gs, gk, others, others_kv
+        ls.reported, ls.registered = reported, registered
         ls.expires = now + self.ttl_s
         ls.renew_at = now + self.ttl_s / 3
         return ls
@@ -247,6 +334,9 @@ class SlotLeases:
         rest away), a grant when it arrives. Returns the leases that changed.
         """
         live = self.registry.live
+        if self.registry.fences != self._fences:  # registered again (Redis lost the member): so are the leases
+            self._fences = self.registry.fences
+            self._recover(self.clock())
         changed: dict[str, PoolLease] = {}
         grew = False
         for name in [n for n in self.leases if n not in usage]:
@@ -265,15 +355,22 @@ class SlotLeases:
                 ws = want(ps, used_s, ls.slots, live)
                 wk = want(pk, used_k, ls.kv, live) if pk > 0 else None
             now = self.clock()
-            if ws is None and wk is None and now < ls.renew_at:
+            cap = self.cap(name, now)
+            # recovering and wanting more than the claim: exchange every check, to learn when it is lifted
+            pressed = cap is not None and ((ws or 0) > cap[0] or (wk or 0) > cap[1])
+            if ws is None and wk is None and now < ls.renew_at and not pressed:
                 continue
             ask_s, ask_k = ls.slots if ws is None else ws, ls.kv if wk is None else wk
+            if cap is not None:
+                ask_s, ask_k = min(ask_s, cap[0]), min(ask_k, cap[1])
             if apply is not None and (ask_s < ls.slots or ask_k < ls.kv):
                 ls.slots, ls.kv = min(ls.slots, ask_s), min(ls.kv, ask_k)
                 apply(name, ls)
             try:
                 await self.exchange(name, ask_s, ask_k)
                 self.failing = False
+                if cap is not None:
+                    self._reported(name, ls)
             except Exception as exc:  # noqa: BLE001 - any store failure: keep the lease until it expires
                 self.errors += 1
                 self.failing = True
@@ -291,6 +388,7 @@ class SlotLeases:
 
     def snapshot(self) -> dict[str, Any]:
         return {"fenced": self.fenced, "errors": self.errors, "wakes": self.wakes,
+                "recoveries": self.recoveries, "recovering": dict(self.claims),
                 "pools": {n: {"pool": ls.pool_slots, "leased": ls.slots, "others": ls.others,
                               "pool_kv": ls.pool_kv, "leased_kv": ls.kv, "others_kv": ls.others_kv}
                           for n, ls in self.leases.items()}}

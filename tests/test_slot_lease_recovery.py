@@ -1,0 +1,194 @@
+"""Redis back without the slot leases (restarted empty): no replica takes room another
+still holds before that one has reported it (extproc/store/slot_leases.py, "Redis back
+without the leases"), on a real redis-server killed and started again on its port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.redis_server import RedisServer
+from extproc.store.redis_state import connect
+from extproc.store.registry import Registry
+from extproc.store.slot_leases import PoolLease, SlotLeases
+
+POOL = 12
+TTL = 10.0
+
+
+@dataclass
+class Replica:
+    """One replica's pool lease, and the requests it runs (admitted from the lease) and queues."""
+
+    registry: Registry
+    leases: SlotLeases
+    in_use: int = 0
+    waiting: int = 0
+    samples: list[int] = field(default_factory=list)
+
+    @property
+    def lease(self) -> int:
+        ls = self.leases.leases.get("b")
+        return 0 if ls is None else ls.slots
+
+    def admit(self) -> None:
+        """Start what waits, up to the lease (a request runs only within it)."""
+        room = max(0, self.lease - self.in_use)
+        n = min(room, self.waiting)
+        self.in_use, self.waiting = self.in_use + n, self.waiting - n
+
+
+class Fleet:
+    def __init__(self, server: RedisServer, n: int, recover_s: float | None = None) -> None:
+        self.server = server
+        self.loop = asyncio.new_event_loop()
+        self.client = connect(server.url, socket_timeout_s=2.0)
+        self.t = [100.0]
+        self.replicas = []
+        for i in range(n):
+            reg = Registry(f"r{i}", "rec", TTL)
+            sl = SlotLeases(self.client, reg, "rec", ttl_s=TTL, timeout_s=2.0, recover_s=recover_s,
+                            clock=lambda: self.t[0])
+            self.replicas.append(Replica(reg, sl))
+        self.samples: list[int] = []  # sum over replicas of max(lease, in use), at every exchange
+
+    def run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    def held(self) -> int:
+        return sum(max(r.lease, r.in_use) for r in self.replicas)
+
+    def beat(self, r: Replica) -> bool:
+        return bool(self.run(r.registry.beat(self.client, "", self.t[0])))
+
+    def tick(self, r: Replica) -> None:
+        def apply(name: str, ls: PoolLease) -> None:
+            r.admit()
+            self.samples.append(self.held())
+
+        self.run(r.leases.tick({"b": lambda: (POOL, 0, r.in_use + r.waiting, 0)}, apply))
+        r.admit()
+        self.samples.append(self.held())
+
+    def in_redis(self) -> int:
+        raw = self.run(self.client.hgetall("rec:slots:b:held"))
+        return sum(int(v.split()[0]) for v in raw.values())
+
+    def restart_redis(self) -> None:
+        self.server.kill()
+        self.server.start()  # the same port, empty
+        for _ in range(2):  # the pooled connections died with it
+            with contextlib.suppress(Exception):
+                self.run(self.client.ping())
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.run(self.client.aclose())
+        self.loop.close()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    s = RedisServer(tmp_path / "redis").start()  # this test's own: it is killed
+    yield s
+    s.stop()
+
+
+def _steady(f: Fleet, demand: list[int]) -> None:
+    """Every replica registered, seeing all the others, its demand running within its lease."""
+    for r in f.replicas:
+        f.beat(r)
+    for r in f.replicas:
+        f.beat(r)  # now each has seen every replica registered
+    for r, d in zip(f.replicas, demand, strict=True):
+        r.waiting = d
+    for _ in range(3):
+        for r in f.replicas:
+            f.tick(r)
+    assert [r.in_use for r in f.replicas] == demand, [(r.in_use, r.lease) for r in f.replicas]
+
+
+def test_redis_restarted_empty_no_replica_takes_room_another_still_holds(server: RedisServer) -> None:
+    f = Fleet(server, 3)
+    try:
+        a, b, c = f.replicas
+        _steady(f, [6, 2, 1])  # leases 7, 3, 2 (a block is 1): the pool is fully leased
+        assert [r.lease for r in f.replicas] == [7, 3, 2] and f.in_redis() == POOL
+        f.restart_redis()
+        f.t[0] += 0.1
+        a.waiting = 3  # a's queue grows: it wants 6 + 3 + a block, far more than it held
+        # a finds itself fenced through its heartbeat, b through a lease exchange, c last
+        assert f.beat(a)
+        f.tick(a)
+        assert a.lease == 7 and a.leases.claims == {"b": (7, 0)}  # capped at its claim: b and c not heard
+        b.waiting = 1  # b's lease is short too: it asks, and finds itself fenced
+        f.tick(b)
+        assert b.lease == 0 and b.in_use == 2 and b.leases.fenced == 1  # its requests in flight finish
+        assert f.beat(b)
+        f.tick(b)
+        f.tick(a)
+        assert a.lease == 7  # c has not reported yet
+        assert f.beat(c)
+        for _ in range(2):
+            for r in f.replicas:
+                f.t[0] += 0.05
+                f.tick(r)
+        assert max(f.samples) <= POOL, f.samples
+        assert a.leases.claims == {} and a.leases.recoveries == 1  # every replica reported: lifted
+        assert [r.lease for r in f.replicas] == [7, 3, 2] and f.in_redis() == POOL
+        assert b.in_use == 3 and b.waiting == 0  # its new request ran within its claim
+        # the room is a's again once another gives it back
+        b.in_use = 0
+        for r in f.replicas:
+            f.beat(r)  # (blocks sized for the 3 replicas again)
+        for r in (b, a):
+            f.t[0] += 0.05
+            f.tick(r)
+        assert a.lease > 7 and max(f.samples) <= POOL, (a.lease, f.samples)
+    finally:
+        f.close()
+
+
+def test_without_the_claims_the_first_replica_back_overfills_the_pool(server: RedisServer) -> None:
+    """The same sequence with the recovery bound at 0: what the claims prevent does happen."""
+    f = Fleet(server, 3, recover_s=0.0)
+    try:
+        a, b, c = f.replicas
+        _steady(f, [6, 2, 1])
+        f.restart_redis()
+        a.waiting = 3
+        f.beat(a)
+        f.tick(a)
+        assert a.lease > 7 and f.held() > POOL, (a.lease, f.held())
+    finally:
+        f.close()
+
+
+def test_a_replica_that_never_returns_holds_the_claims_up_only_for_the_bound(server: RedisServer) -> None:
+    f = Fleet(server, 3)
+    try:
+        a, b, c = f.replicas
+        _steady(f, [6, 2, 1])
+        f.restart_redis()  # and c is gone for good (killed meanwhile): it holds nothing
+        c.in_use = 0
+        c.leases.leases.clear()
+        a.waiting = 3
+        for r in (a, b):
+            f.beat(r)
+        for _ in range(3):
+            for r in (a, b):
+                f.t[0] += 0.05
+                f.tick(r)
+        assert a.lease == 7 and a.leases.claims  # 2 of the 3 replicas seen have reported
+        f.t[0] += a.leases.recover_s  # the bound (ttl / 2) passes
+        f.tick(a)
+        assert a.leases.claims == {} and a.lease == POOL - b.lease == 9, (a.lease, b.lease)
+        assert max(f.samples) <= POOL, f.samples
+    finally:
+        f.close()
