@@ -28,6 +28,7 @@ SERVICE = "grpc.health.v1.Health"
 # What Envoy asks by default ("": the whole server) and the service it checks for.
 SERVICES = ("", "envoy.service.ext_proc.v3.ExternalProcessor")
 UNKNOWN, SERVING, NOT_SERVING = 0, 1, 2
+_MAX_PEERS, _FORGET_S = 64, 60.0
 
 
 def _messages() -> tuple[Any, Any]:
@@ -63,8 +64,11 @@ class Health:
     async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802 - gRPC name
         if request.service not in SERVICES:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        now = self.clock()
         _, told = self.peers.get(context.peer(), (0.0, 0))
-        self.peers[context.peer()] = (self.clock(), told + (self.status == NOT_SERVING))
+        self.peers[context.peer()] = (now, told + (self.status == NOT_SERVING))
+        if len(self.peers) > _MAX_PEERS:  # checkers reconnect from new ports: forget the silent ones
+            self.peers = {p: v for p, v in self.peers.items() if now - v[0] < _FORGET_S}
         return HealthCheckResponse(status=self.status)
 
     def handler(self) -> grpc.GenericRpcHandler:

@@ -83,3 +83,20 @@ def test_the_drain_is_bounded_when_a_checker_never_comes_back() -> None:
     waited = asyncio.run(h.drain(0.05, 2))
     assert h.status == NOT_SERVING
     assert waited >= 0.14 and time.monotonic() - started < 2.0, waited  # (2 + 1) x 0.05 s
+
+
+def test_silent_checkers_are_forgotten() -> None:
+    class Ctx:
+        def __init__(self, peer: str) -> None:
+            self._peer = peer
+
+        def peer(self) -> str:
+            return self._peer
+
+    now = [0.0]
+    h = Health(clock=lambda: now[0])
+    for i in range(64):
+        asyncio.run(h.Check(HealthCheckRequest(), Ctx(f"ipv4:127.0.0.1:{i}")))  # type: ignore[arg-type]
+    now[0] = 100.0
+    asyncio.run(h.Check(HealthCheckRequest(), Ctx("ipv4:127.0.0.1:999")))  # type: ignore[arg-type]
+    assert list(h.peers) == ["ipv4:127.0.0.1:999"]
