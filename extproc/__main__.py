@@ -23,6 +23,7 @@ def _hostport(value: str) -> tuple[str, int]:
 
 async def _serve(args: argparse.Namespace) -> int:
     from extproc.admin import start_admin
+    from extproc.health import Health
     from extproc.monitor import run_monitor
     from extproc.reloader import watch_policy_dir
     from extproc.runtime import Runtime
@@ -60,7 +61,8 @@ async def _serve(args: argparse.Namespace) -> int:
         leases = asyncio.create_task(runtime.run_leases())
     ghost, gport = _hostport(args.grpc)
     ahost, aport = _hostport(args.admin)
-    server = await serve(runtime, ghost, gport, reuse_port=args.worker_index is not None)
+    health = Health()
+    server = await serve(runtime, ghost, gport, reuse_port=args.worker_index is not None, health=health)
     admin = await start_admin(runtime, ahost, aport)
     if client is None:
         watcher = asyncio.create_task(watch_policy_dir(runtime, Path(args.policy), args.reload_interval))
@@ -73,6 +75,12 @@ async def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    # NOT_SERVING first, still serving: Envoy moves new streams to the other replicas
+    # before this one stops accepting them (at most (threshold + 1) health intervals).
+    gw = runtime.policy.gateway
+    waited = await health.drain(gw.extproc_health_interval_s, gw.extproc_unhealthy_threshold)
+    logging.getLogger("sluice.server").info("draining: NOT_SERVING seen by the health checkers after %.2f s",
+                                            waited)
     watcher.cancel()
     monitor.cancel()
     if leases is not None:

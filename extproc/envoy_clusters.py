@@ -19,9 +19,12 @@ from envoy_data_plane.envoy.config.cluster.v3 import (
     ClusterDnsLookupFamily,
     ClusterLbPolicy,
     ClusterOriginalDstLbConfig,
+    OutlierDetection,
 )
 from envoy_data_plane.envoy.config.core.v3 import (
     Address,
+    HealthCheck,
+    HealthCheckGrpcHealthCheck,
     Http1ProtocolOptions,
     Http2ProtocolOptions,
     SocketAddress,
@@ -38,8 +41,8 @@ from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
 )
 from envoy_data_plane.google.protobuf import Any
 
-__all__ = ["DRAIN_CLUSTER", "ENDPOINT_HEADER", "backend_cluster", "extproc_cluster", "pool_cluster",
-           "socket_address"]
+__all__ = ["DRAIN_CLUSTER", "ENDPOINT_HEADER", "backend_cluster", "extproc_cluster", "extproc_health",
+           "pool_cluster", "socket_address"]
 
 DRAIN_CLUSTER = "sluice_drain"  # extproc's admin port, where oversized uploads are drained
 ENDPOINT_HEADER = "x-sluice-endpoint"  # ip:port of the pool endpoint Sluice picked
@@ -97,9 +100,52 @@ def _cluster(
     return cluster
 
 
+def extproc_health(interval_s: float, unhealthy_threshold: int) -> tuple[HealthCheck, OutlierDetection]:
+    """How Envoy stops sending ext_proc streams to a replica that is dead, frozen or draining.
+
+    Active gRPC health checks (``grpc.health.v1``, served by extproc/health.py) every
+    ``interval_s``, also while the cluster has no traffic yet (Envoy's default would be
+    60 s, so a replica started after Envoy would wait that long): ``unhealthy_threshold``
+    failed or timed-out checks, or one NOT_SERVING answer (a draining replica), take a
+    replica out; one passing check brings it back. Outlier detection ejects a replica as
+    soon as that many streams in a row fail to connect or end in a gateway error (a
+    SIGKILLed replica, between two checks); its next passing check un-ejects it (so do
+    Envoy's default 5 other gRPC errors in a row, such as INTERNAL: ``*_5xx`` fields are
+    left alone because betterproto2 renders them as ``*_5_xx``). With more than half
+    the replicas out, Envoy's panic threshold (50 %) spreads over all of them.
+    """
+    interval = datetime.timedelta(seconds=interval_s)
+    check = HealthCheck(
+        timeout=interval,
+        interval=interval,
+        no_traffic_interval=interval,
+        unhealthy_threshold=unhealthy_threshold,
+        healthy_threshold=1,
+        grpc_health_check=HealthCheckGrpcHealthCheck(),
+    )
+    outlier = OutlierDetection(
+        split_external_local_origin_errors=True,
+        consecutive_local_origin_failure=unhealthy_threshold,
+        enforcing_consecutive_local_origin_failure=100,
+        consecutive_gateway_failure=unhealthy_threshold,
+        enforcing_consecutive_gateway_failure=100,
+        enforcing_success_rate=0,
+        enforcing_local_origin_success_rate=0,
+        interval=interval,
+        max_ejection_percent=100,
+    )
+    return check, outlier
+
+
 def extproc_cluster(name: str, host: str, port: int, max_requests: int,
-                    more: tuple[tuple[str, int], ...] = ()) -> Cluster:
-    """The ext_proc cluster; ``more`` adds replicas as endpoints (Envoy balances the streams)."""
+                    more: tuple[tuple[str, int], ...] = (), health_interval_s: float = 1.0,
+                    unhealthy_threshold: int = 2) -> Cluster:
+    """The ext_proc cluster; ``more`` adds replicas as endpoints (Envoy balances the streams).
+
+    Health-checked and outlier-detected (``extproc_health``), with one endpoint too: a
+    lone replica that is down is then down in Envoy's stats, and Envoy's panic threshold
+    still sends it every stream, as before.
+    """
     # No HTTP/2 connection_keepalive: grpc-core servers answer pings more frequent than
     # 5 min on an idle connection with GOAWAY (too_many_pings). ext_proc runs next to Envoy,
     # so a dead server shows up as a reset connection anyway.
@@ -115,6 +161,9 @@ def extproc_cluster(name: str, host: str, port: int, max_requests: int,
     )
     endpoints = cluster.load_assignment.endpoints[0].lb_endpoints
     endpoints.extend(LbEndpoint(endpoint=Endpoint(address=socket_address(h, p))) for h, p in more)
+    check, outlier = extproc_health(health_interval_s, unhealthy_threshold)
+    cluster.health_checks = [check]
+    cluster.outlier_detection = outlier
     return cluster
 
 

@@ -201,6 +201,9 @@ class EnvoyOptions:
     request_timeout_s: float = 120.0
     max_connections: int = 1024
     trusted_proxy_hops: int = 0
+    # Envoy's health checks / outlier detection of the extproc replicas (envoy_clusters.extproc_health)
+    extproc_health_interval_s: float = 1.0
+    extproc_unhealthy_threshold: int = 2
     # the policy's gateway.response_processing: "usage_trailers" (Envoy reads the usage,
     # extproc gets one message per response) or "streamed" (every body chunk to extproc)
     response_processing: str = "usage_trailers"
@@ -217,6 +220,8 @@ def gateway_options(gw: Gateway) -> dict[str, object]:
         "request_timeout_s": gw.request_timeout_s,
         "max_connections": gw.max_connections,
         "trusted_proxy_hops": gw.trusted_proxy_hops,
+        "extproc_health_interval_s": gw.extproc_health_interval_s,
+        "extproc_unhealthy_threshold": gw.extproc_unhealthy_threshold,
         "response_processing": gw.response_processing,
     }
 
@@ -486,7 +491,8 @@ def render_bootstrap(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> di
             listeners=[_listener(backends, opts)],
             clusters=[
                 extproc_cluster(EXTPROC_CLUSTER, opts.extproc_host, opts.extproc_port,
-                                opts.extproc_max_requests, opts.extproc_more),
+                                opts.extproc_max_requests, opts.extproc_more,
+                                opts.extproc_health_interval_s, opts.extproc_unhealthy_threshold),
                 *(pool_cluster(b.name, _ms(opts.backend_connect_timeout_ms)) if b.pool else
                   backend_cluster(b.name, b.host, b.port, _ms(opts.backend_connect_timeout_ms))
                   for b in backends),

@@ -16,6 +16,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from extproc.health import Health
 from extproc.peer import PeerStream
 from extproc.runtime import Runtime
 from extproc.stream import StreamProcessor
@@ -68,16 +69,19 @@ SERVER_OPTIONS = [
 
 
 async def start_server(servicer: pb_grpc.ExternalProcessorServicer, host: str, port: int,
-                       reuse_port: bool = False) -> grpc.aio.Server:
+                       reuse_port: bool = False, health: Health | None = None) -> grpc.aio.Server:
     # SO_REUSEPORT only for `serve --workers N` (grpc-core's default is on: a second
     # server on a taken port would silently share it instead of failing to bind).
     server = grpc.aio.server(options=[*SERVER_OPTIONS, ("grpc.so_reuseport", int(reuse_port))])
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+    # grpc.health.v1, which Envoy's ext_proc cluster checks (extproc/health.py)
+    server.add_generic_rpc_handlers([(health or Health()).handler()])
     if server.add_insecure_port(f"{host}:{port}") == 0:
         raise OSError(f"cannot bind ext_proc gRPC on {host}:{port}")
     await server.start()
     return server
 
 
-async def serve(runtime: Runtime, host: str, port: int, reuse_port: bool = False) -> grpc.aio.Server:
-    return await start_server(ExternalProcessor(runtime), host, port, reuse_port)
+async def serve(runtime: Runtime, host: str, port: int, reuse_port: bool = False,
+                health: Health | None = None) -> grpc.aio.Server:
+    return await start_server(ExternalProcessor(runtime), host, port, reuse_port, health)

@@ -41,6 +41,10 @@ class Gateway:
     request_timeout_s: float = 120.0  # time to receive the whole request (not the response)
     max_connections: int = 1024  # open downstream connections on the listener
     trusted_proxy_hops: int = 0  # proxies in front of Envoy whose X-Forwarded-For is trusted
+    # Envoy's gRPC health checks of the extproc replicas (and its outlier detection):
+    # a replica failing this many checks, or streams in a row, gets no new streams.
+    extproc_health_interval_s: float = 1.0
+    extproc_unhealthy_threshold: int = 2
     # Where TPM/RPM buckets live: "memory" (this process) or a Redis URL shared by
     # every replica. $SLUICE_REDIS_URL, when set, wins (a deployment detail).
     state: str = "memory"
