@@ -8,7 +8,6 @@ With prefix affinity on, the pool's affinity row counts a shared system prompt's
 from __future__ import annotations
 
 import copy
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +17,8 @@ import pytest
 
 from tests.e2e import harness
 from tests.e2e.console_stack import OPERATOR, ConsoleStack
-from tests.e2e.harness import TEST_KEYS, Proc, eventually, free_port, get_json, running, wait_http
+from tests.e2e.harness import TEST_KEYS, eventually, free_port, get_json, running
+from tests.e2e.pool_stack import engine_url, start_engine, stop_engine
 from tests.e2e.test_console_browser import browser  # noqa: F401 - the shared chromium fixture
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser]
@@ -32,20 +32,15 @@ class PoolConsoleStack(ConsoleStack):
 
     def start_sim(self) -> None:
         super().start_sim()
-        p = Proc("simbackend-big", [sys.executable, "-m", "bench.simbackend", "--host", "127.0.0.1", "--port",
-                                    str(self.big_port), "--kv-blocks", "4096"],
-                 self.workdir / f"sim-big-{time.monotonic_ns()}.log")
-        self.procs["sim-big"] = p.start()
-        wait_http(f"{self.big_url}/health", proc=p.popen)
+        start_engine(self, "sim-big", self.big_port, ["--kv-blocks", "4096"], f"sim-big-{time.monotonic_ns()}.log")
 
     @property
     def big_url(self) -> str:
-        return f"http://127.0.0.1:{self.big_port}"
+        return engine_url(self.big_port)
 
     def stop(self) -> None:
         super().stop()
-        if "sim-big" in self.procs:
-            self.procs["sim-big"].stop()
+        stop_engine(self, "sim-big")
 
 
 def pool_policy(small: int, big: int) -> dict[str, Any]:

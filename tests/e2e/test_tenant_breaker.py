@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ import pytest
 from extproc.envoyconfig import BackendRoute, EnvoyOptions, write_config
 from extproc.policy.schema import hash_key
 from tests.e2e.harness import Proc, Stack, envoy_binary, free_port, get_json, running, wait_http
+from tests.e2e.pool_stack import start_engine, stop_engine
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
@@ -58,10 +58,7 @@ class TwoBackends(Stack):
 
     def start_sim(self) -> None:
         super().start_sim()
-        p = Proc("simbackend-fb", [sys.executable, "-m", "bench.simbackend", "--host", "127.0.0.1",
-                                   "--port", str(self.fb_port)], self.workdir / "sim-fb.log")
-        self.procs["sim-fb"] = p.start()
-        wait_http(f"http://127.0.0.1:{self.fb_port}/health", proc=p.popen)
+        start_engine(self, "sim-fb", self.fb_port, [], "sim-fb.log")
 
     def start_envoy(self) -> None:
         opts = EnvoyOptions(listen_port=self.envoy_port, admin_port=self.envoy_admin_port,
@@ -75,8 +72,7 @@ class TwoBackends(Stack):
 
     def stop(self) -> None:
         super().stop()
-        if "sim-fb" in self.procs:
-            self.procs["sim-fb"].stop()
+        stop_engine(self, "sim-fb")
 
 
 @pytest.fixture(scope="module")
