@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from bench.procs import Proc, free_port, get_json, tails, wait_http, wait_idle
 from bench.redis_server import RedisServer
@@ -161,3 +161,24 @@ class Sampler(threading.Thread):
         ts = [t for t, _ in self.samples]
         d = sorted(b - a for a, b in zip(ts, ts[1:], strict=False))
         return (d[len(d) // 2], d[-1]) if d else (0.0, 0.0)
+
+
+class ClientThreads:
+    """``clients`` daemon threads that each run ``_run`` (a loop until ``_stop`` is set) inside ``with``."""
+
+    def __init__(self, clients: int) -> None:
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)

@@ -10,7 +10,6 @@ answers NOT_SERVING first and exits only once Envoy has moved away: nothing fail
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +18,7 @@ import httpx
 import pytest
 
 from tests.e2e import harness
-from tests.e2e.fleet import Fleet, start_fleet, stop_fleet
+from tests.e2e.fleet import ClientThreads, Fleet, start_fleet, stop_fleet
 from tests.e2e.harness import eventually, get_json
 from tests.e2e.test_datapath import auth, chat_body
 
@@ -49,12 +48,13 @@ def healthy(f: Fleet) -> dict[int, bool]:
     return out
 
 
-class Traffic:
+class Traffic(ClientThreads):
     """Short requests (~0.1 s) from ``CLIENTS`` threads; keeps (start, end, outcome) per request."""
 
     def __init__(self, f: Fleet) -> None:
-        self.f, self.done, self._stop = f, [], threading.Event()
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(CLIENTS)]
+        super().__init__(CLIENTS)
+        self.f = f
+        self.done: list[tuple[float, float, str]] = []
 
     def _run(self) -> None:
         headers = {"content-type": "application/json", **auth("premium"), "x-sim-tokens": "8", "x-sim-tps": "80"}
@@ -68,16 +68,6 @@ class Traffic:
                     outcome = type(exc).__name__
                 self.done.append((t0, time.monotonic(), outcome))
                 time.sleep(0.01)
-
-    def __enter__(self) -> Traffic:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(30)
 
     def failed(self, after: float, before: float = float("inf")) -> list[tuple[float, float, str]]:
         return [d for d in self.done if after <= d[0] < before and d[2] != "200"]
