@@ -82,6 +82,24 @@ def _settled(f: Fleet) -> None:
         assert st["ledger"]["outstanding"] == 0 and st["ledger"]["balanced"], st["ledger"]
 
 
+def _signal(f: Fleet, victim: int, sig: signal.Signals, what: str) -> tuple[float, float]:
+    """Send ``sig`` to replica ``victim`` (reaping it if killed); wait until Envoy takes it out of balancing.
+
+    Returns (when it was signalled, seconds until Envoy had it out)."""
+    f.procs[f.name(victim)].send_signal(sig)
+    at = time.monotonic()
+    if sig == signal.SIGKILL:
+        f.procs[f.name(victim)].reap()
+    eventually(lambda: not healthy(f)[f.grpc_ports[victim]], 5, f"Envoy took the {what} replica out", interval=0.05)
+    return at, time.monotonic() - at
+
+
+def _restart(f: Fleet, victim: int) -> None:
+    f.start_replica(victim)
+    eventually(lambda: healthy(f)[f.grpc_ports[victim]], 10, "the restarted replica is healthy again in Envoy",
+               interval=0.1)
+
+
 def test_a_killed_replica_gets_no_new_streams_within_3_s(fleet: Fleet) -> None:
     f = fleet
     victim = 2
@@ -89,11 +107,7 @@ def test_a_killed_replica_gets_no_new_streams_within_3_s(fleet: Fleet) -> None:
     with Traffic(f) as traffic:
         time.sleep(2.0)
         assert not traffic.failed(0), traffic.failed(0)  # all well before
-        f.procs[f.name(victim)].send_signal(signal.SIGKILL)
-        killed = time.monotonic()
-        f.procs[f.name(victim)].reap()
-        eventually(lambda: not healthy(f)[port], 5, "Envoy took the dead replica out", interval=0.05)
-        out_after = time.monotonic() - killed
+        killed, out_after = _signal(f, victim, signal.SIGKILL, "dead")
         time.sleep(5.0)
         stopped = time.monotonic()
     in_flight = [d for d in traffic.done if d[0] < killed < d[1] and d[2] != "200"]
@@ -109,8 +123,7 @@ def test_a_killed_replica_gets_no_new_streams_within_3_s(fleet: Fleet) -> None:
           f"started {last * 1e3:.0f} ms after the kill; {len(in_flight)} in flight on it at the kill failed")
     assert not late, late
     assert len(started_after) >= 100, len(started_after)  # the survivors kept serving
-    f.start_replica(victim)
-    eventually(lambda: healthy(f)[port], 10, "the restarted replica is healthy again in Envoy", interval=0.1)
+    _restart(f, victim)
     precharged = get_json(f"{f.admin(victim)}/debug/state")["ledger"]["precharged"]
     with Traffic(f) as traffic:
         eventually(lambda: get_json(f"{f.admin(victim)}/debug/state")["ledger"]["precharged"] > precharged, 10,
@@ -125,10 +138,7 @@ def test_a_replica_sent_sigterm_drains_without_a_failed_request(fleet: Fleet) ->
     port = f.grpc_ports[victim]
     with Traffic(f) as traffic:
         time.sleep(1.5)
-        f.procs[f.name(victim)].send_signal(signal.SIGTERM)
-        termed = time.monotonic()
-        eventually(lambda: not healthy(f)[port], 5, "Envoy took the draining replica out", interval=0.05)
-        out_after = time.monotonic() - termed
+        termed, out_after = _signal(f, victim, signal.SIGTERM, "draining")
         f.procs[f.name(victim)].reap(10)
         exited = time.monotonic() - termed
         time.sleep(1.0)
@@ -140,6 +150,5 @@ def test_a_replica_sent_sigterm_drains_without_a_failed_request(fleet: Fleet) ->
     assert "NOT_SERVING seen by the health checkers" in log
     assert not traffic.failed(0), traffic.failed(0)
     assert exited < 5.0, exited
-    f.start_replica(victim)
-    eventually(lambda: healthy(f)[port], 10, "the restarted replica is healthy again in Envoy", interval=0.1)
+    _restart(f, victim)
     _settled(f)
