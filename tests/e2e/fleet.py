@@ -189,9 +189,10 @@ class ClientThreads:
 
 
 async def post_counted(http: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
-                       codes: dict[str, int]) -> httpx.Response | None:
+                       codes: dict[str, int], rng: random.Random, cap_s: float) -> httpx.Response | None:
     """POST a chat completion to ``url``; count its outcome in ``codes``: "200", "<status> <x-sluice-reason>",
-    or the transport error's name (then None, returned 0.1 s later)."""
+    or the transport error's name (then None, returned 0.1 s later). A refusal is returned after waiting out
+    its retry-after-ms (200 ms if absent) within [20 ms, ``cap_s``], jittered up to +30 %."""
     try:
         r = await http.post(f"{url}/v1/chat/completions", json=body, headers=headers)
     except httpx.HTTPError as exc:
@@ -200,10 +201,7 @@ async def post_counted(http: httpx.AsyncClient, url: str, body: dict[str, Any], 
         return None
     key = str(r.status_code) + ("" if r.status_code == 200 else f" {r.headers.get('x-sluice-reason')}")
     codes[key] = codes.get(key, 0) + 1
+    if r.status_code != 200:
+        wait = float(r.headers.get("retry-after-ms", "200")) / 1000
+        await asyncio.sleep(min(cap_s, max(0.02, wait)) * rng.uniform(1.0, 1.3))
     return r
-
-
-async def back_off(r: httpx.Response, rng: random.Random, cap_s: float) -> None:
-    """Wait out a refusal: its retry-after-ms (200 ms if absent) within [20 ms, cap_s], jittered up to +30 %."""
-    wait = float(r.headers.get("retry-after-ms", "200")) / 1000
-    await asyncio.sleep(min(cap_s, max(0.02, wait)) * rng.uniform(1.0, 1.3))

@@ -28,15 +28,7 @@ import pytest
 
 from extproc.policy.schema import hash_key
 from tests.e2e import harness
-from tests.e2e.fleet import (
-    Fleet,
-    Sampler,
-    back_off,
-    backend_metrics,
-    post_counted,
-    start_fleet,
-    stop_fleet,
-)
+from tests.e2e.fleet import Fleet, Sampler, backend_metrics, post_counted, start_fleet, stop_fleet
 from tests.e2e.harness import eventually
 
 pytestmark = pytest.mark.e2e
@@ -81,9 +73,7 @@ async def _drive(url: str, seconds: float) -> dict[str, int]:
                 "max_tokens": n, "stream": True, "stream_options": {"include_usage": True}}
         headers = {"authorization": f"Bearer {KEY}", "x-sim-tokens": str(n), "x-sim-tps": "60"}
         while time.monotonic() < stop_at:
-            r = await post_counted(http, url, body, headers, codes)
-            if r is not None and r.status_code != 200:
-                await back_off(r, rng, 1.0)
+            await post_counted(http, url, body, headers, codes, rng, 1.0)
 
     limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
     async with httpx.AsyncClient(timeout=30, limits=limits) as http:

@@ -27,15 +27,7 @@ import pytest
 
 from extproc.policy.schema import hash_key
 from tests.e2e import harness
-from tests.e2e.fleet import (
-    Fleet,
-    Sampler,
-    back_off,
-    backend_metrics,
-    post_counted,
-    start_fleet,
-    stop_fleet,
-)
+from tests.e2e.fleet import Fleet, Sampler, backend_metrics, post_counted, start_fleet, stop_fleet
 from tests.e2e.harness import eventually
 from tests.e2e.test_fleet_long import worst_window
 
@@ -101,13 +93,9 @@ async def _drive(url: str, stop: asyncio.Event, codes: dict[str, int], ok_at: li
     async def client(http: httpx.AsyncClient) -> None:
         while not stop.is_set():
             sent = time.monotonic()
-            r = await post_counted(http, url, body, headers, codes)
-            if r is None:
-                continue
-            if r.status_code == 200:
+            r = await post_counted(http, url, body, headers, codes, rng, 0.5)
+            if r is not None and r.status_code == 200:
                 ok_at.append(sent)  # ~ when it was admitted (responses take ~1 s)
-            else:
-                await back_off(r, rng, 0.5)
 
     limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
     async with httpx.AsyncClient(timeout=30, limits=limits) as http:
