@@ -28,3 +28,14 @@ def start_engine(s: Stack, name: str, port: int, args: Sequence[str], log: str) 
 def stop_engine(s: Stack, name: str) -> None:
     if name in s.procs:
         s.procs[name].stop()
+
+
+class ExtraEngines:
+    """Put before a Stack class in the bases: ``stop`` also stops the engines named in ``engines``."""
+
+    engines: tuple[str, ...] = ()
+
+    def stop(self) -> None:
+        super().stop()  # type: ignore[misc]
+        for name in self.engines:
+            stop_engine(self, name)  # type: ignore[arg-type]

@@ -18,16 +18,17 @@ import pytest
 from tests.e2e import harness
 from tests.e2e.console_stack import ConsoleStack
 from tests.e2e.harness import TEST_KEYS, eventually, free_port, get_json, running
-from tests.e2e.pool_stack import engine_url, start_engine, stop_engine
+from tests.e2e.pool_stack import ExtraEngines, engine_url, start_engine
 from tests.e2e.test_console_browser import browser, log_in, new_page  # noqa: F401 - browser: the shared fixture
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser]
 CHAT = "/v1/chat/completions"
 
 
-class PoolConsoleStack(ConsoleStack):
+class PoolConsoleStack(ExtraEngines, ConsoleStack):
     """The console stack whose backend is a pool: the harness's engine plus a bigger second one."""
 
+    engines = ("sim-big",)
     big_port: int = 0
 
     def start_sim(self) -> None:
@@ -37,10 +38,6 @@ class PoolConsoleStack(ConsoleStack):
     @property
     def big_url(self) -> str:
         return engine_url(self.big_port)
-
-    def stop(self) -> None:
-        super().stop()
-        stop_engine(self, "sim-big")
 
 
 def pool_policy(small: int, big: int) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import pytest
 
 from extproc.policy.schema import hash_key
 from tests.e2e.harness import Stack, eventually, free_port, get_json, running
-from tests.e2e.pool_stack import engine_url, start_engine, stop_engine
+from tests.e2e.pool_stack import ExtraEngines, engine_url, start_engine
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
@@ -50,8 +50,10 @@ def policy(small: int, big: int) -> dict[str, Any]:
     }
 
 
-class PoolStack(Stack):
+class PoolStack(ExtraEngines, Stack):
     """The harness's stack plus a second, bigger engine as the pool's second endpoint."""
+
+    engines = ("sim-big",)
 
     def start_sim(self) -> None:
         self.sim_args = ["--kv-blocks", str(SMALL_BLOCKS), *COMMON]
@@ -65,10 +67,6 @@ class PoolStack(Stack):
     @property
     def big_url(self) -> str:
         return engine_url(self.big_port)
-
-    def stop(self) -> None:
-        super().stop()
-        stop_engine(self, "sim-big")
 
 
 @pytest.fixture(scope="module")

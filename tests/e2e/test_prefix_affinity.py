@@ -21,7 +21,7 @@ import pytest
 
 from extproc.policy.schema import hash_key
 from tests.e2e.harness import Stack, eventually, free_port, get_json, running
-from tests.e2e.pool_stack import engine_url, start_engine, stop_engine
+from tests.e2e.pool_stack import ExtraEngines, engine_url, start_engine
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
@@ -56,7 +56,9 @@ def policy(a: int, b: int, affinity: bool) -> dict[str, Any]:
     }
 
 
-class TwoEngines(Stack):
+class TwoEngines(ExtraEngines, Stack):
+    engines = ("sim-b",)
+
     def start_sim(self) -> None:
         self.sim_args = list(COMMON)
         super().start_sim()
@@ -65,10 +67,6 @@ class TwoEngines(Stack):
     @property
     def b_url(self) -> str:
         return engine_url(self.b_port)
-
-    def stop(self) -> None:
-        super().stop()
-        stop_engine(self, "sim-b")
 
 
 @pytest.fixture(scope="module")

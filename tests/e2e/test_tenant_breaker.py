@@ -23,7 +23,7 @@ import pytest
 from extproc.envoyconfig import BackendRoute, EnvoyOptions, write_config
 from extproc.policy.schema import hash_key
 from tests.e2e.harness import Proc, Stack, envoy_binary, free_port, get_json, running, wait_http
-from tests.e2e.pool_stack import start_engine, stop_engine
+from tests.e2e.pool_stack import ExtraEngines, start_engine
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
@@ -51,9 +51,10 @@ def policy(port: int, fb_port: int) -> dict[str, Any]:
     }
 
 
-class TwoBackends(Stack):
+class TwoBackends(ExtraEngines, Stack):
     """The harness's stack with a second simulated backend, routed as ``sim-fb``."""
 
+    engines = ("sim-fb",)
     fb_port: int = 0
 
     def start_sim(self) -> None:
@@ -69,10 +70,6 @@ class TwoBackends(Stack):
                            "--concurrency", "1"], self.workdir / "envoy.log")
         self.procs["envoy"] = p.start()
         wait_http(f"http://127.0.0.1:{self.envoy_admin_port}/ready", proc=p.popen)
-
-    def stop(self) -> None:
-        super().stop()
-        stop_engine(self, "sim-fb")
 
 
 @pytest.fixture(scope="module")
