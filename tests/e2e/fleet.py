@@ -9,6 +9,8 @@ from the simulated backend's ``/metrics`` and the replicas' ``/debug/state``.
 
 from __future__ import annotations
 
+import asyncio
+import random
 import re
 import sys
 import threading
@@ -18,7 +20,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
+
+import httpx
 
 from bench.procs import Proc, free_port, get_json, tails, wait_http, wait_idle
 from bench.redis_server import RedisServer
@@ -161,3 +165,43 @@ class Sampler(threading.Thread):
         ts = [t for t, _ in self.samples]
         d = sorted(b - a for a, b in zip(ts, ts[1:], strict=False))
         return (d[len(d) // 2], d[-1]) if d else (0.0, 0.0)
+
+
+class ClientThreads:
+    """``clients`` daemon threads that each run ``_run`` (a loop until ``_stop`` is set) inside ``with``."""
+
+    def __init__(self, clients: int) -> None:
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+
+
+async def post_counted(http: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
+                       codes: dict[str, int], rng: random.Random, cap_s: float) -> httpx.Response | None:
+    """POST a chat completion to ``url``; count its outcome in ``codes``: "200", "<status> <x-sluice-reason>",
+    or the transport error's name (then None, returned 0.1 s later). A refusal is returned after waiting out
+    its retry-after-ms (200 ms if absent) within [20 ms, ``cap_s``], jittered up to +30 %."""
+    try:
+        r = await http.post(f"{url}/v1/chat/completions", json=body, headers=headers)
+    except httpx.HTTPError as exc:
+        codes[type(exc).__name__] = codes.get(type(exc).__name__, 0) + 1
+        await asyncio.sleep(0.1)
+        return None
+    key = str(r.status_code) + ("" if r.status_code == 200 else f" {r.headers.get('x-sluice-reason')}")
+    codes[key] = codes.get(key, 0) + 1
+    if r.status_code != 200:
+        wait = float(r.headers.get("retry-after-ms", "200")) / 1000
+        await asyncio.sleep(min(cap_s, max(0.02, wait)) * rng.uniform(1.0, 1.3))
+    return r

@@ -52,6 +52,23 @@ def browser() -> Iterator[Any]:
         b.close()
 
 
+def new_page(browser: Any) -> tuple[Any, Any, list[str]]:
+    """A 1400x900 browser context and its page (10 s default timeout), and the console errors it logs."""
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(10_000)
+    console_errors: list[str] = []
+    page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
+    return context, page, console_errors
+
+
+def log_in(page: Any) -> None:
+    """Fill and submit the login form the page shows, as the operator."""
+    page.fill("input[name=name]", OPERATOR[0])
+    page.fill("input[name=password]", OPERATOR[1])
+    page.click("form.login button[type=submit]")
+
+
 def sim_config(stack: ConsoleStack, **update: Any) -> None:
     req = urllib.request.Request(f"{stack.sim_url}/admin/config", data=json.dumps(update).encode(),
                                  headers={"content-type": "application/json"}, method="POST")
@@ -69,18 +86,12 @@ def test_operator_steers_the_gateway_from_the_browser(stack: ConsoleStack, brows
                                                       tmp_path: Path) -> None:
     from playwright.sync_api import expect
 
-    context = browser.new_context(viewport={"width": 1400, "height": 900})
-    page = context.new_page()
-    page.set_default_timeout(10_000)
-    console_errors: list[str] = []
-    page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
+    context, page, console_errors = new_page(browser)
     try:
         # -- log in -------------------------------------------------------------
         page.goto(stack.console_url + "/")
         expect(page.locator("form.login")).to_be_visible()
-        page.fill("input[name=name]", OPERATOR[0])
-        page.fill("input[name=password]", OPERATOR[1])
-        page.click("form.login button[type=submit]")
+        log_in(page)
         expect(page.locator("h1")).to_have_text("Backends")
         expect(page.locator("#replica-r1 .is-live")).to_have_text("live", timeout=10_000)
 
@@ -166,14 +177,10 @@ def test_a_key_issued_in_the_console_is_accepted_by_envoy(stack: ConsoleStack, b
     one works, each within 2 s."""
     from playwright.sync_api import expect
 
-    context = browser.new_context(viewport={"width": 1400, "height": 900})
-    page = context.new_page()
-    page.set_default_timeout(10_000)
+    context, page, _ = new_page(browser)
     try:
         page.goto(stack.console_url + "/tenants")
-        page.fill("input[name=name]", OPERATOR[0])
-        page.fill("input[name=password]", OPERATOR[1])
-        page.click("form.login button[type=submit]")
+        log_in(page)
         expect(page.locator("h1")).to_have_text("Tenants")
         page.click("#tenant-new summary")
         form = page.locator("#tenant-new form")

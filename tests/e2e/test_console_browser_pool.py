@@ -8,7 +8,6 @@ With prefix affinity on, the pool's affinity row counts a shared system prompt's
 from __future__ import annotations
 
 import copy
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,35 +16,28 @@ import httpx
 import pytest
 
 from tests.e2e import harness
-from tests.e2e.console_stack import OPERATOR, ConsoleStack
-from tests.e2e.harness import TEST_KEYS, Proc, eventually, free_port, get_json, running, wait_http
-from tests.e2e.test_console_browser import browser  # noqa: F401 - the shared chromium fixture
+from tests.e2e.console_stack import ConsoleStack
+from tests.e2e.harness import TEST_KEYS, eventually, free_port, get_json, running
+from tests.e2e.pool_stack import ExtraEngines, engine_url, start_engine
+from tests.e2e.test_console_browser import browser, log_in, new_page  # noqa: F401 - browser: the shared fixture
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser]
 CHAT = "/v1/chat/completions"
 
 
-class PoolConsoleStack(ConsoleStack):
+class PoolConsoleStack(ExtraEngines, ConsoleStack):
     """The console stack whose backend is a pool: the harness's engine plus a bigger second one."""
 
+    engines = ("sim-big",)
     big_port: int = 0
 
     def start_sim(self) -> None:
         super().start_sim()
-        p = Proc("simbackend-big", [sys.executable, "-m", "bench.simbackend", "--host", "127.0.0.1", "--port",
-                                    str(self.big_port), "--kv-blocks", "4096"],
-                 self.workdir / f"sim-big-{time.monotonic_ns()}.log")
-        self.procs["sim-big"] = p.start()
-        wait_http(f"{self.big_url}/health", proc=p.popen)
+        start_engine(self, "sim-big", self.big_port, ["--kv-blocks", "4096"], f"sim-big-{time.monotonic_ns()}.log")
 
     @property
     def big_url(self) -> str:
-        return f"http://127.0.0.1:{self.big_port}"
-
-    def stop(self) -> None:
-        super().stop()
-        if "sim-big" in self.procs:
-            self.procs["sim-big"].stop()
+        return engine_url(self.big_port)
 
 
 def pool_policy(small: int, big: int) -> dict[str, Any]:
@@ -93,16 +85,10 @@ def test_operator_trips_and_resets_one_pool_endpoint_from_the_overview(stack: Po
 
     big = f"127.0.0.1:{stack.big_port}"
     row_id = "#endpoint-sim-" + big.replace(":", "-").replace(".", "-")
-    context = browser.new_context(viewport={"width": 1400, "height": 900})
-    page = context.new_page()
-    page.set_default_timeout(10_000)
-    console_errors: list[str] = []
-    page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
+    context, page, console_errors = new_page(browser)
     try:
         page.goto(stack.console_url + "/")
-        page.fill("input[name=name]", OPERATOR[0])
-        page.fill("input[name=password]", OPERATOR[1])
-        page.click("form.login button[type=submit]")
+        log_in(page)
         expect(page.locator("h1")).to_have_text("Backends")
         expect(page.locator(row_id)).to_be_visible()
         eventually(lambda: chat(stack).status_code == 200 and served(stack.big_url) > 0, 10,

@@ -10,7 +10,6 @@ answers NOT_SERVING first and exits only once Envoy has moved away: nothing fail
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +18,7 @@ import httpx
 import pytest
 
 from tests.e2e import harness
-from tests.e2e.fleet import Fleet, start_fleet, stop_fleet
+from tests.e2e.fleet import ClientThreads, Fleet, start_fleet, stop_fleet
 from tests.e2e.harness import eventually, get_json
 from tests.e2e.test_datapath import auth, chat_body
 
@@ -49,12 +48,13 @@ def healthy(f: Fleet) -> dict[int, bool]:
     return out
 
 
-class Traffic:
+class Traffic(ClientThreads):
     """Short requests (~0.1 s) from ``CLIENTS`` threads; keeps (start, end, outcome) per request."""
 
     def __init__(self, f: Fleet) -> None:
-        self.f, self.done, self._stop = f, [], threading.Event()
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(CLIENTS)]
+        super().__init__(CLIENTS)
+        self.f = f
+        self.done: list[tuple[float, float, str]] = []
 
     def _run(self) -> None:
         headers = {"content-type": "application/json", **auth("premium"), "x-sim-tokens": "8", "x-sim-tps": "80"}
@@ -69,16 +69,6 @@ class Traffic:
                 self.done.append((t0, time.monotonic(), outcome))
                 time.sleep(0.01)
 
-    def __enter__(self) -> Traffic:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(30)
-
     def failed(self, after: float, before: float = float("inf")) -> list[tuple[float, float, str]]:
         return [d for d in self.done if after <= d[0] < before and d[2] != "200"]
 
@@ -92,6 +82,24 @@ def _settled(f: Fleet) -> None:
         assert st["ledger"]["outstanding"] == 0 and st["ledger"]["balanced"], st["ledger"]
 
 
+def _signal(f: Fleet, victim: int, sig: signal.Signals, what: str) -> tuple[float, float]:
+    """Send ``sig`` to replica ``victim`` (reaping it if killed); wait until Envoy takes it out of balancing.
+
+    Returns (when it was signalled, seconds until Envoy had it out)."""
+    f.procs[f.name(victim)].send_signal(sig)
+    at = time.monotonic()
+    if sig == signal.SIGKILL:
+        f.procs[f.name(victim)].reap()
+    eventually(lambda: not healthy(f)[f.grpc_ports[victim]], 5, f"Envoy took the {what} replica out", interval=0.05)
+    return at, time.monotonic() - at
+
+
+def _restart(f: Fleet, victim: int) -> None:
+    f.start_replica(victim)
+    eventually(lambda: healthy(f)[f.grpc_ports[victim]], 10, "the restarted replica is healthy again in Envoy",
+               interval=0.1)
+
+
 def test_a_killed_replica_gets_no_new_streams_within_3_s(fleet: Fleet) -> None:
     f = fleet
     victim = 2
@@ -99,11 +107,7 @@ def test_a_killed_replica_gets_no_new_streams_within_3_s(fleet: Fleet) -> None:
     with Traffic(f) as traffic:
         time.sleep(2.0)
         assert not traffic.failed(0), traffic.failed(0)  # all well before
-        f.procs[f.name(victim)].send_signal(signal.SIGKILL)
-        killed = time.monotonic()
-        f.procs[f.name(victim)].reap()
-        eventually(lambda: not healthy(f)[port], 5, "Envoy took the dead replica out", interval=0.05)
-        out_after = time.monotonic() - killed
+        killed, out_after = _signal(f, victim, signal.SIGKILL, "dead")
         time.sleep(5.0)
         stopped = time.monotonic()
     in_flight = [d for d in traffic.done if d[0] < killed < d[1] and d[2] != "200"]
@@ -119,8 +123,7 @@ def test_a_killed_replica_gets_no_new_streams_within_3_s(fleet: Fleet) -> None:
           f"started {last * 1e3:.0f} ms after the kill; {len(in_flight)} in flight on it at the kill failed")
     assert not late, late
     assert len(started_after) >= 100, len(started_after)  # the survivors kept serving
-    f.start_replica(victim)
-    eventually(lambda: healthy(f)[port], 10, "the restarted replica is healthy again in Envoy", interval=0.1)
+    _restart(f, victim)
     precharged = get_json(f"{f.admin(victim)}/debug/state")["ledger"]["precharged"]
     with Traffic(f) as traffic:
         eventually(lambda: get_json(f"{f.admin(victim)}/debug/state")["ledger"]["precharged"] > precharged, 10,
@@ -135,10 +138,7 @@ def test_a_replica_sent_sigterm_drains_without_a_failed_request(fleet: Fleet) ->
     port = f.grpc_ports[victim]
     with Traffic(f) as traffic:
         time.sleep(1.5)
-        f.procs[f.name(victim)].send_signal(signal.SIGTERM)
-        termed = time.monotonic()
-        eventually(lambda: not healthy(f)[port], 5, "Envoy took the draining replica out", interval=0.05)
-        out_after = time.monotonic() - termed
+        termed, out_after = _signal(f, victim, signal.SIGTERM, "draining")
         f.procs[f.name(victim)].reap(10)
         exited = time.monotonic() - termed
         time.sleep(1.0)
@@ -150,6 +150,5 @@ def test_a_replica_sent_sigterm_drains_without_a_failed_request(fleet: Fleet) ->
     assert "NOT_SERVING seen by the health checkers" in log
     assert not traffic.failed(0), traffic.failed(0)
     assert exited < 5.0, exited
-    f.start_replica(victim)
-    eventually(lambda: healthy(f)[port], 10, "the restarted replica is healthy again in Envoy", interval=0.1)
+    _restart(f, victim)
     _settled(f)

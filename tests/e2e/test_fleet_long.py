@@ -28,7 +28,7 @@ import pytest
 
 from extproc.policy.schema import hash_key
 from tests.e2e import harness
-from tests.e2e.fleet import Fleet, Sampler, backend_metrics, start_fleet, stop_fleet
+from tests.e2e.fleet import Fleet, Sampler, backend_metrics, post_counted, start_fleet, stop_fleet
 from tests.e2e.harness import eventually
 
 pytestmark = pytest.mark.e2e
@@ -73,17 +73,7 @@ async def _drive(url: str, seconds: float) -> dict[str, int]:
                 "max_tokens": n, "stream": True, "stream_options": {"include_usage": True}}
         headers = {"authorization": f"Bearer {KEY}", "x-sim-tokens": str(n), "x-sim-tps": "60"}
         while time.monotonic() < stop_at:
-            try:
-                r = await http.post(f"{url}/v1/chat/completions", json=body, headers=headers)
-            except httpx.HTTPError as exc:
-                codes[type(exc).__name__] = codes.get(type(exc).__name__, 0) + 1
-                await asyncio.sleep(0.1)
-                continue
-            key = str(r.status_code) + ("" if r.status_code == 200 else f" {r.headers.get('x-sluice-reason')}")
-            codes[key] = codes.get(key, 0) + 1
-            if r.status_code != 200:
-                wait = float(r.headers.get("retry-after-ms", "200")) / 1000
-                await asyncio.sleep(min(1.0, max(0.02, wait)) * rng.uniform(1.0, 1.3))
+            await post_counted(http, url, body, headers, codes, rng, 1.0)
 
     limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
     async with httpx.AsyncClient(timeout=30, limits=limits) as http:

@@ -27,7 +27,7 @@ import pytest
 
 from extproc.policy.schema import hash_key
 from tests.e2e import harness
-from tests.e2e.fleet import Fleet, Sampler, backend_metrics, start_fleet, stop_fleet
+from tests.e2e.fleet import Fleet, Sampler, backend_metrics, post_counted, start_fleet, stop_fleet
 from tests.e2e.harness import eventually
 from tests.e2e.test_fleet_long import worst_window
 
@@ -93,19 +93,9 @@ async def _drive(url: str, stop: asyncio.Event, codes: dict[str, int], ok_at: li
     async def client(http: httpx.AsyncClient) -> None:
         while not stop.is_set():
             sent = time.monotonic()
-            try:
-                r = await http.post(f"{url}/v1/chat/completions", json=body, headers=headers)
-            except httpx.HTTPError as exc:
-                codes[type(exc).__name__] = codes.get(type(exc).__name__, 0) + 1
-                await asyncio.sleep(0.1)
-                continue
-            key = str(r.status_code) + ("" if r.status_code == 200 else f" {r.headers.get('x-sluice-reason')}")
-            codes[key] = codes.get(key, 0) + 1
-            if r.status_code == 200:
+            r = await post_counted(http, url, body, headers, codes, rng, 0.5)
+            if r is not None and r.status_code == 200:
                 ok_at.append(sent)  # ~ when it was admitted (responses take ~1 s)
-            else:
-                wait = float(r.headers.get("retry-after-ms", "200")) / 1000
-                await asyncio.sleep(min(0.5, max(0.02, wait)) * rng.uniform(1.0, 1.3))
 
     limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
     async with httpx.AsyncClient(timeout=30, limits=limits) as http:

@@ -13,7 +13,6 @@ new epoch, its streams in flight settle, and it serves again.
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +23,7 @@ import pytest
 import redis
 
 from tests.e2e import harness
-from tests.e2e.fleet import Fleet, Sampler, backend_metrics, start_fleet, stop_fleet
+from tests.e2e.fleet import ClientThreads, Fleet, Sampler, backend_metrics, start_fleet, stop_fleet
 from tests.e2e.harness import eventually, get_json
 from tests.e2e.test_datapath import auth, chat_body
 
@@ -58,13 +57,14 @@ def redis_view(r: redis.Redis) -> dict[str, int]:
     return {m: amounts.get(m, 0) for m in holders}
 
 
-class Traffic:
+class Traffic(ClientThreads):
     """Short requests (~0.25 s) from 6 threads until stopped; counts answers by replica-visible outcome."""
 
     def __init__(self, f: Fleet) -> None:
-        self.f, self.codes, self._stop = f, {}, threading.Event()
+        super().__init__(6)
+        self.f = f
+        self.codes: dict[str, int] = {}
         self.ok_at: list[float] = []
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(6)]
 
     def _run(self) -> None:
         headers = {"content-type": "application/json", **auth("premium"), "x-sim-tokens": "20", "x-sim-tps": "80"}
@@ -79,16 +79,6 @@ class Traffic:
                     key = type(exc).__name__
                 self.codes[key] = self.codes.get(key, 0) + 1
                 time.sleep(0.02)
-
-    def __enter__(self) -> Traffic:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(30)
 
 
 def _slow(f: Fleet, n: int, seconds: float) -> list[Any]:

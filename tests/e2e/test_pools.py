@@ -8,7 +8,6 @@ connects to the ip:port Sluice put in ``x-sluice-endpoint``.
 from __future__ import annotations
 
 import copy
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +17,8 @@ import httpx
 import pytest
 
 from extproc.policy.schema import hash_key
-from tests.e2e.harness import Proc, Stack, eventually, free_port, get_json, running, wait_http
+from tests.e2e.harness import Stack, eventually, free_port, get_json, running
+from tests.e2e.pool_stack import ExtraEngines, engine_url, start_engine
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
@@ -50,8 +50,10 @@ def policy(small: int, big: int) -> dict[str, Any]:
     }
 
 
-class PoolStack(Stack):
+class PoolStack(ExtraEngines, Stack):
     """The harness's stack plus a second, bigger engine as the pool's second endpoint."""
+
+    engines = ("sim-big",)
 
     def start_sim(self) -> None:
         self.sim_args = ["--kv-blocks", str(SMALL_BLOCKS), *COMMON]
@@ -59,20 +61,12 @@ class PoolStack(Stack):
         self.start_big()
 
     def start_big(self) -> None:
-        p = Proc("simbackend-big", [sys.executable, "-m", "bench.simbackend", "--host", "127.0.0.1", "--port",
-                                    str(self.big_port), "--kv-blocks", str(BIG_BLOCKS), *COMMON],
-                 self.workdir / f"sim-big-{time.monotonic_ns()}.log")
-        self.procs["sim-big"] = p.start()
-        wait_http(f"{self.big_url}/health", proc=p.popen)
+        start_engine(self, "sim-big", self.big_port, ["--kv-blocks", str(BIG_BLOCKS), *COMMON],
+                     f"sim-big-{time.monotonic_ns()}.log")
 
     @property
     def big_url(self) -> str:
-        return f"http://127.0.0.1:{self.big_port}"
-
-    def stop(self) -> None:
-        super().stop()
-        if "sim-big" in self.procs:
-            self.procs["sim-big"].stop()
+        return engine_url(self.big_port)
 
 
 @pytest.fixture(scope="module")

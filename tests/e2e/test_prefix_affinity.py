@@ -11,7 +11,6 @@ the time to first token tell, measured in the same run.
 from __future__ import annotations
 
 import copy
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,8 @@ import httpx
 import pytest
 
 from extproc.policy.schema import hash_key
-from tests.e2e.harness import Proc, Stack, eventually, free_port, get_json, running, wait_http
+from tests.e2e.harness import Stack, eventually, free_port, get_json, running
+from tests.e2e.pool_stack import ExtraEngines, engine_url, start_engine
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
@@ -56,23 +56,17 @@ def policy(a: int, b: int, affinity: bool) -> dict[str, Any]:
     }
 
 
-class TwoEngines(Stack):
+class TwoEngines(ExtraEngines, Stack):
+    engines = ("sim-b",)
+
     def start_sim(self) -> None:
         self.sim_args = list(COMMON)
         super().start_sim()
-        p = Proc("simbackend-b", [sys.executable, "-m", "bench.simbackend", "--host", "127.0.0.1", "--port",
-                                  str(self.b_port), *COMMON], self.workdir / "sim-b.log")
-        self.procs["sim-b"] = p.start()
-        wait_http(f"{self.b_url}/health", proc=p.popen)
+        start_engine(self, "sim-b", self.b_port, COMMON, "sim-b.log")
 
     @property
     def b_url(self) -> str:
-        return f"http://127.0.0.1:{self.b_port}"
-
-    def stop(self) -> None:
-        super().stop()
-        if "sim-b" in self.procs:
-            self.procs["sim-b"].stop()
+        return engine_url(self.b_port)
 
 
 @pytest.fixture(scope="module")

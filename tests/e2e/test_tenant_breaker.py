@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ import pytest
 from extproc.envoyconfig import BackendRoute, EnvoyOptions, write_config
 from extproc.policy.schema import hash_key
 from tests.e2e.harness import Proc, Stack, envoy_binary, free_port, get_json, running, wait_http
+from tests.e2e.pool_stack import ExtraEngines, start_engine
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
@@ -51,17 +51,15 @@ def policy(port: int, fb_port: int) -> dict[str, Any]:
     }
 
 
-class TwoBackends(Stack):
+class TwoBackends(ExtraEngines, Stack):
     """The harness's stack with a second simulated backend, routed as ``sim-fb``."""
 
+    engines = ("sim-fb",)
     fb_port: int = 0
 
     def start_sim(self) -> None:
         super().start_sim()
-        p = Proc("simbackend-fb", [sys.executable, "-m", "bench.simbackend", "--host", "127.0.0.1",
-                                   "--port", str(self.fb_port)], self.workdir / "sim-fb.log")
-        self.procs["sim-fb"] = p.start()
-        wait_http(f"http://127.0.0.1:{self.fb_port}/health", proc=p.popen)
+        start_engine(self, "sim-fb", self.fb_port, [], "sim-fb.log")
 
     def start_envoy(self) -> None:
         opts = EnvoyOptions(listen_port=self.envoy_port, admin_port=self.envoy_admin_port,
@@ -72,11 +70,6 @@ class TwoBackends(Stack):
                            "--concurrency", "1"], self.workdir / "envoy.log")
         self.procs["envoy"] = p.start()
         wait_http(f"http://127.0.0.1:{self.envoy_admin_port}/ready", proc=p.popen)
-
-    def stop(self) -> None:
-        super().stop()
-        if "sim-fb" in self.procs:
-            self.procs["sim-fb"].stop()
 
 
 @pytest.fixture(scope="module")
