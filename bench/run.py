@@ -1,7 +1,7 @@
 """``python -m bench.run``: every benchmark in one run, markdown on stdout and in
 ``bench/results/report.md``, one PNG per headline configuration in ``bench/results/``.
 
-    python -m bench.run                      # everything, ~7 minutes on 2 cores
+    python -m bench.run                      # everything, ~20 minutes on 2 cores
     python -m bench.run --quick              # shorter phases and runs, ~3 minutes
     python -m bench.run --only headline      # or tpm, soak, overhead, tokenizer
     python -m bench.run --only headline --configs ad
