@@ -27,8 +27,6 @@ from extproc.policy.schema import Backend, Limits, Model, Policy, Tenant
 from extproc.policy.tenant_breakers import REASON_TENANT_OPEN
 from extproc.runtime import Runtime
 
-# Refusals for room that a bigger lease may cure (a shared store): see Admission._await_lease.
-_LEASE_SHORT = frozenset({decision.Cause.KV_EXHAUSTED, decision.Cause.SLOTS_EXHAUSTED})
 LEASE_WAIT_HINT_S = 2.0  # Envoy's message timeout while the lease check runs (bounded at 0.5 s, runtime)
 
 
@@ -232,7 +230,7 @@ class Admission:
             return []
         if isinstance(got, decision.Queue):
             return [self._wait_hint()]
-        if be.lease_wait is not None and got.cause in _LEASE_SHORT and ticket.lease_short is None:
+        if be.lease_wait is not None and got.cause in decision.ROOM_CAUSES and ticket.lease_short is None:
             # Shared leases: the room may be in the pool but not yet in this replica's lease;
             # the refusal woke the lease task, so wait for that one check and try once more.
             ticket.lease_short = req

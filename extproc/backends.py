@@ -22,7 +22,7 @@ from extproc.policy import kv as kvmath
 from extproc.policy.admission_queue import AdmissionQueue, Enqueued, TierQueueConfig
 from extproc.policy.breaker import Breaker, BreakerConfig
 from extproc.policy.concurrency import AdaptiveLimit
-from extproc.policy.decision import Admit, Cause, Queue, Reject
+from extproc.policy.decision import ROOM_CAUSES, Admit, Queue, Reject
 from extproc.policy.owed import LOOK_AHEAD
 from extproc.policy.schema import Backend, BreakerOverride, BreakerSettings, Policy
 from extproc.policy.slots import Denied, PoolName, SlotGrant, SlotPool
@@ -31,8 +31,6 @@ from extproc.policy.watermark import WatermarkController
 from extproc.scrape import scrape_status
 
 _ids = itertools.count(1)
-# Refusals a bigger lease cannot help: the shared store's lease task is not woken for them.
-_NOT_SHORT = frozenset({Cause.SLOTS_TENANT_CAP, Cause.CONTEXT_LENGTH})
 
 
 def breaker_config(s: BreakerSettings) -> BreakerConfig:
@@ -321,7 +319,7 @@ class BackendState:
             if isinstance(got, Hold):
                 return got
             d = admit.refused(req, got)
-        if self.on_short is not None and d.cause not in _NOT_SHORT:
+        if self.on_short is not None and d.cause in ROOM_CAUSES:
             self.on_short(self, req.kv, now)
         return d
 

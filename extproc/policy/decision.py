@@ -11,7 +11,7 @@ from enum import StrEnum
 
 from extproc.policy.slots import PoolName
 
-__all__ = ["ADMIT", "Admit", "Cause", "Decision", "Queue", "Reason", "Reject"]
+__all__ = ["ADMIT", "ROOM_CAUSES", "Admit", "Cause", "Decision", "Queue", "Reason", "Reject"]
 
 
 class Reason(StrEnum):
@@ -62,4 +62,8 @@ class Reject:
 
 
 Decision = Admit | Queue | Reject
+# No room now: the causes a bigger share of the pool can cure (a shared store's lease
+# grows for them, extproc.store.lease_plan); a tenant cap, a footprint over the whole
+# cache or the context window cannot be cured that way.
+ROOM_CAUSES = frozenset({Cause.KV_EXHAUSTED, Cause.SLOTS_EXHAUSTED})
 ADMIT: dict[PoolName, Admit] = {"guaranteed": Admit("guaranteed"), "shared": Admit("shared")}
