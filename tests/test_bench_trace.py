@@ -10,7 +10,13 @@ import pytest
 import yaml
 
 from bench.loadgen import Result, prompt_text
-from bench.metrics import max_window_ratio, pct, rate_per_minute, tokens_between
+from bench.metrics import (
+    max_window_ratio,
+    pct,
+    rate_per_minute,
+    spread_rate_per_minute,
+    tokens_between,
+)
 from bench.stack import envoy_config, example_policy, local_ratelimit_filter
 from bench.trace import (
     CHAT_MODEL,
@@ -135,6 +141,22 @@ def test_window_ratio_of_a_bucket_that_keeps_its_contract() -> None:
     assert ratio == pytest.approx((1000 + 300 + 100) / (1000 + 300))
 
 
+def test_spread_rate_counts_the_part_of_each_response_inside_the_window() -> None:
+    # 100 tokens over [0, 10]: a window [5, 15) holds half of them: 50 in 10 s = 300/min.
+    assert spread_rate_per_minute([(0.0, 10.0, 100)], 5.0, 15.0) == pytest.approx(300.0)
+    # Back-to-back responses at a constant rate give that rate in any window, edges or not,
+    # where counting each at its end jumps by one response as an end crosses the edge.
+    spans = [(10.0 * k, 10.0 * (k + 1), 100) for k in range(20)]
+    ends = [(e, n) for _, e, n in spans]
+    assert rate_per_minute(ends, 28.0, 53.0) == pytest.approx(720.0)  # three ends in 25 s
+    assert rate_per_minute(ends, 31.0, 56.0) == pytest.approx(480.0)  # two
+    assert spread_rate_per_minute(spans, 28.0, 53.0) == pytest.approx(600.0)
+    assert spread_rate_per_minute(spans, 31.0, 56.0) == pytest.approx(600.0)
+    # an instant response counts whole where it ends; an empty window has no rate
+    assert spread_rate_per_minute([(4.0, 4.0, 60)], 0.0, 60.0) == pytest.approx(60.0)
+    assert math.isnan(spread_rate_per_minute(spans, 5.0, 5.0))
+
+
 def test_window_ratio_empty_and_steady_rate() -> None:
     assert max_window_ratio([], 100, 60)[0] == 0.0
     events = [(float(t), 50) for t in range(0, 120)]
@@ -198,3 +220,12 @@ def test_example_policy_rewrites_only_addresses(tmp_path: Path) -> None:
             assert b1["metrics_url"] == f"http://127.0.0.1:{port}/metrics"
             assert {k: v for k, v in b1.items() if k not in ("address", "metrics_url")} == \
                 {k: v for k, v in b0.items() if k not in ("address", "metrics_url")}
+
+
+def test_tpm_ledger_check_allows_only_the_estimated_responses_error() -> None:
+    from bench.tpm import ledger_matches
+    assert ledger_matches(177_470, 177_470, 0, 500.0)
+    assert not ledger_matches(177_470, 177_471, 0, 500.0)  # nothing estimated: exact or missed
+    assert ledger_matches(177_470, 177_477, 1, 500.0)  # one estimate, 7 tokens off
+    assert not ledger_matches(177_470, 177_700, 1, 500.0)  # beyond one estimate's 25 %
+    assert not ledger_matches(1, None, 5, 500.0)
