@@ -17,6 +17,9 @@ from typing import Any
 
 import yaml
 
+# The data plane's file set and its change check: the console reads what extproc reads.
+from extproc.policyfile import policy_files
+
 
 class BaseError(ValueError):
     def __init__(self, problems: list[str]):
@@ -37,23 +40,6 @@ class Base:
 
 def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-def policy_files(directory: Path) -> list[Path]:
-    if directory.is_file():
-        return [directory]
-    return sorted([*directory.glob("*.yaml"), *directory.glob("*.yml")])
-
-
-def fingerprint(directory: Path) -> tuple[tuple[str, int, int], ...]:
-    out = []
-    for f in policy_files(directory):
-        try:
-            st = f.stat()
-        except FileNotFoundError:
-            continue
-        out.append((f.name, st.st_size, st.st_mtime_ns))
-    return tuple(out)
 
 
 def merge(parts: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from console.basefiles import Base, BaseError
 from console.overrides import Conflict, Override
 from console.store import Store
 from extproc.policy import schema
+from extproc.policyfile import fingerprint
 
 FILES_ACTOR = "files"
 
@@ -97,7 +98,7 @@ class PolicyState:
             return False
         with self._files_lock:
             self._last_check = mono
-            fp = basefiles.fingerprint(self.policy_dir)
+            fp = fingerprint(self.policy_dir)
             if fp == self._fingerprint and not force:
                 return False
             self._fingerprint = fp
