@@ -61,7 +61,7 @@ from bench.overhead_report import (
     phase_rows,
     render_markdown,
 )
-from bench.procs import Proc, free_port, http_ok, tcp_open, wait_until
+from bench.procs import ProcGroup, free_port, http_ok, tcp_open
 from bench.procs import envoy_binary as _envoy_binary
 from bench.protobench import protobuf_rows
 
@@ -113,39 +113,33 @@ def bench_policy(backend_port: int) -> dict[str, Any]:
     }
 
 
-class Stack:
+class Stack(ProcGroup):
     """Backend, pass-through ext_proc, Sluice and three Envoys, all on random ports."""
 
     def __init__(self, workdir: Path, envoy_concurrency: int, response_processing: str = "usage_trailers") -> None:
-        self.dir = workdir
+        super().__init__(workdir)
         self.concurrency = envoy_concurrency
         self.response_processing = response_processing
-        self.procs: dict[str, Proc] = {}
-        self.logs: dict[str, Path] = {}
         self.backend_port, self.pt_port, self.grpc_port, self.admin_port = (free_port() for _ in range(4))
         self.listen = {c: free_port() for c in CONFIGS}
         self.envoy_admin = {c: free_port() for c in CONFIGS}
 
-    def _start(self, name: str, args: list[str], ready: Callable[[], bool], what: str = "") -> None:
-        p = self.procs[name] = Proc(name, args, self.dir / f"{name}.log").start()
-        self.logs[name] = p.log
-        wait_until(ready, what or name, p.popen, log=p.log)
-
     def start(self) -> None:
         from extproc.envoyconfig import BackendRoute, EnvoyOptions, render_bootstrap
 
+        envoy_binary()  # without Envoy, stop the whole run here (SystemExit), not mid-stack
         py = sys.executable
-        self._start("backend", [py, "-m", "bench.fastbackend", "--port", str(self.backend_port)],
-                    lambda: http_ok(f"http://127.0.0.1:{self.backend_port}/health"))
-        self._start("passthrough", [py, "-m", "bench.passthrough_extproc", "--grpc", f"127.0.0.1:{self.pt_port}"],
-                    lambda: tcp_open(self.pt_port), "pass-through ext_proc")
+        self.start_proc("backend", [py, "-m", "bench.fastbackend", "--port", str(self.backend_port)],
+                        lambda: http_ok(f"http://127.0.0.1:{self.backend_port}/health"))
+        self.start_proc("passthrough", [py, "-m", "bench.passthrough_extproc", "--grpc", f"127.0.0.1:{self.pt_port}"],
+                        lambda: tcp_open(self.pt_port), "pass-through ext_proc")
         policy = self.dir / "policies"
         policy.mkdir()
         doc = bench_policy(self.backend_port)
         (policy / "policy.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
-        self._start("sluice", [py, "-m", "extproc", "serve", "--policy", str(policy),
-                               "--grpc", f"127.0.0.1:{self.grpc_port}", "--admin", f"127.0.0.1:{self.admin_port}"],
-                    lambda: http_ok(f"http://127.0.0.1:{self.admin_port}/healthz"))
+        self.start_proc("sluice", [py, "-m", "extproc", "serve", "--policy", str(policy),
+                                   "--grpc", f"127.0.0.1:{self.grpc_port}", "--admin", f"127.0.0.1:{self.admin_port}"],
+                        lambda: http_ok(f"http://127.0.0.1:{self.admin_port}/healthz"))
         gw = doc["gateway"]
         for c in CONFIGS:
             opts = EnvoyOptions(listen_port=self.listen[c], admin_port=self.envoy_admin[c],
@@ -156,18 +150,7 @@ class Stack:
             cfg = render_bootstrap([BackendRoute("fast", "127.0.0.1", self.backend_port, (MODEL,))], opts)
             if c == "a":
                 cfg = strip_ext_proc(cfg)
-            path = self.dir / f"envoy-{c}.yaml"
-            path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-            self._start(f"envoy-{c}", [envoy_binary(), "-c", str(path), "--disable-hot-restart", "-l", "warning",
-                                       "--concurrency", str(self.concurrency)],
-                        lambda c=c: http_ok(f"http://127.0.0.1:{self.envoy_admin[c]}/ready"))
-
-    def stop(self) -> None:
-        # All signalled before any is waited for: they shut down side by side.
-        for p in self.procs.values():
-            p.send_signal()
-        for p in self.procs.values():
-            p.reap()
+            self.start_envoy(f"envoy-{c}", cfg, self.envoy_admin[c], self.concurrency)
 
     def cpu_ticks(self, names: Iterable[str] | None = None) -> dict[str, int]:
         """utime+stime (clock ticks) of each named child, and of this process as "loadgen"."""

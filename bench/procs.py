@@ -163,3 +163,37 @@ class Proc:
 def tails(procs: Iterable[Proc], lines: int = 30) -> str:
     """The end of every process's log, each under a header naming it."""
     return "\n".join(f"----- {p.name} ({p.log}) -----\n{p.tail(lines)}" for p in procs)
+
+
+class ProcGroup:
+    """Processes started one by one, each waited for until ready, and stopped side by side
+    (all signalled before any is waited for: a stack's shutdown takes one reap, not N)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.dir = workdir
+        self.procs: dict[str, Proc] = {}
+
+    def start_proc(self, name: str, args: list[str], ready: Callable[[], bool], what: str = "") -> Proc:
+        p = self.procs[name] = Proc(name, args, self.dir / f"{name}.log").start()
+        wait_until(ready, what or name, p.popen, log=p.log)
+        return p
+
+    def start_envoy(self, name: str, cfg: dict[str, Any], admin_port: int, concurrency: int) -> Proc:
+        """An Envoy on ``cfg`` (written next to its log), ready when its admin says so."""
+        import yaml
+
+        path = self.dir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        return self.start_proc(name, [envoy_binary(), "-c", str(path), "--disable-hot-restart", "-l", "warning",
+                                 "--concurrency", str(concurrency)],
+                          lambda: http_ok(f"http://127.0.0.1:{admin_port}/ready"))
+
+    @property
+    def logs(self) -> dict[str, Path]:
+        return {name: p.log for name, p in self.procs.items()}
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            p.send_signal()
+        for p in self.procs.values():
+            p.reap()

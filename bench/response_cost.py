@@ -38,7 +38,7 @@ from typing import Any
 
 import yaml
 
-from bench.procs import Proc, envoy_binary, free_port, http_ok, tcp_open, wait_until
+from bench.procs import ProcGroup, free_port, http_ok, tcp_open
 
 MODEL = "paced"
 KEY = "sk-bench-paced"
@@ -111,36 +111,31 @@ async def _burst(port: int, streams: int, tokens: int, interval_ms: int) -> list
     return await asyncio.gather(*(_one(port, tokens, interval_ms) for _ in range(streams)))
 
 
-class Bench:
+class Bench(ProcGroup):
     def __init__(self, workdir: Path) -> None:
-        self.dir = workdir
-        self.procs: dict[str, Proc] = {}
+        super().__init__(workdir)
         self.backend_port = free_port()
         self.grpc = {c: free_port() for c in CONFIGS if c != "alone"}
         self.admin = {c: free_port() for c in CONFIGS if c != "alone"}
         self.listen = {c: free_port() for c in CONFIGS}
         self.envoy_admin = {c: free_port() for c in CONFIGS}
 
-    def _start(self, name: str, args: list[str], ready: Any) -> None:
-        p = self.procs[name] = Proc(name, args, self.dir / f"{name}.log").start()
-        wait_until(ready, name, p.popen, log=p.log)
-
     def start(self) -> None:
         from bench.overhead import strip_ext_proc
         from extproc.envoyconfig import BackendRoute, EnvoyOptions, render_bootstrap
 
         py = sys.executable
-        self._start("backend", [py, "-m", "bench.pacedbackend", "--port", str(self.backend_port)],
-                    lambda: tcp_open(self.backend_port))
+        self.start_proc("backend", [py, "-m", "bench.pacedbackend", "--port", str(self.backend_port)],
+                        lambda: tcp_open(self.backend_port))
         pol = self.dir / "policies"
         pol.mkdir()
         (pol / "policy.yaml").write_text(yaml.safe_dump(policy(self.backend_port), sort_keys=False))
         for c, port in self.grpc.items():
             admin = self.admin[c]
-            self._start(f"sluice-{c}", [py, "-m", "extproc", "serve", "--policy", str(pol), "--grpc",
-                                        f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin}",
-                                        "--reload-interval", "60"],
-                        lambda admin=admin: http_ok(f"http://127.0.0.1:{admin}/healthz"))
+            self.start_proc(f"sluice-{c}", [py, "-m", "extproc", "serve", "--policy", str(pol), "--grpc",
+                                            f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin}",
+                                            "--reload-interval", "60"],
+                            lambda admin=admin: http_ok(f"http://127.0.0.1:{admin}/healthz"))
         for c in CONFIGS:
             opts = EnvoyOptions(listen_port=self.listen[c], admin_port=self.envoy_admin[c],
                                 extproc_port=self.grpc.get(c, 1),
@@ -149,17 +144,7 @@ class Bench:
             cfg = render_bootstrap([BackendRoute("paced", "127.0.0.1", self.backend_port)], opts)
             if c == "alone":
                 cfg = strip_ext_proc(cfg)
-            path = self.dir / f"envoy-{c}.yaml"
-            path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-            self._start(f"envoy-{c}", [envoy_binary(), "-c", str(path), "--disable-hot-restart", "-l", "warning",
-                                       "--concurrency", "1"],
-                        lambda c=c: http_ok(f"http://127.0.0.1:{self.envoy_admin[c]}/ready"))
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            p.send_signal()
-        for p in self.procs.values():
-            p.reap()
+            self.start_envoy(f"envoy-{c}", cfg, self.envoy_admin[c], 1)
 
     def messages(self, c: str) -> float:
         if c == "alone":
