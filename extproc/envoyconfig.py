@@ -44,7 +44,7 @@ from __future__ import annotations
 import datetime
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import betterproto2
@@ -69,6 +69,8 @@ from envoy_data_plane.envoy.config.overload.v3 import OverloadManager, ResourceM
 from envoy_data_plane.envoy.config.route.v3 import (
     FilterConfig,
     HeaderMatcher,
+    RetryPolicy,
+    RetryPolicyRetryBackOff,
     Route,
     RouteAction,
     RouteConfiguration,
@@ -107,6 +109,7 @@ from extproc import envoy_usage
 from extproc.drain import DRAIN_PATH, LIMIT_HEADER
 from extproc.envoy_clusters import (
     DRAIN_CLUSTER,
+    UPSTREAM_HEADER,
     backend_cluster,
     extproc_cluster,
     pool_cluster,
@@ -138,6 +141,8 @@ EXTPROC_CLUSTER = "sluice_extproc"
 ROUTER_FILTER = "envoy.filters.http.router"
 EXTPROC_FILTER = "envoy.filters.http.ext_proc"
 _MIB = 1024 * 1024
+# The one x-envoy-* header the ext_proc server may mutate (the mutation rules below).
+EXTPROC_MAY_SET = "^x-envoy-max-retries$"
 _LONG_IDLE = datetime.timedelta(seconds=300)  # SSE streams may pause between tokens
 
 # One JSON line per request on stdout. Everything Sluice decides is in x-sluice-reason;
@@ -170,7 +175,7 @@ class BackendRoute:
     host: str  # e.g. "127.0.0.1"
     port: int
     models: tuple[str, ...] = ()  # informational
-    pool: bool = False  # endpoints picked by Sluice: an ORIGINAL_DST cluster (envoy_clusters.pool_cluster)
+    pool: bool = False  # endpoints picked by Sluice: an EDS cluster (envoy_clusters.pool_cluster)
 
 
 @dataclass(frozen=True)
@@ -207,6 +212,12 @@ class EnvoyOptions:
     # the policy's gateway.response_processing: "usage_trailers" (Envoy reads the usage,
     # extproc gets one message per response) or "streamed" (every body chunk to extproc)
     response_processing: str = "usage_trailers"
+    # Where the pools' endpoint files are (<eds_dir>/<pool>.eds.yaml, extproc.envoy_eds);
+    # "" in write_config: the rendered config's directory.
+    eds_dir: str = ""
+    # A pool route's wait before it re-picks after a refused connection (Envoy's back-off
+    # is random up to this; the retry goes to another endpoint, so there is nothing to wait for).
+    repick_backoff_ms: int = 1
 
 
 def gateway_options(gw: Gateway) -> dict[str, object]:
@@ -290,8 +301,11 @@ def _ext_proc_filter(opts: EnvoyOptions) -> HttpFilter:
         # Envoy's defaults, spelled out: the server may set/remove any header
         # (authorization, x-api-key, content-length, x-sluice-*) except host,
         # :authority, :scheme, :method and x-envoy-*; a disallowed mutation is
-        # ignored and counted in ext_proc's rejected_header_mutations.
-        mutation_rules=HeaderMutationRules(allow_all_routing=False, allow_envoy=False),
+        # ignored and counted in ext_proc's rejected_header_mutations. One x-envoy-*
+        # header is allowed: x-envoy-max-retries (0 when a pool request has no second
+        # choice, so a refused connection is not retried on a host round robin picks).
+        mutation_rules=HeaderMutationRules(allow_all_routing=False, allow_envoy=False,
+                                           allow_expression=RegexMatcher(regex=EXTPROC_MAY_SET)),
         # DEFAULT: re-match routes when a response carries clear_route_cache together
         # with a header mutation (how x-sluice-backend takes effect).
         route_cache_action=ExternalProcessorRouteCacheAction.DEFAULT,
@@ -316,14 +330,38 @@ def _headers_from_metadata() -> list[HeaderValueOption]:
     ]
 
 
-def _route(cluster: str, headers: list[HeaderMatcher]) -> Route:
+# The only retry: a pool request whose connection was refused (or timed out connecting)
+# goes once to Sluice's second choice (x-sluice-endpoint's next host). Never on a reset
+# or a 5xx: a request that reached an engine may be generating already, and a replay
+# would generate twice for one bill.
+REPICK_ON = "connect-failure"
+
+
+def _repick(opts: EnvoyOptions) -> RetryPolicy:
+    backoff = _ms(opts.repick_backoff_ms)
+    return RetryPolicy(retry_on=REPICK_ON, num_retries=1,
+                       retry_back_off=RetryPolicyRetryBackOff(base_interval=backoff, max_interval=backoff))
+
+
+def _served_by() -> list[HeaderValueOption]:
+    return [HeaderValueOption(
+        header=HeaderValue(key=UPSTREAM_HEADER, value="%UPSTREAM_REMOTE_ADDRESS%"),
+        append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
+        keep_empty_value=False,  # Envoy's own replies (no upstream) get none
+    )]
+
+
+def _route(b: BackendRoute, headers: list[HeaderMatcher], opts: EnvoyOptions) -> Route:
+    """A backend's route; a pool's re-picks once on a refused connection and says who served."""
     return Route(
         match=RouteMatch(prefix="/", headers=headers),
         route=RouteAction(
-            cluster=cluster,
+            cluster=b.name,
             timeout=datetime.timedelta(0),  # no overall limit: generations stream for minutes
             idle_timeout=_LONG_IDLE,
+            retry_policy=_repick(opts) if b.pool else None,
         ),
+        response_headers_to_add=_served_by() if b.pool else [],
     )
 
 
@@ -363,12 +401,13 @@ def _route_config(backends: Sequence[BackendRoute], opts: EnvoyOptions,
     routes = [_drain_route(opts, filters)]
     routes.extend(
         _route(
-            b.name,
+            b,
             [HeaderMatcher(name=BACKEND_HEADER, string_match=StringMatcher(exact=b.name))],
+            opts,
         )
         for b in backends
     )
-    routes.append(_route(backends[0].name, []))
+    routes.append(_route(backends[0], [], opts))
     return RouteConfiguration(
         name="sluice_routes",
         virtual_hosts=[VirtualHost(name="sluice", domains=["*"], routes=routes)],
@@ -493,7 +532,7 @@ def render_bootstrap(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> di
                 extproc_cluster(EXTPROC_CLUSTER, opts.extproc_host, opts.extproc_port,
                                 opts.extproc_max_requests, opts.extproc_more,
                                 opts.extproc_health_interval_s, opts.extproc_unhealthy_threshold),
-                *(pool_cluster(b.name, _ms(opts.backend_connect_timeout_ms)) if b.pool else
+                *(pool_cluster(b.name, _ms(opts.backend_connect_timeout_ms), opts.eds_dir or ".") if b.pool else
                   backend_cluster(b.name, b.host, b.port, _ms(opts.backend_connect_timeout_ms))
                   for b in backends),
                 backend_cluster(DRAIN_CLUSTER, opts.drain_host, opts.drain_port, _ms(250)),
@@ -513,9 +552,14 @@ def render_yaml(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> str:
 
 
 def write_config(path: str | Path, backends: Sequence[BackendRoute], opts: EnvoyOptions) -> Path:
-    """Write the rendered YAML to ``path`` (parent directories created) and return it."""
+    """Write the rendered YAML to ``path`` (parent directories created) and return it.
+
+    Pools read their endpoints from ``opts.eds_dir``, by default ``path``'s directory;
+    the directory is created, the files are ``extproc.envoy_eds``'s job."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if any(b.pool for b in backends):
+        opts = replace(opts, eds_dir=opts.eds_dir or str(path.parent))
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(render_yaml(backends, opts))
     tmp.replace(path)
