@@ -290,8 +290,12 @@ def _ext_proc_filter(opts: EnvoyOptions) -> HttpFilter:
         # Envoy's defaults, spelled out: the server may set/remove any header
         # (authorization, x-api-key, content-length, x-sluice-*) except host,
         # :authority, :scheme, :method and x-envoy-*; a disallowed mutation is
-        # ignored and counted in ext_proc's rejected_header_mutations.
-        mutation_rules=HeaderMutationRules(allow_all_routing=False, allow_envoy=False),
+        # ignored and counted in ext_proc's rejected_header_mutations. One x-envoy-*
+        # header is allowed: x-envoy-max-retries, which Sluice sets to 0 on a pool request
+        # without a second choice (extproc.repick); a client's copy never gets this far
+        # (stripped at the edge, see _edge_options).
+        mutation_rules=HeaderMutationRules(allow_all_routing=False, allow_envoy=False,
+                                           allow_expression=RegexMatcher(regex="^x-envoy-max-retries$")),
         # DEFAULT: re-match routes when a response carries clear_route_cache together
         # with a header mutation (how x-sluice-backend takes effect).
         route_cache_action=ExternalProcessorRouteCacheAction.DEFAULT,
