@@ -116,6 +116,7 @@ from extproc.envoy_replies import local_reply_config
 from extproc.messages import METADATA_NAMESPACE, RESPONSE_HEADERS_FROM_METADATA
 from extproc.openai_body import ENDPOINTS
 from extproc.policy.model import Gateway
+from extproc.repick import ENVOY_MUTABLE
 
 __all__ = [
     "BACKEND_HEADER",
@@ -290,12 +291,12 @@ def _ext_proc_filter(opts: EnvoyOptions) -> HttpFilter:
         # Envoy's defaults, spelled out: the server may set/remove any header
         # (authorization, x-api-key, content-length, x-sluice-*) except host,
         # :authority, :scheme, :method and x-envoy-*; a disallowed mutation is
-        # ignored and counted in ext_proc's rejected_header_mutations. One x-envoy-*
-        # header is allowed: x-envoy-max-retries, which Sluice sets to 0 on a pool request
-        # without a second choice (extproc.repick); a client's copy never gets this far
-        # (stripped at the edge, see _edge_options).
+        # ignored and counted in ext_proc's rejected_header_mutations. The router's retry
+        # and timeout headers are the exception (extproc.repick.ENVOY_MUTABLE): Sluice sets
+        # x-envoy-max-retries: 0 on a pool request without a second choice, and removes a
+        # client's copies of all of them (Envoy strips them at the edge too, _edge_options).
         mutation_rules=HeaderMutationRules(allow_all_routing=False, allow_envoy=False,
-                                           allow_expression=RegexMatcher(regex="^x-envoy-max-retries$")),
+                                           allow_expression=RegexMatcher(regex=ENVOY_MUTABLE)),
         # DEFAULT: re-match routes when a response carries clear_route_cache together
         # with a header mutation (how x-sluice-backend takes effect).
         route_cache_action=ExternalProcessorRouteCacheAction.DEFAULT,

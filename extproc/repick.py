@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from extproc.admission import Ticket
-from extproc.metrics import Metrics
 from extproc.policy.breaker import Outcome
+
+if TYPE_CHECKING:  # envoyconfig imports this module: keep it light
+    from extproc.admission import Ticket
+    from extproc.metrics import Metrics
 
 log = logging.getLogger("sluice.repick")
 
@@ -28,6 +31,29 @@ ENDPOINT_HEADER = "x-sluice-endpoint"  # as extproc.stream and extproc.envoy_clu
 UPSTREAM_HEADER = "x-sluice-upstream"  # ip:port that served a pool request (added by Envoy's pool routes)
 MAX_RETRIES_HEADER = "x-envoy-max-retries"
 UNKNOWN = "unknown"  # the to_endpoint label of a served address that is not in the pool
+
+# What Envoy's router reads to retry, hedge or time out a request. A client's copy must never
+# reach it: a tenant could have a failed generation replayed (run twice, billed once). Envoy
+# strips client-sent x-envoy-* at the edge (envoyconfig._edge_options); Sluice removes these
+# too, so that holds whatever Envoy takes for internal. Envoy lets ext_proc touch exactly
+# these x-envoy-* headers (ENVOY_MUTABLE, envoyconfig's mutation_rules).
+CLIENT_RETRY_HEADERS = (
+    "x-envoy-retry-on", MAX_RETRIES_HEADER, "x-envoy-retry-grpc-on", "x-envoy-retriable-status-codes",
+    "x-envoy-retriable-header-names", "x-envoy-hedge-on-per-try-timeout",
+    "x-envoy-upstream-rq-per-try-timeout-ms", "x-envoy-upstream-rq-timeout-ms",
+    "x-envoy-upstream-rq-timeout-alt-response",
+)
+# Every name above, by prefix (Envoy matches the whole name, and refuses a regex whose RE2
+# program is over 100: the list spelt out is 150). Only Sluice's own mutations meet it.
+ENVOY_MUTABLE = "x-envoy-(retr|max-retries|hedge-on|upstream-rq-).*"
+# Removed from every request Sluice forwards; one Sluice sets itself is overwritten instead.
+_REMOVE_ALL = CLIENT_RETRY_HEADERS
+_REMOVE_BUT_MAX_RETRIES = tuple(h for h in CLIENT_RETRY_HEADERS if h != MAX_RETRIES_HEADER)
+
+
+def client_retry_removals(set_headers: dict[str, str]) -> tuple[str, ...]:
+    """The client retry headers to remove from a request whose mutation sets ``set_headers``."""
+    return _REMOVE_BUT_MAX_RETRIES if MAX_RETRIES_HEADER in set_headers else _REMOVE_ALL
 
 
 def endpoint_headers(primary: str, second: str | None) -> dict[str, str]:

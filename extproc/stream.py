@@ -28,7 +28,12 @@ from extproc.policy.gate import RateView, Verdict
 from extproc.policy.schema import Limits, Model, Tenant
 from extproc.prefix_key import prefix_keys
 from extproc.redact import redact_query
-from extproc.repick import UPSTREAM_HEADER, endpoint_headers, served_elsewhere
+from extproc.repick import (
+    UPSTREAM_HEADER,
+    client_retry_removals,
+    endpoint_headers,
+    served_elsewhere,
+)
 from extproc.response import JSONTracker, SSETracker
 from extproc.runtime import Runtime
 from extproc.settle import Settlement
@@ -189,7 +194,8 @@ class StreamProcessor(Settlement):
             dest = self._passthrough_destination()  # overwrites a client's; else a client's is removed
             return msg.headers_response("request_headers", {**self._identity_headers(), **new_path, **dest},
                                         (*(KEY_HEADERS if gw.strip_api_key else ()), *(() if dest else
-                                                                                      (ENDPOINT_HEADER,))),
+                                                                                      (ENDPOINT_HEADER,)),
+                                         *client_retry_removals(dest)),
                                         mode_override=msg.SKIP_REST)
         if headers.get(":method", "POST") != "POST":
             raise Reject("bad_request", f"{path} takes POST.", code="method_not_allowed")
@@ -287,7 +293,7 @@ class StreamProcessor(Settlement):
             set_headers.update(dest)  # where the pool cluster connects, and retries once (extproc.repick)
         if new_body is not None:
             set_headers["content-length"] = str(len(new_body))
-        remove = KEY_HEADERS if gw.strip_api_key else ()
+        remove = (*(KEY_HEADERS if gw.strip_api_key else ()), *client_retry_removals(set_headers))
         # Response headers decided now travel as dynamic metadata (see envoyconfig).
         out_headers = ratelimit_headers(verdict.tokens, verdict.requests)
         if ticket.degraded:
