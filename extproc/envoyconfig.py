@@ -119,6 +119,7 @@ from extproc.envoy_replies import local_reply_config
 from extproc.messages import METADATA_NAMESPACE, RESPONSE_HEADERS_FROM_METADATA
 from extproc.openai_body import ENDPOINTS
 from extproc.policy.model import Gateway
+from extproc.repick import ENVOY_MUTABLE
 
 __all__ = [
     "BACKEND_HEADER",
@@ -141,8 +142,6 @@ EXTPROC_CLUSTER = "sluice_extproc"
 ROUTER_FILTER = "envoy.filters.http.router"
 EXTPROC_FILTER = "envoy.filters.http.ext_proc"
 _MIB = 1024 * 1024
-# The one x-envoy-* header the ext_proc server may mutate (the mutation rules below).
-EXTPROC_MAY_SET = "^x-envoy-max-retries$"
 _LONG_IDLE = datetime.timedelta(seconds=300)  # SSE streams may pause between tokens
 
 # One JSON line per request on stdout. Everything Sluice decides is in x-sluice-reason;
@@ -301,11 +300,12 @@ def _ext_proc_filter(opts: EnvoyOptions) -> HttpFilter:
         # Envoy's defaults, spelled out: the server may set/remove any header
         # (authorization, x-api-key, content-length, x-sluice-*) except host,
         # :authority, :scheme, :method and x-envoy-*; a disallowed mutation is
-        # ignored and counted in ext_proc's rejected_header_mutations. One x-envoy-*
-        # header is allowed: x-envoy-max-retries (0 when a pool request has no second
-        # choice, so a refused connection is not retried on a host round robin picks).
+        # ignored and counted in ext_proc's rejected_header_mutations. The router's retry
+        # and timeout headers are the exception (extproc.repick.ENVOY_MUTABLE): Sluice sets
+        # x-envoy-max-retries: 0 on a pool request without a second choice, and removes a
+        # client's copies of all of them (Envoy strips them at the edge too, _edge_options).
         mutation_rules=HeaderMutationRules(allow_all_routing=False, allow_envoy=False,
-                                           allow_expression=RegexMatcher(regex=EXTPROC_MAY_SET)),
+                                           allow_expression=RegexMatcher(regex=ENVOY_MUTABLE)),
         # DEFAULT: re-match routes when a response carries clear_route_cache together
         # with a header mutation (how x-sluice-backend takes effect).
         route_cache_action=ExternalProcessorRouteCacheAction.DEFAULT,

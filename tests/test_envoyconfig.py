@@ -24,6 +24,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
+from extproc import repick
 from extproc.drain import DRAIN_PATH, LIMIT_HEADER
 from extproc.envoy_clusters import ENDPOINT_HEADER, UPSTREAM_HEADER
 from extproc.envoy_eds import render as render_eds
@@ -630,13 +631,15 @@ def test_only_pool_routes_retry_and_only_on_a_refused_connection() -> None:
         assert "retry_policy" not in vhost["routes"][0]["route"]  # the drain
 
 
-def test_ext_proc_may_set_x_envoy_max_retries_and_no_other_envoy_header() -> None:
+def test_ext_proc_may_set_x_envoy_max_retries_and_no_other_envoy_header_but_the_retry_ones() -> None:
     rules = ext_proc(render_bootstrap(BACKENDS, EnvoyOptions()))["mutation_rules"]
-    assert rules == {"allow_all_routing": False, "allow_envoy": False,
-                     "allow_expression": {"regex": "^x-envoy-max-retries$"}}
-    allowed = re.compile(rules["allow_expression"]["regex"])
-    assert allowed.match("x-envoy-max-retries")
-    assert not any(allowed.match(h) for h in ("x-envoy-retry-on", "x-envoy-max-retries-x", "x-envoy-upstream-rq-timeout-ms"))
+    assert rules["allow_all_routing"] is False and rules["allow_envoy"] is False
+    allowed = re.compile(rules["allow_expression"]["regex"])  # Envoy matches the whole name
+    assert allowed.fullmatch("x-envoy-max-retries")
+    assert not any(allowed.fullmatch(h) for h in ("x-envoy-original-path", "x-envoy-internal",
+                                                  "x-envoy-expected-rq-timeout-ms", "x-envoy-decorator-operation"))
+    # extproc names the headers as Envoy's routes and clusters do
+    assert (repick.ENDPOINT_HEADER, repick.UPSTREAM_HEADER) == (ENDPOINT_HEADER, UPSTREAM_HEADER)
 
 
 # A pool through the real Envoy, with a stub ext_proc server that names the endpoints the
