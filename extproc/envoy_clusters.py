@@ -221,6 +221,10 @@ def pool_cluster(name: str, connect_timeout: datetime.timedelta, eds_dir: str) -
     cluster = _cluster(name, "127.0.0.1", 1, connect_timeout=connect_timeout,
                        protocol=HttpProtocolOptionsExplicitHttpConfig(http_protocol_options=Http1ProtocolOptions()),
                        max_requests=_BACKEND_CIRCUIT_LIMIT)
+    # Envoy allows 3 retries in flight per cluster by default (max_retries): a fourth
+    # request refused at once got a 503 (response flags UO,UF) instead of its re-pick.
+    # Each request retries at most once, so the limit is the request limit.
+    cluster.circuit_breakers.thresholds[0].max_retries = _BACKEND_CIRCUIT_LIMIT
     cluster.type = ClusterDiscoveryType.EDS
     cluster.load_assignment = None
     cluster.eds_cluster_config = ClusterEdsClusterConfig(eds_config=ConfigSource(

@@ -511,6 +511,7 @@ def echo_backend(name: str) -> ThreadingHTTPServer:
 
         def do_POST(self) -> None:  # noqa: N802 (http.server naming)
             body = self.rfile.read(int(self.headers.get("content-length", "0")))
+            time.sleep(float(self.headers.get("x-echo-delay-ms", "0")) / 1000)
             out = json.dumps(
                 {"backend": name, "headers": dict(self.headers), "body": body.decode()}
             ).encode()
@@ -598,6 +599,9 @@ def test_a_pool_is_an_eds_cluster_balanced_by_the_hosts_in_x_sluice_endpoint(tmp
     assert override["override_host_sources"] == [{"header": ENDPOINT_HEADER}]
     (fallback,) = override["fallback_policy"]["policies"]
     assert fallback["typed_extension_config"]["name"] == "envoy.load_balancing_policies.round_robin"
+    # Envoy's default of 3 retries in flight would turn a 4th concurrent re-pick into a 503.
+    (limits,) = pool["circuit_breakers"]["thresholds"]
+    assert limits["max_retries"] == limits["max_requests"] > 1024
     # The usage path's upstream filters sit on whatever cluster serves the request.
     (protocol,) = pool["typed_extension_protocol_options"].values()
     assert [f["name"] for f in protocol["http_filters"]] == [
@@ -717,8 +721,14 @@ def test_a_refused_connection_is_retried_once_on_the_next_listed_endpoint(tmp_pa
                 assert status == 200, body
                 assert json.loads(body)["backend"] == "a" and headers["x-test-served"] == live_a
                 assert UPSTREAM_HEADER not in headers, "ext_proc may remove it"
+            # Many at once, each served for 0.3 s: every one re-picked (a retry counts as in
+            # flight until it is answered; Envoy's default allows 3 per cluster).
+            with futures.ThreadPoolExecutor(8) as pool:
+                got = list(pool.map(lambda _: ask(f"{closed},{live_a}", **{"x-echo-delay-ms": "300"}), range(16)))
+            assert [status for status, _, _ in got] == [200] * 16
             stats = envoy_stats(opts.admin_port)
-            assert stats["cluster.pool.upstream_rq_retry"] >= 3
+            assert stats["cluster.pool.upstream_rq_retry_overflow"] == 0
+            assert stats["cluster.pool.upstream_rq_retry"] >= 19
             assert stats["cluster.pool.upstream_cx_connect_fail"] >= 3
 
             # x-envoy-max-retries: 0 from ext_proc is honoured: no second attempt.
