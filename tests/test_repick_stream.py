@@ -265,3 +265,24 @@ def test_a_move_keeps_the_per_endpoint_lease_plan_consistent() -> None:
     assert held(rt) == {A: (0, 0), B: (0, 0)}
     assert all(get()[2:4] == (0, 0) for get in lease_plan.usage(be.spec, be, leases, clock).values())  # type: ignore[arg-type]
     rt.close()
+
+
+def test_a_drained_endpoints_repick_series_leave_metrics() -> None:
+    from extproc.series import owned, prune
+
+    rt, clock = runtime(policy((A, B)))
+    sp, _ = request(rt)
+    sp.handle("response_headers", served_by(B))
+    sp.handle("response_trailers", trailers(5, 10))
+    clock.now += 20  # A's breaker, opened by the refused connection, is past its cooldown
+    sp2, _ = request(rt)
+    sp2.handle("response_headers", served_by("10.9.9.9:1"))
+    sp2.handle("response_trailers", trailers(5, 10))
+    assert repicks(rt, A, B) == 1 and repicks(rt, A, "unknown") == 1
+    prune(rt.metrics, *owned(rt.backends))
+    assert repicks(rt, A, B) == 1 and repicks(rt, A, "unknown") == 1  # both endpoints still in the pool
+    p = policy((A, C))  # B leaves (it has nothing in flight: forgotten at once)
+    rt.backends["pool"].reconfigure(p.backends[0], p, 100.0)
+    prune(rt.metrics, *owned(rt.backends))
+    assert repicks(rt, A, B) == 0 and repicks(rt, A, "unknown") == 1
+    rt.close()
