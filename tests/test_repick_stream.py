@@ -286,3 +286,41 @@ def test_a_drained_endpoints_repick_series_leave_metrics() -> None:
     prune(rt.metrics, *owned(rt.backends))
     assert repicks(rt, A, B) == 0 and repicks(rt, A, "unknown") == 1
     rt.close()
+
+
+# -- the served address as Envoy's upstream.address attribute (no header) --------------------
+
+def with_upstream_attribute(r: pb.ProcessingRequest, upstream: str) -> pb.ProcessingRequest:
+    r.attributes["envoy.filters.http.ext_proc"].fields["upstream.address"].string_value = upstream
+    return r
+
+
+def test_usage_trailers_the_attribute_alone_moves_the_hold_and_needs_no_mutation() -> None:
+    rt, clock = runtime(policy((A, B)))
+    sp, _ = request(rt)
+    assert sp.ticket is not None and sp.ticket.hold is not None
+    kv = sp.ticket.hold.kv
+    out = sp.handle("response_headers", with_upstream_attribute(served_by(None), B))
+    assert out is not None and not out.response_headers.HasField("response")  # nothing to remove
+    assert sp.ticket.hold.endpoint == B and held(rt) == {A: (0, 0), B: (1, kv)} and repicks(rt, A, B) == 1
+    sp.handle("response_trailers", trailers(5, 10))
+    assert held(rt) == {A: (0, 0), B: (0, 0)}
+    rt.close()
+
+
+def test_streamed_the_attribute_on_the_first_body_chunk_moves_the_hold_before_settle() -> None:
+    rt, clock = runtime(policy((A, B), response_processing="streamed"))
+    eps = rt.backends["pool"].endpoints
+    assert eps is not None
+    sp, _ = request(rt)
+    assert sp.ticket is not None and sp.ticket.hold is not None
+    first = pb.ProcessingRequest(response_body=pb.HttpBody(body=b'data: {"choices": []}\n\n', end_of_stream=False))
+    first.attributes["envoy.filters.http.ext_proc"].fields["response.code"].number_value = 200
+    sp.handle("response_body", with_upstream_attribute(first, B))
+    assert sp.ticket.hold.endpoint == B and repicks(rt, A, B) == 1
+    assert eps.by_key[A].breaker.state(clock.now) is BreakerState.OPEN
+    last = pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: [DONE]\n\n", end_of_stream=True))
+    sp.handle("response_body", last)
+    assert sp.settled and held(rt) == {A: (0, 0), B: (0, 0)}
+    assert rt.backends["pool"].kv_in_use == 0
+    rt.close()
