@@ -256,6 +256,9 @@ def _s(value: float) -> datetime.timedelta:
 # With response headers skipped, the status arrives as an attribute of the first
 # response-body message.
 RESPONSE_ATTRIBUTES = ("response.code",)
+# With a pool, the address that served (extproc.repick): on the response-headers message
+# under usage_trailers, on the first response-body message when streamed (observed, 1.40).
+POOL_RESPONSE_ATTRIBUTES = ("upstream.address",)
 RESPONSE_PROCESSING = ("usage_trailers", "streamed")
 
 
@@ -282,8 +285,9 @@ def _processing_mode(response_processing: str) -> ProcessingMode:
     )
 
 
-def _ext_proc_filter(opts: EnvoyOptions) -> HttpFilter:
+def _ext_proc_filter(opts: EnvoyOptions, pools: bool = False) -> HttpFilter:
     streamed = opts.response_processing == "streamed"
+    attributes = [*(RESPONSE_ATTRIBUTES if streamed else ()), *(POOL_RESPONSE_ATTRIBUTES if pools else ())]
     config = ExternalProcessor(
         grpc_service=GrpcService(
             envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
@@ -310,7 +314,7 @@ def _ext_proc_filter(opts: EnvoyOptions) -> HttpFilter:
         # with a header mutation (how x-sluice-backend takes effect).
         route_cache_action=ExternalProcessorRouteCacheAction.DEFAULT,
         stat_prefix="sluice",
-        response_attributes=list(RESPONSE_ATTRIBUTES) if streamed else [],
+        response_attributes=attributes,
         metadata_options=MetadataOptions(
             receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[METADATA_NAMESPACE]),
             forwarding_namespaces=None if streamed else MetadataOptionsMetadataNamespaces(
@@ -456,7 +460,7 @@ def _edge_options(opts: EnvoyOptions) -> dict[str, object]:
 
 def _listener(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> Listener:
     http_filters = [
-        _ext_proc_filter(opts),
+        _ext_proc_filter(opts, any(b.pool for b in backends)),
         HttpFilter(name=ROUTER_FILTER, typed_config=Any.pack(Router())),
     ]
     hcm = HttpConnectionManager(

@@ -29,6 +29,7 @@ from extproc.policy.schema import Limits, Model, Tenant
 from extproc.prefix_key import prefix_keys
 from extproc.redact import redact_query
 from extproc.repick import (
+    UPSTREAM_ATTRIBUTE,
     UPSTREAM_HEADER,
     client_retry_removals,
     endpoint_headers,
@@ -143,7 +144,7 @@ class StreamProcessor(Settlement):
         if phase == "request_headers":
             return self.on_request_headers(request.request_headers)
         if phase == "response_headers":
-            return self.on_response_headers(request.response_headers)
+            return self.on_response_headers(request.response_headers, request)
         if phase == "response_trailers":
             return self.on_response_trailers(request)
         if phase.endswith("trailers"):
@@ -388,6 +389,9 @@ class StreamProcessor(Settlement):
             code = msg.attribute(request, "response.code")
             self.status = int(code) if isinstance(code, (int, float)) else 200
             self.first_byte_s = self.rt.clock()
+            served = msg.attribute(request, UPSTREAM_ATTRIBUTE)
+            if isinstance(served, str) and self.ticket is not None:
+                served_elsewhere(self.ticket, served, self.rt.metrics, self.first_byte_s)
         assert self.req is not None
         responses = self.req.kind == "responses"
         if self.req.stream and self.status < 400:
@@ -396,7 +400,8 @@ class StreamProcessor(Settlement):
         else:
             self.tracker = JSONTracker(responses=responses)
 
-    def on_response_headers(self, h: pb.HttpHeaders) -> pb.ProcessingResponse:
+    def on_response_headers(self, h: pb.HttpHeaders,
+                            request: pb.ProcessingRequest | None = None) -> pb.ProcessingResponse:
         """response_processing usage_trailers: status and first byte; the body bypasses us."""
         headers = msg.header_map(h, RESPONSE_HEADERS)
         try:
@@ -405,15 +410,16 @@ class StreamProcessor(Settlement):
             self.status = 0
         self.first_byte_s = self.rt.clock()
         self.sse = "text/event-stream" in headers.get("content-type", "")
-        served = headers.get(UPSTREAM_HEADER)
-        if served is not None and self.ticket is not None and not self.settled:
+        header = headers.get(UPSTREAM_HEADER)
+        served = header if header is not None or request is None else msg.attribute(request, UPSTREAM_ATTRIBUTE)
+        if isinstance(served, str) and self.ticket is not None and not self.settled:
             # Envoy re-picked after a connect failure: the hold follows (before any settle below).
             served_elsewhere(self.ticket, served, self.rt.metrics, self.first_byte_s)
         # Envoy synthesizes trailers only for a successful response it read the usage
         # of: an error response has nothing to bill and its end is not waited for.
         if self.admitted and (h.end_of_stream or self.status >= 400):
             self.settle("end_of_stream")
-        return _HEADERS_CONTINUE if served is None else _HEADERS_DROP_UPSTREAM
+        return _HEADERS_CONTINUE if header is None else _HEADERS_DROP_UPSTREAM
 
     def on_response_trailers(self, request: pb.ProcessingRequest) -> pb.ProcessingResponse:
         """The one message at a clean end of a response, carrying Envoy's usage record."""

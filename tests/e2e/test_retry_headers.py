@@ -35,13 +35,15 @@ HOSTILE = {
 }
 
 
-@pytest.fixture(scope="module", params=["single", "pool"])
+@pytest.fixture(scope="module", params=["single", "pool", "pool_streamed"])
 def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp(f"retry-{request.param}"), gateway={"unknown_paths": "passthrough"})
+    processing = "streamed" if request.param.endswith("streamed") else "usage_trailers"
+    s = Stack(tmp_path_factory.mktemp(f"retry-{request.param}"),
+              gateway={"unknown_paths": "passthrough", "response_processing": processing})
     assert s.policy_doc is not None
     be = s.policy_doc["backends"][0]
     be["breaker"] = {"consecutive_failures": 1000, "min_requests": 1000}  # 503s on purpose: stay closed
-    if request.param == "pool":
+    if request.param.startswith("pool"):
         del be["address"], be["metrics_url"]
         be["endpoints"] = [{"address": f"127.0.0.1:{s.sim_port}", "kv_capacity_tokens": 100_000}]
     with running(s) as started:
@@ -79,3 +81,20 @@ def test_envoy_took_every_header_mutation_sluice_made(stack: Stack) -> None:
     counts = [line.rsplit(":", 1) for line in stats.splitlines() if line.strip()]
     assert counts, stats
     assert all(int(v) == 0 for _, v in counts), stats
+
+
+def test_a_pool_request_served_by_its_pick_is_no_repick(stack: Stack) -> None:
+    """Envoy's upstream.address (extproc.repick.UPSTREAM_ATTRIBUTE) names the pick in the form
+    Sluice compares it with, under both response modes: nothing moves, nothing is counted."""
+    body = {"model": "sim-llama-8b", "messages": [{"role": "user", "content": "served by the pick"}],
+            "max_tokens": 4, "stream": True}
+    r = httpx.post(stack.url + CHAT, json=body, timeout=20,
+                   headers={"authorization": f"Bearer {TEST_KEYS['premium']}"})
+    assert r.status_code == 200, r.text
+    assert "x-sluice-upstream" not in r.headers
+    stack.wait_settled()
+    assert "sluice_endpoint_repicks_total{" not in stack.metrics_text()
+    pools = [b for b in stack.state()["backends"].values() if b.get("endpoints")]
+    assert len(pools) == (0 if stack.policy_doc and "address" in stack.policy_doc["backends"][0] else 1)
+    for b in pools:
+        assert all(e["repicks"] == {"away": 0, "here": 0} for e in b["endpoints"]), b["endpoints"]
