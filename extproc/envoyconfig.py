@@ -365,7 +365,9 @@ def _route(b: BackendRoute, headers: list[HeaderMatcher], opts: EnvoyOptions) ->
             idle_timeout=_LONG_IDLE,
             retry_policy=_repick(opts) if b.pool else None,
         ),
-        response_headers_to_add=_served_by() if b.pool else [],
+        # Under "streamed" ext_proc skips the response headers: it could not remove this
+        # one, and reads the upstream.address attribute instead.
+        response_headers_to_add=_served_by() if b.pool and opts.response_processing != "streamed" else [],
     )
 
 

@@ -633,6 +633,11 @@ def test_only_pool_routes_retry_and_only_on_a_refused_connection() -> None:
             else:
                 assert "retry_policy" not in route["route"] and "response_headers_to_add" not in route
         assert "retry_policy" not in vhost["routes"][0]["route"]  # the drain
+    # Streamed responses skip ext_proc's response headers, which could not remove it then.
+    (vhost,) = hcm(render_bootstrap(backends, EnvoyOptions(response_processing="streamed")))["route_config"][
+        "virtual_hosts"]
+    pool_routes = [r for r in vhost["routes"] if r["route"]["cluster"] == "pool"]
+    assert pool_routes and all("response_headers_to_add" not in r and r["route"]["retry_policy"] for r in pool_routes)
 
 
 def test_ext_proc_may_set_x_envoy_max_retries_and_no_other_envoy_header_but_the_retry_ones() -> None:
