@@ -16,7 +16,7 @@ placement differs:
   backend of the summed size and does not place);
 - ``least_request``: Envoy's LEAST_REQUEST over them;
 - ``sluice``: the backend is a pool (``endpoints:``); Sluice places each request
-  (``extproc.policy.placement``) and Envoy's ORIGINAL_DST cluster follows;
+  (``extproc.policy.placement``) and Envoy's EDS cluster follows ``x-sluice-endpoint``;
 - ``sluice_prefix``: as ``sluice`` plus ``placement: {prefix_affinity: true}``;
 - ``sluice_prefix_sticky`` (only when asked for with ``--configs``): as ``sluice_prefix``
   with ``affinity_min_headroom: 0``.

@@ -42,7 +42,7 @@ UNUSABLE_METRICS = ("no_data", "unreachable", "stale")
 
 
 def resolve(host: str) -> str | None:
-    """The IP Envoy's ORIGINAL_DST cluster is told to connect to (it takes no names).
+    """The IP Envoy's pool cluster knows the endpoint by (its EDS set takes no names).
 
     None while the name does not resolve: the endpoint is not picked, and the monitor
     tries again at every scrape (``resolve_later``)."""

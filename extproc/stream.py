@@ -43,7 +43,7 @@ from extproc.tokenizer import TokenizerFailed, estimate
 log = logging.getLogger("sluice.stream")
 
 KEY_HEADERS = ("authorization", "x-api-key")
-ENDPOINT_HEADER = "x-sluice-endpoint"  # where a pool's ORIGINAL_DST cluster connects (envoyconfig)
+ENDPOINT_HEADER = "x-sluice-endpoint"  # where a pool's EDS cluster connects, then retries (envoy_clusters)
 REQUEST_HEADERS = frozenset({":path", ":method", "content-length", *KEY_HEADERS})
 RESPONSE_HEADERS = frozenset({":status", "content-type", UPSTREAM_HEADER})
 PROMPT_PARAM = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
