@@ -755,6 +755,17 @@ def test_a_refused_connection_is_retried_once_on_the_next_listed_endpoint(tmp_pa
                 assert time.monotonic() < deadline, "Envoy did not load the new endpoint set"
                 time.sleep(0.05)
             assert headers["x-test-served"] == live_b
+            # An empty set (no endpoint name resolves yet) is accepted: 503, Envoy stays up.
+            write_if_changed(eds / "pool.eds.yaml", render_eds("pool", []))
+            deadline = time.monotonic() + 10
+            while ask(live_a)[0] != 503:
+                assert time.monotonic() < deadline, "Envoy did not load the empty endpoint set"
+                time.sleep(0.05)
+            write_if_changed(eds / "pool.eds.yaml", render_eds("pool", [live_a]))
+            deadline = time.monotonic() + 10
+            while ask(live_a)[0] != 200:
+                assert time.monotonic() < deadline, "Envoy did not come back from the empty set"
+                time.sleep(0.05)
     finally:
         grpc_server.stop(grace=None)
         a.shutdown()
