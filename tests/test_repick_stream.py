@@ -8,6 +8,7 @@ hold follows the request to the endpoint that served it.
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,8 +28,9 @@ A, B, C = "127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"
 CHAT = "/v1/chat/completions"
 
 
-def policy(endpoints: list[str] | None = (A, B), **gateway: Any) -> Any:  # type: ignore[assignment]
-    backend: dict[str, Any] = {"name": "pool", "max_concurrency": 8,
+def policy(endpoints: list[str] | None = (A, B), placement: dict[str, Any] | None = None,  # type: ignore[assignment]
+           **gateway: Any) -> Any:
+    backend: dict[str, Any] = {"name": "pool", "max_concurrency": 8, **({"placement": placement} if placement else {}),
                                "breaker": {"consecutive_failures": 1, "cooldown_s": 5, "max_cooldown_s": 10},
                                "models": [{"name": "m", "context_window": 4096}]}
     if endpoints is None:
@@ -50,17 +52,22 @@ def runtime(p: Any) -> tuple[Runtime, Clock]:
     return rt, clock
 
 
-def request(rt: Runtime, **client: str) -> tuple[StreamProcessor, pb.CommonResponse]:
+def request(rt: Runtime, prompt: str = "hi", **client: str) -> tuple[StreamProcessor, pb.CommonResponse]:
     """A chat request through request headers and body; the body answer's common response."""
     sp = StreamProcessor(rt, peer=None)  # type: ignore[arg-type]
     assert sp.handle("request_headers", headers(_path=CHAT, _method="POST", authorization="Bearer k",
                                                 **client)) is not None
-    (answer,) = asyncio.run(_body(sp))
+    (answer,) = asyncio.run(_body(sp, prompt))
     return sp, answer.request_body.response
 
 
-async def _body(sp: StreamProcessor) -> list[pb.ProcessingResponse]:
-    return [r async for r in sp.handle_body(stream_body(100))]
+async def _body(sp: StreamProcessor, prompt: str) -> list[pb.ProcessingResponse]:
+    b = stream_body(100)
+    if prompt != "hi":
+        doc = json.loads(b.request_body.body)
+        doc["messages"][0]["content"] = prompt
+        b.request_body.body = json.dumps(doc).encode()
+    return [r async for r in sp.handle_body(b)]
 
 
 def set_headers(common: pb.CommonResponse) -> dict[str, str]:
@@ -323,4 +330,20 @@ def test_streamed_the_attribute_on_the_first_body_chunk_moves_the_hold_before_se
     sp.handle("response_body", last)
     assert sp.settled and held(rt) == {A: (0, 0), B: (0, 0)}
     assert rt.backends["pool"].kv_in_use == 0
+    rt.close()
+
+
+def test_with_prefix_affinity_the_prefix_follows_the_request_to_the_endpoint_that_served_it() -> None:
+    rt, clock = runtime(policy((A, B), placement={"prefix_affinity": True}))
+    eps = rt.backends["pool"].endpoints
+    assert eps is not None and eps.affinity is not None
+    sp, _ = request(rt, "a long shared system prompt. " * 200)
+    assert sp.ticket is not None and sp.ticket.prefix and sp.ticket.hold is not None
+    assert sp.ticket.hold.endpoint == A
+    found = eps.affinity.lookup(sp.ticket.prefix, clock.now)
+    assert found is not None and found[0] == A
+    sp.handle("response_headers", served_by(B))
+    found = eps.affinity.lookup(sp.ticket.prefix, clock.now)
+    assert found is not None and found[0] == B  # B's engine has the prefix cached now, not A's
+    sp.handle("response_trailers", trailers(5, 10))
     rt.close()
