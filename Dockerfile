@@ -16,8 +16,8 @@ COPY console ./console
 COPY bench ./bench
 RUN pip install . \
     && useradd --system --uid 10001 --home-dir /app sluice \
-    && mkdir -p /data \
-    && chown sluice /data
+    && mkdir -p /data /eds \
+    && chown sluice /data /eds
 # Defaults baked in; compose mounts ./policies over /app/policies.
 COPY policies ./policies
 COPY docker ./docker

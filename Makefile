@@ -55,7 +55,7 @@ lint: install
 	$(VENV)/bin/ruff check extproc console bench tests
 
 envoy-config: install
-	$(PY) -m extproc envoy-config policies -o envoy/demo.yaml
+	$(PY) -m extproc envoy-config policies -o envoy/demo.yaml --eds-dir var/eds
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

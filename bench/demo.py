@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # REPLICAS > 1: replica i (from 0) serves gRPC on 50051 + i and admin on 9100 + i; they
 # share a redis-server on 6380 (not 6379, where a system Redis may already run).
 GRPC_PORT, ADMIN_PORT, REDIS_PORT = 50051, 9100, 6380
+EDS_DIR = "var/eds"  # the pool's endpoint set for Envoy (extproc.envoy_eds), relative to ROOT
 # The simulated engines, by port: the sim-llama-8b pool's two (the second with half the
 # KV cache of the first) model vLLM's prefix cache, which the policy's prefix_affinity
 # steers to; 8001 serves sim-llama-1b, the fallback.
@@ -86,7 +87,11 @@ def main() -> int:
     envoy = find_envoy()
     cfg = ROOT / "envoy" / "demo.yaml"
     grpc = ",".join(f"127.0.0.1:{GRPC_PORT + i}" for i in range(args.replicas))
-    subprocess.run([py, "-m", "extproc", "envoy-config", args.policy, "-o", str(cfg), "--extproc", grpc],
+    (ROOT / "var").mkdir(mode=0o700, exist_ok=True)
+    # The pool's endpoint files: written first by envoy-config, then by every replica on
+    # each reload (the console's policy too). Relative: Envoy and extproc run in ROOT.
+    eds = ["--eds-dir", EDS_DIR]
+    subprocess.run([py, "-m", "extproc", "envoy-config", args.policy, "-o", str(cfg), "--extproc", grpc, *eds],
                    check=True, cwd=ROOT)
     procs: list[subprocess.Popen] = []
     stop_redis: list[Callable[[], None]] = []
@@ -104,7 +109,6 @@ def main() -> int:
         # The replica token goes through the environment, not the command line (``ps`` shows
         # every user the command line; /proc/PID/environ only the owner).
         secret = {"SLUICE_CONSOLE_TOKEN": secrets.token_urlsafe(24)}
-        (ROOT / "var").mkdir(mode=0o700, exist_ok=True)
         con = start(py, "-m", "console", "serve", "--db", str(ROOT / "var" / "console.db"), "--policy", args.policy,
                     "--host", "127.0.0.1", "--port", "8080", "--demo", env=secret)
         wait("http://127.0.0.1:8080/healthz", con)
@@ -116,7 +120,7 @@ def main() -> int:
         for i in range(args.replicas):
             ep = start(py, "-m", "extproc", "serve", "--policy", args.policy, "--console-url",
                        "http://127.0.0.1:8080", "--replica-id", f"demo-{i + 1}",
-                       "--grpc", f"127.0.0.1:{GRPC_PORT + i}", "--admin", f"127.0.0.1:{ADMIN_PORT + i}",
+                       "--grpc", f"127.0.0.1:{GRPC_PORT + i}", "--admin", f"127.0.0.1:{ADMIN_PORT + i}", *eds,
                        env={**secret, **store})
             wait(f"http://127.0.0.1:{ADMIN_PORT + i}/healthz", ep)
         env = start(str(envoy), "-c", str(cfg), "--disable-hot-restart", "-l", "warning")

@@ -16,7 +16,7 @@ placement differs:
   backend of the summed size and does not place);
 - ``least_request``: Envoy's LEAST_REQUEST over them;
 - ``sluice``: the backend is a pool (``endpoints:``); Sluice places each request
-  (``extproc.policy.placement``) and Envoy's ORIGINAL_DST cluster follows;
+  (``extproc.policy.placement``) and Envoy's EDS cluster follows ``x-sluice-endpoint``;
 - ``sluice_prefix``: as ``sluice`` plus ``placement: {prefix_affinity: true}``;
 - ``sluice_prefix_sticky`` (only when asked for with ``--configs``): as ``sluice_prefix``
   with ``affinity_min_headroom: 0``.
@@ -73,6 +73,7 @@ from bench.trace import (
     sample_mix,
 )
 from bench.trace_window import burst_schedule, densest_window, mean_between, ratio
+from extproc.envoy_eds import write_policy
 from extproc.envoyconfig import BackendRoute, EnvoyOptions, gateway_options, render_bootstrap
 from extproc.policy.schema import build_policy, hash_key
 
@@ -175,14 +176,18 @@ def unavailable(placement: Placement) -> str | None:
 
 
 def envoy_config(doc: dict[str, Any], ports: list[int], lb: str | None, listen: int, admin: int, grpc: int,
-                 drain: int) -> dict[str, Any]:
-    gw = build_policy(doc).gateway
+                 drain: int, eds_dir: Path) -> dict[str, Any]:
+    """Sluice picking (lb None): the pool's EDS cluster, its endpoint file written to ``eds_dir``
+    from the policy; else the same cluster with STATIC endpoints balanced by Envoy's ``lb``."""
+    policy = build_policy(doc)
     opts = EnvoyOptions(listen_port=listen, admin_port=admin, extproc_port=grpc, drain_port=drain,
-                        **gateway_options(gw))  # type: ignore[arg-type]
+                        eds_dir=str(eds_dir), **gateway_options(policy.gateway))  # type: ignore[arg-type]
     cfg = render_bootstrap([BackendRoute("sim", "127.0.0.1", ports[0], pool=True)], opts)
-    if lb is not None:  # the same cluster (usage filters included), balanced by Envoy instead
+    if lb is None:
+        write_policy(eds_dir, policy)
+    else:  # the same cluster (usage filters included), balanced by Envoy instead
         c = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "sim")
-        for k in ("original_dst_lb_config", "cleanup_interval"):
+        for k in ("eds_cluster_config", "load_balancing_policy"):
             c.pop(k, None)
         c.update(type="STATIC", lb_policy=lb, load_assignment={"cluster_name": "sim", "endpoints": [{
             "lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
@@ -262,7 +267,7 @@ class Stack:
         (d / "policy").mkdir(exist_ok=True)
         (d / "policy" / "policy.yaml").write_text(yaml.safe_dump(doc))
         (d / "envoy.yaml").write_text(yaml.safe_dump(envoy_config(
-            doc, self.ports, self.placement.lb, self.listen, self.envoy_admin, self.grpc, self.admin)))
+            doc, self.ports, self.placement.lb, self.listen, self.envoy_admin, self.grpc, self.admin, d / "eds")))
         # All at once (none needs another to start), then each waited for: engines, extproc, Envoy.
         ready = [f"http://127.0.0.1:{p}/health" for p in self.ports] + [
             f"http://127.0.0.1:{self.admin}/healthz", f"http://127.0.0.1:{self.envoy_admin}/ready"]

@@ -143,6 +143,9 @@ class EndpointView:
     slots_total: float | None = None
     waiting: float | None = None
     breaker: str | None = None
+    # Requests Envoy re-picked off this endpoint (it refused the connection) and onto it.
+    repicked_away: float | None = None
+    repicked_here: float | None = None
 
 
 def endpoint_views(value: Any) -> list[EndpointView]:
@@ -152,7 +155,7 @@ def endpoint_views(value: Any) -> list[EndpointView]:
         address = e.get("address")
         if not isinstance(address, str):
             continue
-        kv, slots = as_map(e.get("kv")), as_map(e.get("slots"))
+        kv, slots, repicks = as_map(e.get("kv")), as_map(e.get("slots")), as_map(e.get("repicks"))
         reason, source, state = e.get("metrics_reason"), e.get("kv_source"), as_map(e.get("breaker")).get("state")
         out.append(EndpointView(
             address=address, usable=e.get("usable") is True, draining=e.get("draining") is True,
@@ -160,7 +163,8 @@ def endpoint_views(value: Any) -> list[EndpointView]:
             metrics_reason=reason if isinstance(reason, str) else None,
             reserved_tokens=num(kv.get("reserved_tokens")), capacity_tokens=num(kv.get("capacity_tokens")),
             slots_in_use=num(slots.get("in_use")), slots_total=num(slots.get("total")),
-            waiting=num(e.get("waiting")), breaker=state if isinstance(state, str) else None))
+            waiting=num(e.get("waiting")), breaker=state if isinstance(state, str) else None,
+            repicked_away=num(repicks.get("away")), repicked_here=num(repicks.get("here"))))
     return out
 
 

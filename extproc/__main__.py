@@ -11,9 +11,14 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from extproc.policy.schema import PolicyError, hash_key
 from extproc.policyfile import load_policy
+
+if TYPE_CHECKING:
+    from extproc.envoy_eds import EdsWriter
+    from extproc.runtime import Runtime
 
 
 def _hostport(value: str) -> tuple[str, int]:
@@ -59,6 +64,7 @@ async def _serve(args: argparse.Namespace) -> int:
         # A replica admits from its leased part of each backend's pool: lease before serving.
         await runtime.first_leases()
         leases = asyncio.create_task(runtime.run_leases())
+    eds_writer = _eds_writer(runtime, args.eds_dir or os.environ.get("SLUICE_EDS_DIR"))
     ghost, gport = _hostport(args.grpc)
     ahost, aport = _hostport(args.admin)
     health = Health()
@@ -69,6 +75,7 @@ async def _serve(args: argparse.Namespace) -> int:
     else:
         watcher = asyncio.create_task(client.run())
     monitor = asyncio.create_task(run_monitor(runtime))
+    eds = asyncio.create_task(_keep_eds(runtime, eds_writer)) if eds_writer is not None else None
     print(f"sluice extproc: gRPC {ghost}:{gport}, admin http://{ahost}:{aport}/metrics", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -83,6 +90,8 @@ async def _serve(args: argparse.Namespace) -> int:
                                             waited)
     watcher.cancel()
     monitor.cancel()
+    if eds is not None:
+        eds.cancel()
     if leases is not None:
         leases.cancel()
     # Let in-flight streams finish their current message; Envoy retries nothing, so be brief.
@@ -90,6 +99,26 @@ async def _serve(args: argparse.Namespace) -> int:
     await admin.cleanup()
     runtime.close()
     return 0
+
+
+def _eds_writer(runtime: Runtime, directory: str | None) -> EdsWriter | None:
+    """``--eds-dir``: Envoy's pool endpoint files, written now (before the replica reports
+    healthy) and again after every policy swap (extproc.envoy_eds)."""
+    if not directory:
+        return None
+    from extproc.envoy_eds import EdsWriter
+
+    writer = EdsWriter(directory)
+    writer.sync(runtime.backends)
+    runtime.on_swap.append(lambda: writer.sync(runtime.backends))
+    return writer
+
+
+async def _keep_eds(runtime: Runtime, writer: EdsWriter, interval_s: float = 0.2) -> None:
+    """Between swaps: a name that resolved later, a drained endpoint forgotten."""
+    while True:
+        await asyncio.sleep(interval_s)
+        writer.sync(runtime.backends)
 
 
 def _shared_store(policy_dir: str) -> bool:
@@ -124,13 +153,19 @@ def _envoy_config(args: argparse.Namespace) -> int:
     lhost, lport = _hostport(args.listen)
     (ehost, eport), *more = [_hostport(a) for a in args.extproc.split(",")]
     dhost, dport = _hostport(args.extproc_admin)
+    from extproc.envoy_eds import write_policy
+
+    eds_dir = args.eds_dir or str(Path(args.output).parent)
     opts = EnvoyOptions(listen_host=lhost, listen_port=lport, admin_port=args.admin_port,
                         extproc_host=ehost, extproc_port=eport, extproc_more=tuple(more),
-                        drain_host=dhost, drain_port=dport,
+                        drain_host=dhost, drain_port=dport, eds_dir=eds_dir,
                         **gateway_options(policy.gateway))  # type: ignore[arg-type]
     routes = [BackendRoute(b.name, b.host, b.port, tuple(m.name for m in b.models), pool=b.is_pool) for b in policy.backends]
     write_config(args.output, routes, opts)
     print(f"wrote {args.output}")
+    if not args.no_eds_files:
+        for path in write_policy(eds_dir, policy):
+            print(f"wrote {path}")
     return 0
 
 
@@ -154,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                    "reports as <replica-id>-<i>; N > 1 needs a shared store (gateway.state or "
                    "$SLUICE_REDIS_URL) and gives each worker floor(limit / N) of the slots, KV and "
                    "concurrency caps")
+    s.add_argument("--eds-dir", help="write each pool's endpoint set for Envoy's EDS cluster to "
+                   "DIR/<pool>.eds.yaml on every reload (or $SLUICE_EDS_DIR); without it nothing is "
+                   "written and Envoy's endpoint set must come from elsewhere")
     s.add_argument("--worker-index", type=int, help="set by --workers for each child: bind with SO_REUSEPORT, serve as worker i of N")
     v = sub.add_parser("validate", help="check policy files; prints file:line: message per problem")
     v.add_argument("policy")
@@ -166,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="extproc's gRPC address; several replicas comma-separated (Envoy balances the streams)")
     e.add_argument("--extproc-admin", default="127.0.0.1:9100",
                    help="extproc's --admin address, where Envoy drains oversized uploads")
+    e.add_argument("--eds-dir", help="where Envoy reads the pools' endpoint files (default: the output's "
+                   "directory; a relative DIR is relative to Envoy's working directory too); the first "
+                   "files are written there, serve --eds-dir keeps them current")
+    e.add_argument("--no-eds-files", action="store_true", help="write no endpoint files (names that "
+                   "resolve only where Envoy runs, e.g. compose: serve --eds-dir writes them there)")
     k = sub.add_parser("hash-key", help="print the sha256 form of an API key for the policy")
     k.add_argument("key")
     args = ap.parse_args(argv)

@@ -71,6 +71,7 @@ class Hold:
     kv: int
     endpoint: str | None = None  # the pool endpoint it was placed on (host:port)
     affinity: str | None = None  # prefix affinity's part in that: hit | spill | miss (None: off)
+    second: str | None = None  # where Envoy retries if ``endpoint`` refuses the connection; nothing held there
 
 
 @dataclass
@@ -339,15 +340,15 @@ class BackendState:
     def _apply(self, tier: str, tenant: str, d: Admit, kv: int, now: float,
                prefix: tuple[int, ...] = (), behind_head: bool = False) -> Hold | Denied:
         grant = self.pool.grant(tier, tenant, d.pool)
-        endpoint = affinity = None
+        endpoint = affinity = second = None
         if self.endpoints is not None:
             placed = self.endpoints.place(kv, now, prefix, self.owed_endpoints(tier, now, behind_head))
             if placed is None:
                 self.pool.release(grant)
                 return Denied("kv_exhausted", f"a footprint of {kv} tokens fits on no endpoint of the pool now")
-            endpoint, affinity = placed.key, placed.affinity
+            endpoint, affinity, second = placed.key, placed.affinity, placed.second
         self.kv_in_use += kv
-        return Hold(grant, kv, endpoint, affinity)
+        return Hold(grant, kv, endpoint, affinity, second)
 
     def can_admit(self, tier: str, now: float) -> bool:
         head = next((w for w in self.waiters.values() if w.tier == tier and not w.future.done()), None)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from extproc.policy.affinity import PrefixAffinity
 from extproc.policy.breaker import Breaker, BreakerState, Outcome
 from extproc.policy.owed import owed_endpoints
-from extproc.policy.placement import Candidate, Placement, largest_capacity, pick
+from extproc.policy.placement import Candidate, Placement, largest_capacity, pick, second_choice
 from extproc.policy.schema import (
     Backend,
     BreakerOverride,
@@ -42,7 +42,7 @@ UNUSABLE_METRICS = ("no_data", "unreachable", "stale")
 
 
 def resolve(host: str) -> str | None:
-    """The IP Envoy's ORIGINAL_DST cluster is told to connect to (it takes no names).
+    """The IP Envoy's pool cluster knows the endpoint by (its EDS set takes no names).
 
     None while the name does not resolve: the endpoint is not picked, and the monitor
     tries again at every scrape (``resolve_later``)."""
@@ -85,6 +85,9 @@ class EndpointState:
     leased_kv: int = 0
     others_slots: int = 0
     others_kv: int = 0
+    # Requests Envoy re-picked away from this endpoint (it refused the connection) and onto it.
+    repicked_away: int = 0
+    repicked_here: int = 0
 
     @property
     def key(self) -> str:
@@ -226,15 +229,20 @@ class EndpointSet:
               exclude: Collection[str] = ()) -> Placement | None:
         """Pick an endpoint and reserve on it; ``prefix`` (extproc.prefix_key) steers the
         pick to the endpoint that last served the longest known part of it, and records
-        where it went; ``exclude`` (owed endpoints) is not picked."""
+        where it went; ``exclude`` (owed endpoints) is not picked. The placement names a
+        second choice too (``placement.second_choice``), where nothing is reserved."""
         aff = self.affinity if prefix else None
         known = aff.lookup(prefix, now) if aff is not None else None
         preferred = known[0] if known is not None else None
-        got = pick(self.candidates(now, kv), kv, preferred, self.placement.affinity_min_headroom, exclude)
+        candidates = self.candidates(now, kv)
+        got = pick(candidates, kv, preferred, self.placement.affinity_min_headroom, exclude)
         if got is not None:
             st = self.by_key[got.key]
             st.kv_in_use += kv
             st.in_flight += 1
+            second = second_choice(candidates, kv, got.key, exclude) if len(candidates) > 1 else None
+            if second is not None:
+                got = replace(got, second=second)
             if aff is not None:
                 aff.record(prefix, got.key, now)
                 result = "miss" if preferred is None else "hit" if got.preferred else "spill"
@@ -265,6 +273,29 @@ class EndpointSet:
         st.in_flight -= 1
         if st.draining and st.in_flight <= 0:
             self._forget(key)
+
+    def move(self, src: str, dst: str, kv: int) -> bool:
+        """A request placed on ``src`` runs on ``dst`` (Envoy re-picked after a connect
+        failure): its slot and KV follow it, over ``dst``'s budget if need be (it is
+        already running there). False, and nothing moved, if ``dst`` is not in the pool."""
+        to = self.by_key.get(dst)
+        if to is None or src == dst:
+            return False
+        to.kv_in_use += kv
+        to.in_flight += 1
+        to.repicked_here += 1
+        frm = self.by_key.get(src)
+        if frm is not None:
+            frm.repicked_away += 1
+        self.release(src, kv)
+        return True
+
+    def key_of(self, destination: str) -> str | None:
+        """The endpoint whose ``destination`` (ip:port) this is, or None."""
+        for key, st in self.by_key.items():
+            if st.ip is not None and st.destination == destination:
+                return key
+        return None
 
     def _forget(self, key: str) -> None:
         del self.by_key[key]
@@ -316,6 +347,7 @@ def endpoint_status(st: EndpointState, now: float) -> dict[str, object]:
                     "trips": snap.get("trips", 0), "manual": snap.get("manual")},
         "slots": {"total": st.spec.max_concurrency, "in_use": st.in_flight},
         "kv": {"capacity_tokens": st.spec.kv_capacity_tokens, "reserved_tokens": st.kv_in_use},
+        "repicks": {"away": st.repicked_away, "here": st.repicked_here},
         "lease": None if st.leased_slots is None else {
             "slots": st.leased_slots, "kv": st.leased_kv, "others_slots": st.others_slots, "others_kv": st.others_kv},
     }

@@ -1,5 +1,6 @@
 """The clusters of the Envoy bootstrap: the ext_proc server (HTTP/2) and one HTTP/1.1
-cluster per backend, each with one endpoint and circuit-breaker thresholds.
+cluster per backend, each with one endpoint and circuit-breaker thresholds; a pool's
+cluster takes its endpoints from a file (EDS, written by ``extproc.envoy_eds``).
 
 Takes plain values rather than ``EnvoyOptions`` so ``extproc.envoyconfig``, which
 owns the options and assembles the bootstrap, can import this without a cycle.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+from pathlib import Path
 
 # Every module whose messages are packed into an Any must be imported before to_dict().
 from envoy_data_plane.envoy.config.cluster.v3 import (
@@ -17,17 +19,23 @@ from envoy_data_plane.envoy.config.cluster.v3 import (
     Cluster,
     ClusterDiscoveryType,
     ClusterDnsLookupFamily,
-    ClusterLbPolicy,
-    ClusterOriginalDstLbConfig,
+    ClusterEdsClusterConfig,
+    LoadBalancingPolicy,
+    LoadBalancingPolicyPolicy,
     OutlierDetection,
 )
 from envoy_data_plane.envoy.config.core.v3 import (
     Address,
+    ApiVersion,
+    ConfigSource,
     HealthCheck,
     HealthCheckGrpcHealthCheck,
     Http1ProtocolOptions,
     Http2ProtocolOptions,
+    PathConfigSource,
     SocketAddress,
+    TypedExtensionConfig,
+    WatchedDirectory,
 )
 from envoy_data_plane.envoy.config.endpoint.v3 import (
     ClusterLoadAssignment,
@@ -35,17 +43,26 @@ from envoy_data_plane.envoy.config.endpoint.v3 import (
     LbEndpoint,
     LocalityLbEndpoints,
 )
+from envoy_data_plane.envoy.extensions.load_balancing_policies.override_host.v3 import (
+    OverrideHost,
+    OverrideHostOverrideHostSource,
+)
+from envoy_data_plane.envoy.extensions.load_balancing_policies.round_robin.v3 import RoundRobin
 from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
     HttpProtocolOptions,
     HttpProtocolOptionsExplicitHttpConfig,
 )
 from envoy_data_plane.google.protobuf import Any
 
-__all__ = ["DRAIN_CLUSTER", "ENDPOINT_HEADER", "backend_cluster", "extproc_cluster", "extproc_health",
-           "pool_cluster", "socket_address"]
+__all__ = ["DRAIN_CLUSTER", "ENDPOINT_HEADER", "UPSTREAM_HEADER", "backend_cluster", "eds_path",
+           "extproc_cluster", "extproc_health", "pool_cluster", "socket_address"]
 
 DRAIN_CLUSTER = "sluice_drain"  # extproc's admin port, where oversized uploads are drained
-ENDPOINT_HEADER = "x-sluice-endpoint"  # ip:port of the pool endpoint Sluice picked
+# ip:port of the pool endpoint Sluice picked, then (comma-separated) its second choice
+ENDPOINT_HEADER = "x-sluice-endpoint"
+# Added by a pool's routes to the response: the ip:port that served it (after a re-pick,
+# the second choice); extproc reads it and removes it before the client sees it.
+UPSTREAM_HEADER = "x-sluice-upstream"
 
 _HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 _BACKEND_CIRCUIT_LIMIT = 10000
@@ -180,20 +197,45 @@ def backend_cluster(name: str, host: str, port: int, connect_timeout: datetime.t
     )
 
 
-def pool_cluster(name: str, connect_timeout: datetime.timedelta) -> Cluster:
-    """A pool's cluster: ORIGINAL_DST, connecting to the ip:port in ``x-sluice-endpoint``.
+def eds_path(directory: str | Path, cluster: str) -> Path:
+    """Where a pool cluster's endpoints are: ``<directory>/<cluster>.eds.yaml``."""
+    return Path(directory) / f"{cluster}.eds.yaml"
 
-    Sluice picks the endpoint (extproc.policy.placement) and sets the header, so the
-    endpoints can change with the policy without re-rendering Envoy's config; one
-    cluster per endpoint would need a new bootstrap (or xDS) for every change. Envoy
-    keeps a host per destination seen and drops it after ``cleanup_interval`` idle.
+
+def pool_cluster(name: str, connect_timeout: datetime.timedelta, eds_dir: str) -> Cluster:
+    """A pool's cluster: EDS from a file, balanced by the hosts listed in ``x-sluice-endpoint``.
+
+    Sluice picks the endpoint (extproc.policy.placement) and names it, then its second
+    choice, in the header (``ip:port,ip:port``); the override_host policy sends the first
+    attempt to the first and a retry (a refused connection, see the pool routes) to the
+    next. A listed host that is not in the cluster's endpoint set is skipped; once the list
+    runs out (or without the header) round robin picks, which is why extproc sends
+    ``x-envoy-max-retries: 0`` when it has no second choice.
+
+    The set is read from ``<eds_dir>/<name>.eds.yaml`` (a DiscoveryResponse that
+    ``extproc.envoy_eds`` writes on every policy reload; Envoy re-reads it when a file is
+    moved into ``eds_dir``), so the endpoints change with the policy without re-rendering
+    Envoy's config. The ORIGINAL_DST cluster used before connected to whatever the header
+    named, one host per request: a retry went to the same dead address, never elsewhere.
     """
     cluster = _cluster(name, "127.0.0.1", 1, connect_timeout=connect_timeout,
                        protocol=HttpProtocolOptionsExplicitHttpConfig(http_protocol_options=Http1ProtocolOptions()),
                        max_requests=_BACKEND_CIRCUIT_LIMIT)
-    cluster.type = ClusterDiscoveryType.ORIGINAL_DST
-    cluster.lb_policy = ClusterLbPolicy.CLUSTER_PROVIDED
+    # Envoy allows 3 retries in flight per cluster by default (max_retries): a fourth
+    # request refused at once got a 503 (response flags UO,UF) instead of its re-pick.
+    # Each request retries at most once, so the limit is the request limit.
+    cluster.circuit_breakers.thresholds[0].max_retries = _BACKEND_CIRCUIT_LIMIT
+    cluster.type = ClusterDiscoveryType.EDS
     cluster.load_assignment = None
-    cluster.original_dst_lb_config = ClusterOriginalDstLbConfig(use_http_header=True, http_header_name=ENDPOINT_HEADER)
-    cluster.cleanup_interval = datetime.timedelta(seconds=60)
+    cluster.eds_cluster_config = ClusterEdsClusterConfig(eds_config=ConfigSource(
+        resource_api_version=ApiVersion.V3,
+        path_config_source=PathConfigSource(path=str(eds_path(eds_dir, name)),
+                                            watched_directory=WatchedDirectory(path=eds_dir))))
+    fallback = LoadBalancingPolicy(policies=[LoadBalancingPolicyPolicy(typed_extension_config=TypedExtensionConfig(
+        name="envoy.load_balancing_policies.round_robin", typed_config=Any.pack(RoundRobin())))])
+    override = OverrideHost(override_host_sources=[OverrideHostOverrideHostSource(header=ENDPOINT_HEADER)],
+                            fallback_policy=fallback)
+    cluster.load_balancing_policy = LoadBalancingPolicy(policies=[LoadBalancingPolicyPolicy(
+        typed_extension_config=TypedExtensionConfig(name="envoy.load_balancing_policies.override_host",
+                                                    typed_config=Any.pack(override)))])
     return cluster

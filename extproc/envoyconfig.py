@@ -44,7 +44,7 @@ from __future__ import annotations
 import datetime
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import betterproto2
@@ -69,6 +69,8 @@ from envoy_data_plane.envoy.config.overload.v3 import OverloadManager, ResourceM
 from envoy_data_plane.envoy.config.route.v3 import (
     FilterConfig,
     HeaderMatcher,
+    RetryPolicy,
+    RetryPolicyRetryBackOff,
     Route,
     RouteAction,
     RouteConfiguration,
@@ -107,6 +109,7 @@ from extproc import envoy_usage
 from extproc.drain import DRAIN_PATH, LIMIT_HEADER
 from extproc.envoy_clusters import (
     DRAIN_CLUSTER,
+    UPSTREAM_HEADER,
     backend_cluster,
     extproc_cluster,
     pool_cluster,
@@ -116,6 +119,7 @@ from extproc.envoy_replies import local_reply_config
 from extproc.messages import METADATA_NAMESPACE, RESPONSE_HEADERS_FROM_METADATA
 from extproc.openai_body import ENDPOINTS
 from extproc.policy.model import Gateway
+from extproc.repick import ENVOY_MUTABLE
 
 __all__ = [
     "BACKEND_HEADER",
@@ -170,7 +174,7 @@ class BackendRoute:
     host: str  # e.g. "127.0.0.1"
     port: int
     models: tuple[str, ...] = ()  # informational
-    pool: bool = False  # endpoints picked by Sluice: an ORIGINAL_DST cluster (envoy_clusters.pool_cluster)
+    pool: bool = False  # endpoints picked by Sluice: an EDS cluster (envoy_clusters.pool_cluster)
 
 
 @dataclass(frozen=True)
@@ -207,6 +211,12 @@ class EnvoyOptions:
     # the policy's gateway.response_processing: "usage_trailers" (Envoy reads the usage,
     # extproc gets one message per response) or "streamed" (every body chunk to extproc)
     response_processing: str = "usage_trailers"
+    # Where the pools' endpoint files are (<eds_dir>/<pool>.eds.yaml, extproc.envoy_eds);
+    # "" in write_config: the rendered config's directory.
+    eds_dir: str = ""
+    # A pool route's wait before it re-picks after a refused connection (Envoy's back-off
+    # is random up to this; the retry goes to another endpoint, so there is nothing to wait for).
+    repick_backoff_ms: int = 1
 
 
 def gateway_options(gw: Gateway) -> dict[str, object]:
@@ -246,6 +256,9 @@ def _s(value: float) -> datetime.timedelta:
 # With response headers skipped, the status arrives as an attribute of the first
 # response-body message.
 RESPONSE_ATTRIBUTES = ("response.code",)
+# With a pool, the address that served (extproc.repick): on the response-headers message
+# under usage_trailers, on the first response-body message when streamed (observed, 1.40).
+POOL_RESPONSE_ATTRIBUTES = ("upstream.address",)
 RESPONSE_PROCESSING = ("usage_trailers", "streamed")
 
 
@@ -272,8 +285,9 @@ def _processing_mode(response_processing: str) -> ProcessingMode:
     )
 
 
-def _ext_proc_filter(opts: EnvoyOptions) -> HttpFilter:
+def _ext_proc_filter(opts: EnvoyOptions, pools: bool = False) -> HttpFilter:
     streamed = opts.response_processing == "streamed"
+    attributes = [*(RESPONSE_ATTRIBUTES if streamed else ()), *(POOL_RESPONSE_ATTRIBUTES if pools else ())]
     config = ExternalProcessor(
         grpc_service=GrpcService(
             envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
@@ -290,13 +304,17 @@ def _ext_proc_filter(opts: EnvoyOptions) -> HttpFilter:
         # Envoy's defaults, spelled out: the server may set/remove any header
         # (authorization, x-api-key, content-length, x-sluice-*) except host,
         # :authority, :scheme, :method and x-envoy-*; a disallowed mutation is
-        # ignored and counted in ext_proc's rejected_header_mutations.
-        mutation_rules=HeaderMutationRules(allow_all_routing=False, allow_envoy=False),
+        # ignored and counted in ext_proc's rejected_header_mutations. The router's retry
+        # and timeout headers are the exception (extproc.repick.ENVOY_MUTABLE): Sluice sets
+        # x-envoy-max-retries: 0 on a pool request without a second choice, and removes a
+        # client's copies of all of them (Envoy strips them at the edge too, _edge_options).
+        mutation_rules=HeaderMutationRules(allow_all_routing=False, allow_envoy=False,
+                                           allow_expression=RegexMatcher(regex=ENVOY_MUTABLE)),
         # DEFAULT: re-match routes when a response carries clear_route_cache together
         # with a header mutation (how x-sluice-backend takes effect).
         route_cache_action=ExternalProcessorRouteCacheAction.DEFAULT,
         stat_prefix="sluice",
-        response_attributes=list(RESPONSE_ATTRIBUTES) if streamed else [],
+        response_attributes=attributes,
         metadata_options=MetadataOptions(
             receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[METADATA_NAMESPACE]),
             forwarding_namespaces=None if streamed else MetadataOptionsMetadataNamespaces(
@@ -316,14 +334,40 @@ def _headers_from_metadata() -> list[HeaderValueOption]:
     ]
 
 
-def _route(cluster: str, headers: list[HeaderMatcher]) -> Route:
+# The only retry: a pool request whose connection was refused (or timed out connecting)
+# goes once to Sluice's second choice (x-sluice-endpoint's next host). Never on a reset
+# or a 5xx: a request that reached an engine may be generating already, and a replay
+# would generate twice for one bill.
+REPICK_ON = "connect-failure"
+
+
+def _repick(opts: EnvoyOptions) -> RetryPolicy:
+    backoff = _ms(opts.repick_backoff_ms)
+    return RetryPolicy(retry_on=REPICK_ON, num_retries=1,
+                       retry_back_off=RetryPolicyRetryBackOff(base_interval=backoff, max_interval=backoff))
+
+
+def _served_by() -> list[HeaderValueOption]:
+    return [HeaderValueOption(
+        header=HeaderValue(key=UPSTREAM_HEADER, value="%UPSTREAM_REMOTE_ADDRESS%"),
+        append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
+        keep_empty_value=False,  # Envoy's own replies (no upstream) get none
+    )]
+
+
+def _route(b: BackendRoute, headers: list[HeaderMatcher], opts: EnvoyOptions) -> Route:
+    """A backend's route; a pool's re-picks once on a refused connection and says who served."""
     return Route(
         match=RouteMatch(prefix="/", headers=headers),
         route=RouteAction(
-            cluster=cluster,
+            cluster=b.name,
             timeout=datetime.timedelta(0),  # no overall limit: generations stream for minutes
             idle_timeout=_LONG_IDLE,
+            retry_policy=_repick(opts) if b.pool else None,
         ),
+        # Under "streamed" ext_proc skips the response headers: it could not remove this
+        # one, and reads the upstream.address attribute instead.
+        response_headers_to_add=_served_by() if b.pool and opts.response_processing != "streamed" else [],
     )
 
 
@@ -363,12 +407,13 @@ def _route_config(backends: Sequence[BackendRoute], opts: EnvoyOptions,
     routes = [_drain_route(opts, filters)]
     routes.extend(
         _route(
-            b.name,
+            b,
             [HeaderMatcher(name=BACKEND_HEADER, string_match=StringMatcher(exact=b.name))],
+            opts,
         )
         for b in backends
     )
-    routes.append(_route(backends[0].name, []))
+    routes.append(_route(backends[0], [], opts))
     return RouteConfiguration(
         name="sluice_routes",
         virtual_hosts=[VirtualHost(name="sluice", domains=["*"], routes=routes)],
@@ -417,7 +462,7 @@ def _edge_options(opts: EnvoyOptions) -> dict[str, object]:
 
 def _listener(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> Listener:
     http_filters = [
-        _ext_proc_filter(opts),
+        _ext_proc_filter(opts, any(b.pool for b in backends)),
         HttpFilter(name=ROUTER_FILTER, typed_config=Any.pack(Router())),
     ]
     hcm = HttpConnectionManager(
@@ -493,7 +538,7 @@ def render_bootstrap(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> di
                 extproc_cluster(EXTPROC_CLUSTER, opts.extproc_host, opts.extproc_port,
                                 opts.extproc_max_requests, opts.extproc_more,
                                 opts.extproc_health_interval_s, opts.extproc_unhealthy_threshold),
-                *(pool_cluster(b.name, _ms(opts.backend_connect_timeout_ms)) if b.pool else
+                *(pool_cluster(b.name, _ms(opts.backend_connect_timeout_ms), opts.eds_dir or ".") if b.pool else
                   backend_cluster(b.name, b.host, b.port, _ms(opts.backend_connect_timeout_ms))
                   for b in backends),
                 backend_cluster(DRAIN_CLUSTER, opts.drain_host, opts.drain_port, _ms(250)),
@@ -513,9 +558,14 @@ def render_yaml(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> str:
 
 
 def write_config(path: str | Path, backends: Sequence[BackendRoute], opts: EnvoyOptions) -> Path:
-    """Write the rendered YAML to ``path`` (parent directories created) and return it."""
+    """Write the rendered YAML to ``path`` (parent directories created) and return it.
+
+    Pools read their endpoints from ``opts.eds_dir``, by default ``path``'s directory;
+    the directory is created, the files are ``extproc.envoy_eds``'s job."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if any(b.pool for b in backends):
+        opts = replace(opts, eds_dir=opts.eds_dir or str(path.parent))
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(render_yaml(backends, opts))
     tmp.replace(path)

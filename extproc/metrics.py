@@ -108,6 +108,10 @@ class Metrics:
         # A pool's endpoints (extproc.endpoints): where requests were placed and what each holds.
         self.endpoint_picks = Counter("sluice_endpoint_picks", "Requests placed on a pool endpoint.",
                                       ["backend", "endpoint"], registry=r)
+        self.endpoint_repicks = Counter("sluice_endpoint_repicks", "Pool requests Envoy sent to another endpoint "
+                                        "than Sluice's pick because the pick refused the connection (to_endpoint "
+                                        "\"unknown\": an address not in the pool).",
+                                        ["backend", "from_endpoint", "to_endpoint"], registry=r)
         self.prefix_affinity = Counter("sluice_prefix_affinity", "Pool placements by prefix affinity: hit (the "
                                        "endpoint that last served the prefix), spill (it had no room), miss "
                                        "(no known prefix).", ["backend", "result"], registry=r)

@@ -81,6 +81,9 @@ class Runtime:
         self._load_encodings(policy)
         self._sync_backends(policy)
         self.metrics.policy_ok.set(1)
+        # Called after every swap, with no await in between (serve --eds-dir writes Envoy's
+        # endpoint files there, extproc.envoy_eds).
+        self.on_swap: list[Callable[[], None]] = []
 
     def _load_encodings(self, policy: Policy) -> None:
         for _, model in policy.by_model.values():
@@ -134,6 +137,8 @@ class Runtime:
         self.etag = etag
         self.state.forget(set(policy.tenants))
         log.info("policy swapped: %d tenants, %d backends", len(policy.tenants), len(policy.backends))
+        for listener in self.on_swap:
+            listener()
 
     # -- slot and KV leases (a shared store) ---------------------------------------------
     async def lease_tick(self) -> int:

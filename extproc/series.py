@@ -61,9 +61,11 @@ def _stale(metric: MetricWrapperBase, names: tuple[str, ...], labels: set[str],
     # renders every histogram bucket (~17 ms a pass for a few backends and tiers).
     children: dict[tuple[str, ...], Any] = getattr(metric, "_metrics", {})
     b = names.index("backend")
-    e = names.index("endpoint") if "endpoint" in names else None
+    # endpoint, and a re-pick's from/to endpoints (its to_endpoint may be "unknown": not an endpoint)
+    ends = [names.index(n) for n in ("endpoint", "from_endpoint", "to_endpoint") if n in names]
     return [values for values in list(children)
-            if values[b] not in labels or (e is not None and (values[b], values[e]) not in pairs)]
+            if values[b] not in labels or any((values[b], values[e]) not in pairs and values[e] != "unknown"
+                                              for e in ends)]
 
 
 class SeriesPruner:

@@ -28,6 +28,13 @@ from extproc.policy.gate import RateView, Verdict
 from extproc.policy.schema import Limits, Model, Tenant
 from extproc.prefix_key import prefix_keys
 from extproc.redact import redact_query
+from extproc.repick import (
+    UPSTREAM_ATTRIBUTE,
+    UPSTREAM_HEADER,
+    client_retry_removals,
+    endpoint_headers,
+    served_elsewhere,
+)
 from extproc.response import JSONTracker, SSETracker
 from extproc.runtime import Runtime
 from extproc.settle import Settlement
@@ -36,11 +43,13 @@ from extproc.tokenizer import TokenizerFailed, estimate
 log = logging.getLogger("sluice.stream")
 
 KEY_HEADERS = ("authorization", "x-api-key")
-ENDPOINT_HEADER = "x-sluice-endpoint"  # where a pool's ORIGINAL_DST cluster connects (envoyconfig)
+ENDPOINT_HEADER = "x-sluice-endpoint"  # where a pool's EDS cluster connects, then retries (envoy_clusters)
 REQUEST_HEADERS = frozenset({":path", ":method", "content-length", *KEY_HEADERS})
-RESPONSE_HEADERS = frozenset({":status", "content-type"})
+RESPONSE_HEADERS = frozenset({":status", "content-type", UPSTREAM_HEADER})
 PROMPT_PARAM = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
 _HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+# A pool's responses carry x-sluice-upstream (extproc.repick), which the client never sees.
+_HEADERS_DROP_UPSTREAM = msg.headers_response("response_headers", remove=(UPSTREAM_HEADER,))
 _TRAILERS_CONTINUE = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 
@@ -135,7 +144,7 @@ class StreamProcessor(Settlement):
         if phase == "request_headers":
             return self.on_request_headers(request.request_headers)
         if phase == "response_headers":
-            return self.on_response_headers(request.response_headers)
+            return self.on_response_headers(request.response_headers, request)
         if phase == "response_trailers":
             return self.on_response_trailers(request)
         if phase.endswith("trailers"):
@@ -186,7 +195,8 @@ class StreamProcessor(Settlement):
             dest = self._passthrough_destination()  # overwrites a client's; else a client's is removed
             return msg.headers_response("request_headers", {**self._identity_headers(), **new_path, **dest},
                                         (*(KEY_HEADERS if gw.strip_api_key else ()), *(() if dest else
-                                                                                      (ENDPOINT_HEADER,))),
+                                                                                      (ENDPOINT_HEADER,)),
+                                         *client_retry_removals(dest)),
                                         mode_override=msg.SKIP_REST)
         if headers.get(":method", "POST") != "POST":
             raise Reject("bad_request", f"{path} takes POST.", code="method_not_allowed")
@@ -281,10 +291,10 @@ class StreamProcessor(Settlement):
         set_headers = {**self._identity_headers(), "x-sluice-backend": ticket.backend.name}
         dest = self._destination(ticket)
         if dest is not None:
-            set_headers[ENDPOINT_HEADER] = dest  # the pool cluster (ORIGINAL_DST) connects there
+            set_headers.update(dest)  # where the pool cluster connects, and retries once (extproc.repick)
         if new_body is not None:
             set_headers["content-length"] = str(len(new_body))
-        remove = KEY_HEADERS if gw.strip_api_key else ()
+        remove = (*(KEY_HEADERS if gw.strip_api_key else ()), *client_retry_removals(set_headers))
         # Response headers decided now travel as dynamic metadata (see envoyconfig).
         out_headers = ratelimit_headers(verdict.tokens, verdict.requests)
         if ticket.degraded:
@@ -295,22 +305,27 @@ class StreamProcessor(Settlement):
         yield msg.body_response("request_body", new_body, set_headers, remove, clear_route_cache=True,
                                 metadata={msg.METADATA_NAMESPACE: out_headers})
 
-    def _destination(self, ticket: Ticket) -> str | None:
+    def _destination(self, ticket: Ticket) -> dict[str, str] | None:
+        """A pool's ``x-sluice-endpoint`` (the pick, and the second choice) and, without a
+        second choice, ``x-envoy-max-retries: 0`` (extproc.repick); None for one address."""
         hold, eps = ticket.hold, ticket.runtime.endpoints
         if eps is not None and hold is not None and hold.endpoint is not None:
             self.rt.metrics.child(self.rt.metrics.endpoint_picks, ticket.backend.name, hold.endpoint).inc()
             if hold.affinity is not None:
                 self.rt.metrics.child(self.rt.metrics.prefix_affinity, ticket.backend.name, hold.affinity).inc()
-            return eps.by_key[hold.endpoint].destination
+            second = eps.by_key.get(hold.second) if hold.second is not None else None
+            return endpoint_headers(eps.by_key[hold.endpoint].destination,
+                                    second.destination if second is not None and second.ip is not None else None)
         if eps is not None:  # shadowed slots: no placement was made; any usable endpoint
-            return eps.any_destination(self.rt.clock())
+            dest = eps.any_destination(self.rt.clock())
+            return None if dest is None else endpoint_headers(dest, None)
         return None
 
     def _passthrough_destination(self) -> dict[str, str]:
         """A pass-through path goes to the first backend (the catch-all route); a pool needs an endpoint."""
         eps = self.rt.backends[self.policy.backends[0].name].endpoints
         dest = eps.any_destination(self.rt.clock()) if eps is not None else None
-        return {ENDPOINT_HEADER: dest} if dest is not None else {}
+        return endpoint_headers(dest, None) if dest is not None else {}
 
     def _precheck_budget(self, adm: Admission) -> None:
         """A tenant that cannot pay for one token is refused before its body is read or tokenized."""
@@ -374,6 +389,9 @@ class StreamProcessor(Settlement):
             code = msg.attribute(request, "response.code")
             self.status = int(code) if isinstance(code, (int, float)) else 200
             self.first_byte_s = self.rt.clock()
+            served = msg.attribute(request, UPSTREAM_ATTRIBUTE)
+            if isinstance(served, str) and self.ticket is not None:
+                served_elsewhere(self.ticket, served, self.rt.metrics, self.first_byte_s)
         assert self.req is not None
         responses = self.req.kind == "responses"
         if self.req.stream and self.status < 400:
@@ -382,7 +400,8 @@ class StreamProcessor(Settlement):
         else:
             self.tracker = JSONTracker(responses=responses)
 
-    def on_response_headers(self, h: pb.HttpHeaders) -> pb.ProcessingResponse:
+    def on_response_headers(self, h: pb.HttpHeaders,
+                            request: pb.ProcessingRequest | None = None) -> pb.ProcessingResponse:
         """response_processing usage_trailers: status and first byte; the body bypasses us."""
         headers = msg.header_map(h, RESPONSE_HEADERS)
         try:
@@ -391,11 +410,16 @@ class StreamProcessor(Settlement):
             self.status = 0
         self.first_byte_s = self.rt.clock()
         self.sse = "text/event-stream" in headers.get("content-type", "")
+        header = headers.get(UPSTREAM_HEADER)
+        served = header if header is not None or request is None else msg.attribute(request, UPSTREAM_ATTRIBUTE)
+        if isinstance(served, str) and self.ticket is not None and not self.settled:
+            # Envoy re-picked after a connect failure: the hold follows (before any settle below).
+            served_elsewhere(self.ticket, served, self.rt.metrics, self.first_byte_s)
         # Envoy synthesizes trailers only for a successful response it read the usage
         # of: an error response has nothing to bill and its end is not waited for.
         if self.admitted and (h.end_of_stream or self.status >= 400):
             self.settle("end_of_stream")
-        return _HEADERS_CONTINUE
+        return _HEADERS_CONTINUE if header is None else _HEADERS_DROP_UPSTREAM
 
     def on_response_trailers(self, request: pb.ProcessingRequest) -> pb.ProcessingResponse:
         """The one message at a clean end of a response, carrying Envoy's usage record."""

@@ -7,8 +7,10 @@ import dataclasses
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
+import yaml
 
 from bench import conversations, pool
 from bench.conversations import Conversations
@@ -94,19 +96,26 @@ def test_every_runnable_placement_builds_a_valid_policy() -> None:
         assert built.tiers["premium"].priority > built.tiers["free"].priority
 
 
-def test_envoy_placements_balance_a_static_cluster_and_sluice_follows_its_header() -> None:
+def test_envoy_placements_balance_a_static_cluster_and_sluice_follows_its_header(tmp_path: Path) -> None:
     ports = [9001, 9002, 9003]
     for name, lb in (("round_robin", "ROUND_ROBIN"), ("least_request", "LEAST_REQUEST"), ("sluice", None)):
         doc = pool.policy(ports, pool.PLACEMENTS[name])
-        cfg = pool.envoy_config(doc, ports, pool.PLACEMENTS[name].lb, 1, 2, 3, 4)
+        eds = tmp_path / name
+        cfg = pool.envoy_config(doc, ports, pool.PLACEMENTS[name].lb, 1, 2, 3, 4, eds)
         c = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "sim")
         if lb:
             assert c["type"] == "STATIC" and c["lb_policy"] == lb
+            assert "load_balancing_policy" not in c and "eds_cluster_config" not in c
             hosts = [e["endpoint"]["address"]["socket_address"]["port_value"]
                      for e in c["load_assignment"]["endpoints"][0]["lb_endpoints"]]
             assert hosts == ports
+            assert not eds.exists()
         else:
-            assert c["type"] == "ORIGINAL_DST" and "original_dst_lb_config" in c
+            assert c["type"] == "EDS" and "load_balancing_policy" in c
+            path = c["eds_cluster_config"]["eds_config"]["path_config_source"]["path"]
+            (cla,) = yaml.safe_load(Path(path).read_text())["resources"]
+            hosts = [e["endpoint"]["address"]["socket_address"]["port_value"] for e in cla["endpoints"][0]["lb_endpoints"]]
+            assert Path(path).parent == eds and sorted(hosts) == ports
 
 
 def test_prefix_affinity_runs_and_every_engine_caches_prefixes() -> None:

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from extproc.envoy_eds import render as render_eds
 from extproc.policyfile import load_policy
 from tests.e2e.harness import envoy_binary
 
@@ -116,13 +117,19 @@ def endpoints(cluster: dict[str, Any]) -> list[tuple[str, int]]:
     return out
 
 
+def override_header(cluster: dict[str, Any]) -> str:
+    (policy,) = cluster["load_balancing_policy"]["policies"]
+    (source,) = policy["typed_extension_config"]["typed_config"]["override_host_sources"]
+    return source["header"]
+
+
 def clusters() -> dict[str, tuple[str, int]]:
-    """Cluster -> its endpoint; a pool's ORIGINAL_DST cluster -> ("x-sluice-endpoint", 0); the
+    """Cluster -> its endpoint; a pool's EDS cluster -> ("x-sluice-endpoint", 0); the
     ext_proc cluster (one endpoint per replica) is left out."""
     out = {}
     for c in envoy_config()["static_resources"]["clusters"]:
-        if c.get("type") == "ORIGINAL_DST":
-            out[c["name"]] = (c["original_dst_lb_config"]["http_header_name"], 0)
+        if c.get("type") == "EDS":
+            out[c["name"]] = (override_header(c), 0)
         elif c["name"] != "sluice_extproc":
             (out[c["name"]],) = endpoints(c)
     return out
@@ -175,12 +182,21 @@ def _help(cmd: list[str]) -> str:
 
 
 @pytest.mark.parametrize("service", SLUICE)
-def test_command_exists_and_takes_its_flags(service: str) -> None:
+def test_command_exists_and_takes_its_flags(service: str, tmp_path: Path) -> None:
     cmd = command(service)
     if cmd[0] == "envoy":
         assert Path(envoy_binary()).exists()
         config = repo_path(service, flag(cmd, "-c"))
         assert config.is_file()
+        # The pool's endpoint files are on the eds volume, written by the replicas: here an
+        # empty set in a temporary directory (Envoy refuses to start without the file).
+        text = config.read_text().replace(f"{render.EDS_DIR}/", f"{tmp_path}/")
+        text = text.replace(f"path: {render.EDS_DIR}\n", f"path: {tmp_path}\n")
+        for c in yaml.safe_load(text)["static_resources"]["clusters"]:
+            if c.get("type") == "EDS":
+                (tmp_path / f"{c['name']}.eds.yaml").write_text(render_eds(c["name"], ()))
+        config = tmp_path / "envoy.yaml"
+        config.write_text(text)
         done = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(config)], capture_output=True,
                               text=True, timeout=60)
         assert done.returncode == 0, done.stdout + done.stderr
@@ -231,6 +247,24 @@ def test_envoy_reaches_extproc_and_the_backends_by_service_name(compose_policy_d
         if metrics_url:
             url = urlsplit(metrics_url)
             assert (url.hostname, url.port) == (host, port)
+
+
+def test_the_replicas_write_the_pool_endpoints_where_envoy_reads_them() -> None:
+    pools = [c for c in envoy_config()["static_resources"]["clusters"] if c.get("type") == "EDS"]
+    assert pools, "the demo serves sim-llama-8b from a pool"
+    for c in pools:
+        source = c["eds_cluster_config"]["eds_config"]["path_config_source"]
+        directory = source["watched_directory"]["path"]
+        assert source["path"] == f"{directory}/{c['name']}.eds.yaml"
+        volume = named_mounts("envoy").get(directory)
+        assert volume is not None, f"Envoy reads {directory}, which is not a volume"
+        for replica in REPLICAS:
+            assert flag(command(replica), "--eds-dir") == directory
+            assert named_mounts(replica).get(directory) == volume, f"{replica} writes elsewhere"
+            spec = next(v for v in SERVICES[replica]["volumes"] if v.startswith(f"{volume}:"))
+            assert not spec.endswith(":ro"), f"{replica} cannot write {directory}"
+    # A named volume starts with the image's directory, and so its owner: the image's user.
+    assert "/eds" in (ROOT / "Dockerfile").read_text() and "chown sluice /data /eds" in (ROOT / "Dockerfile").read_text()
 
 
 def test_published_ports_match_what_listens() -> None:

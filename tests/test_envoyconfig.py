@@ -24,7 +24,11 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
+from extproc import repick
 from extproc.drain import DRAIN_PATH, LIMIT_HEADER
+from extproc.envoy_clusters import ENDPOINT_HEADER, UPSTREAM_HEADER
+from extproc.envoy_eds import render as render_eds
+from extproc.envoy_eds import write_if_changed
 from extproc.envoy_replies import ENVOY_REPLIES
 from extproc.envoyconfig import (
     ACCESS_LOG_FORMAT,
@@ -507,6 +511,7 @@ def echo_backend(name: str) -> ThreadingHTTPServer:
 
         def do_POST(self) -> None:  # noqa: N802 (http.server naming)
             body = self.rfile.read(int(self.headers.get("content-length", "0")))
+            time.sleep(float(self.headers.get("x-echo-delay-ms", "0")) / 1000)
             out = json.dumps(
                 {"backend": name, "headers": dict(self.headers), "body": body.decode()}
             ).encode()
@@ -578,19 +583,190 @@ def test_response_headers_come_from_request_side_metadata() -> None:
         assert f"%DYNAMIC_METADATA(sluice:{name})%" in text
 
 
-def test_a_pool_is_an_original_dst_cluster_reading_x_sluice_endpoint(tmp_path: Path) -> None:
+def test_a_pool_is_an_eds_cluster_balanced_by_the_hosts_in_x_sluice_endpoint(tmp_path: Path) -> None:
     backends = (BackendRoute("pool", "127.0.0.1", 8000, pool=True), BackendRoute("big", "localhost", 8001))
-    cfg = render_bootstrap(backends, EnvoyOptions())
+    opts = EnvoyOptions(eds_dir=str(tmp_path / "eds"))
+    cfg = render_bootstrap(backends, opts)
     pool = clusters(cfg)["pool"]
-    assert pool["type"] == "ORIGINAL_DST" and pool["lb_policy"] == "CLUSTER_PROVIDED"
-    assert pool["original_dst_lb_config"] == {"use_http_header": True, "http_header_name": "x-sluice-endpoint"}
-    assert "load_assignment" not in pool
+    assert pool["type"] == "EDS" and "lb_policy" not in pool and "load_assignment" not in pool
+    assert "original_dst_lb_config" not in pool
+    assert pool["eds_cluster_config"]["eds_config"] == {
+        "resource_api_version": "V3",
+        "path_config_source": {"path": f"{tmp_path}/eds/pool.eds.yaml", "watched_directory": {"path": f"{tmp_path}/eds"}}}
+    (lb,) = pool["load_balancing_policy"]["policies"]
+    assert lb["typed_extension_config"]["name"] == "envoy.load_balancing_policies.override_host"
+    override = lb["typed_extension_config"]["typed_config"]
+    assert override["override_host_sources"] == [{"header": ENDPOINT_HEADER}]
+    (fallback,) = override["fallback_policy"]["policies"]
+    assert fallback["typed_extension_config"]["name"] == "envoy.load_balancing_policies.round_robin"
+    # Envoy's default of 3 retries in flight would turn a 4th concurrent re-pick into a 503.
+    (limits,) = pool["circuit_breakers"]["thresholds"]
+    assert limits["max_retries"] == limits["max_requests"] > 1024
     # The usage path's upstream filters sit on whatever cluster serves the request.
-    (opts,) = pool["typed_extension_protocol_options"].values()
-    assert [f["name"] for f in opts["http_filters"]] == [
+    (protocol,) = pool["typed_extension_protocol_options"].values()
+    assert [f["name"] for f in protocol["http_filters"]] == [
         "envoy.filters.http.ai_protocol_manager", "envoy.filters.http.upstream_codec"]
     assert clusters(cfg)["big"]["type"] == "STRICT_DNS"
+    # write_config's default: the endpoint files beside the config.
     path = write_config(tmp_path / "envoy.yaml", backends, EnvoyOptions())
+    source = clusters(yaml.safe_load(path.read_text()))["pool"]["eds_cluster_config"]["eds_config"]
+    assert source["path_config_source"]["path"] == f"{tmp_path}/pool.eds.yaml"
+    # Envoy refuses a config whose endpoint file is missing; with the file it validates.
+    write_if_changed(tmp_path / "pool.eds.yaml", render_eds("pool", ["127.0.0.1:8000", "127.0.0.1:8002"]))
     result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_only_pool_routes_retry_and_only_on_a_refused_connection() -> None:
+    backends = (BackendRoute("pool", "127.0.0.1", 8000, pool=True), BackendRoute("big", "127.0.0.1", 8001))
+    for order in (backends, backends[::-1]):
+        (vhost,) = hcm(render_bootstrap(order, EnvoyOptions(repick_backoff_ms=3)))["route_config"]["virtual_hosts"]
+        for route in vhost["routes"][1:]:  # after the drain route
+            if route["route"]["cluster"] == "pool":
+                assert route["route"]["retry_policy"] == {
+                    "retry_on": "connect-failure", "num_retries": 1,
+                    "retry_back_off": {"base_interval": "0.003s", "max_interval": "0.003s"}}
+                assert route["response_headers_to_add"] == [{
+                    "header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"},
+                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+            else:
+                assert "retry_policy" not in route["route"] and "response_headers_to_add" not in route
+        assert "retry_policy" not in vhost["routes"][0]["route"]  # the drain
+    # Streamed responses skip ext_proc's response headers, which could not remove it then.
+    (vhost,) = hcm(render_bootstrap(backends, EnvoyOptions(response_processing="streamed")))["route_config"][
+        "virtual_hosts"]
+    pool_routes = [r for r in vhost["routes"] if r["route"]["cluster"] == "pool"]
+    assert pool_routes and all("response_headers_to_add" not in r and r["route"]["retry_policy"] for r in pool_routes)
+
+
+def test_ext_proc_may_set_x_envoy_max_retries_and_no_other_envoy_header_but_the_retry_ones() -> None:
+    rules = ext_proc(render_bootstrap(BACKENDS, EnvoyOptions()))["mutation_rules"]
+    assert rules["allow_all_routing"] is False and rules["allow_envoy"] is False
+    allowed = re.compile(rules["allow_expression"]["regex"])  # Envoy matches the whole name
+    assert allowed.fullmatch("x-envoy-max-retries")
+    assert not any(allowed.fullmatch(h) for h in ("x-envoy-original-path", "x-envoy-internal",
+                                                  "x-envoy-expected-rq-timeout-ms", "x-envoy-decorator-operation"))
+    # extproc names the headers as Envoy's routes and clusters do
+    assert (repick.ENDPOINT_HEADER, repick.UPSTREAM_HEADER) == (ENDPOINT_HEADER, UPSTREAM_HEADER)
+
+
+# A pool through the real Envoy, with a stub ext_proc server that names the endpoints the
+# client asks for (x-test-endpoints) and copies x-sluice-upstream into x-test-served,
+# removing it, as extproc does.
+
+
+def _header(headers: base_pb2.HeaderMap, name: str) -> str | None:
+    for h in headers.headers:
+        if h.key == name:
+            return h.raw_value.decode() if h.raw_value else h.value
+    return None
+
+
+class PickProcessor(ext_grpc.ExternalProcessorServicer):
+    def Process(self, request_iterator, context):  # noqa: N802 (gRPC method name)
+        for request in request_iterator:
+            phase = request.WhichOneof("request")
+            if phase == "request_headers":
+                got = request.request_headers.headers
+                sets = [_set(ENDPOINT_HEADER, _header(got, "x-test-endpoints") or "")]
+                if _header(got, "x-test-max-retries") is not None:
+                    sets.append(_set("x-envoy-max-retries", _header(got, "x-test-max-retries") or ""))
+                common = ext_pb.CommonResponse(header_mutation=ext_pb.HeaderMutation(set_headers=sets))
+                yield ext_pb.ProcessingResponse(request_headers=ext_pb.HeadersResponse(response=common))
+            elif phase == "request_body":
+                yield ext_pb.ProcessingResponse(request_body=ext_pb.BodyResponse())
+            elif phase == "response_headers":
+                served = _header(request.response_headers.headers, UPSTREAM_HEADER) or "none"
+                common = ext_pb.CommonResponse(header_mutation=ext_pb.HeaderMutation(
+                    set_headers=[_set("x-test-served", served)], remove_headers=[UPSTREAM_HEADER]))
+                yield ext_pb.ProcessingResponse(response_headers=ext_pb.HeadersResponse(response=common))
+            elif phase == "response_body":
+                yield ext_pb.ProcessingResponse(response_body=ext_pb.BodyResponse())
+            elif phase == "response_trailers":
+                yield ext_pb.ProcessingResponse(response_trailers=ext_pb.TrailersResponse())
+
+
+def envoy_stats(port: int) -> dict[str, int]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", "/stats")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    return {k: int(v) for k, _, v in (line.partition(": ") for line in text.splitlines()) if v.isdigit()}
+
+
+@pytest.mark.e2e
+def test_a_refused_connection_is_retried_once_on_the_next_listed_endpoint(tmp_path: Path) -> None:
+    opts = local_opts(eds_dir=str(tmp_path / "eds"))
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    ext_grpc.add_ExternalProcessorServicer_to_server(PickProcessor(), grpc_server)
+    grpc_server.add_insecure_port(f"127.0.0.1:{opts.extproc_port}")
+    grpc_server.start()
+    a, b = echo_backend("a"), echo_backend("b")
+    live_a, live_b = (f"127.0.0.1:{s.server_address[1]}" for s in (a, b))
+    closed = f"127.0.0.1:{free_port()}"  # in the endpoint set, nothing listens
+    eds = Path(opts.eds_dir)
+    eds.mkdir()
+    write_if_changed(eds / "pool.eds.yaml", render_eds("pool", [closed, live_a]))
+
+    def ask(endpoints: str, **extra: str) -> tuple[int, dict[str, str], bytes]:
+        return post(opts.listen_port, b'{"model":"m"}', {"x-test-endpoints": endpoints, **extra})
+
+    try:
+        with running_envoy(tmp_path, [BackendRoute("pool", "127.0.0.1", 1, pool=True)], opts):
+            status, headers, body = ask(f"{live_a},{closed}")
+            assert status == 200 and json.loads(body)["backend"] == "a"
+            assert headers["x-test-served"] == live_a and UPSTREAM_HEADER not in headers
+
+            # The first choice refuses: served by the second, and ext_proc saw where.
+            for _ in range(3):
+                status, headers, body = ask(f"{closed},{live_a}")
+                assert status == 200, body
+                assert json.loads(body)["backend"] == "a" and headers["x-test-served"] == live_a
+                assert UPSTREAM_HEADER not in headers, "ext_proc may remove it"
+            # Many at once, each served for 0.3 s: every one re-picked (a retry counts as in
+            # flight until it is answered; Envoy's default allows 3 per cluster).
+            with futures.ThreadPoolExecutor(8) as pool:
+                got = list(pool.map(lambda _: ask(f"{closed},{live_a}", **{"x-echo-delay-ms": "300"}), range(16)))
+            assert [status for status, _, _ in got] == [200] * 16
+            stats = envoy_stats(opts.admin_port)
+            assert stats["cluster.pool.upstream_rq_retry_overflow"] == 0
+            assert stats["cluster.pool.upstream_rq_retry"] >= 19
+            assert stats["cluster.pool.upstream_cx_connect_fail"] >= 3
+
+            # x-envoy-max-retries: 0 from ext_proc is honoured: no second attempt.
+            status, headers, _ = ask(f"{closed},{live_a}", **{"x-test-max-retries": "0"})
+            assert status == 503 and headers["x-test-served"] in ("none", closed)
+            rejected = {k: v for k, v in envoy_stats(opts.admin_port).items() if "rejected_header_mutations" in k}
+            assert rejected and set(rejected.values()) == {0}, rejected
+
+            # A host not in the endpoint set is skipped (round robin over the set picks)...
+            status, _, body = ask(live_b)
+            assert status in (200, 503) and json.loads(body or b"{}").get("backend") != "b"
+            # ... until the file names it: Envoy follows the file when it is replaced.
+            write_if_changed(eds / "pool.eds.yaml", render_eds("pool", [closed, live_a, live_b]))
+            deadline = time.monotonic() + 10
+            while True:
+                status, headers, body = ask(live_b)
+                if status == 200 and json.loads(body)["backend"] == "b":
+                    break
+                assert time.monotonic() < deadline, "Envoy did not load the new endpoint set"
+                time.sleep(0.05)
+            assert headers["x-test-served"] == live_b
+            # An empty set (no endpoint name resolves yet) is accepted: 503, Envoy stays up.
+            write_if_changed(eds / "pool.eds.yaml", render_eds("pool", []))
+            deadline = time.monotonic() + 10
+            while ask(live_a)[0] != 503:
+                assert time.monotonic() < deadline, "Envoy did not load the empty endpoint set"
+                time.sleep(0.05)
+            write_if_changed(eds / "pool.eds.yaml", render_eds("pool", [live_a]))
+            deadline = time.monotonic() + 10
+            while ask(live_a)[0] != 200:
+                assert time.monotonic() < deadline, "Envoy did not come back from the empty set"
+                time.sleep(0.05)
+    finally:
+        grpc_server.stop(grace=None)
+        a.shutdown()
+        b.shutdown()

@@ -27,6 +27,13 @@ the fraction of its budget free after placing the request is at least
 decides: a popular prefix spills to other endpoints instead of piling onto one until
 it preempts. The footprint is not discounted for the cached prefix: the engine may
 evict those blocks before the request runs, and then it needs them all.
+
+Second choice (``second_choice``): where Envoy retries once if the picked endpoint
+refuses the connection. The best candidate by the score (never by affinity) other than
+the primary and the excluded (owed) endpoints, judged as the pool stands *after* the
+primary's reservation; nothing is reserved on it, since it is used only if the primary
+fails to connect. The primary's reservation changes only the primary, which is excluded,
+so the candidates the primary was picked from serve unchanged.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ class Placement:
     score: tuple[float, float, float, str]
     preferred: bool = False  # chosen by prefix affinity, not by the score
     affinity: str | None = None  # set by the caller that keeps the map: hit | spill | miss
+    second: str | None = None  # where Envoy retries on a connect failure (second_choice); not reserved
 
 
 def fits(c: Candidate, kv: int) -> bool:
@@ -91,6 +99,15 @@ def pick(candidates: Iterable[Candidate], kv: int, preferred: str | None = None,
         if best is None or s < best.score:
             best = Placement(c.key, s)
     return best
+
+
+def second_choice(candidates: Iterable[Candidate], kv: int, primary: str,
+                  exclude: Collection[str] = ()) -> str | None:
+    """The endpoint a request placed on ``primary`` falls back to if ``primary`` refuses the
+    connection: the best by the score among the others where ``kv`` fits, not ``exclude``d;
+    None when there is none (Envoy is then told not to retry)."""
+    got = pick(candidates, kv, exclude={primary, *exclude})
+    return None if got is None else got.key
 
 
 def largest_capacity(candidates: Iterable[Candidate]) -> int | None:

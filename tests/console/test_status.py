@@ -195,10 +195,12 @@ def test_pool_endpoints_show_under_their_backend(operator: Console) -> None:
     body["backends"]["sim"]["endpoints"] = [
         {"address": "10.0.0.1:8000", "usable": True, "draining": False, "kv_usage": 0.61, "kv_source": "engine",
          "metrics_reason": "ok", "waiting": 1, "breaker": {"state": "closed"},
-         "slots": {"total": 32, "in_use": 7}, "kv": {"capacity_tokens": 32768, "reserved_tokens": 20000}},
+         "slots": {"total": 32, "in_use": 7}, "kv": {"capacity_tokens": 32768, "reserved_tokens": 20000},
+         "repicks": {"away": 0, "here": 3}},
         {"address": "10.0.0.2:8000", "usable": False, "draining": False, "kv_usage": None,
          "kv_source": "saturated", "metrics_reason": "unreachable", "waiting": None, "breaker": {"state": "open"},
-         "slots": {"total": 16, "in_use": 0}, "kv": {"capacity_tokens": 16384, "reserved_tokens": 0}},
+         "slots": {"total": 16, "in_use": 0}, "kv": {"capacity_tokens": 16384, "reserved_tokens": 0},
+         "repicks": {"away": 3, "here": 0}},
     ]
     assert post_status(operator, body).status_code == 200
     page = operator.client.get("/overview/backends", headers={"HX-Request": "true"}).get_data(as_text=True)
@@ -208,3 +210,6 @@ def test_pool_endpoints_show_under_their_backend(operator: Console) -> None:
     assert "closed" in first and "ejected" not in first
     second = page.split('id="endpoint-sim-10-0-0-2-8000"', 1)[1].split("</tr>", 1)[0]
     assert "ejected" in second and "open" in second and "unreachable" in second
+    # Envoy re-picked 3 requests off the unreachable one onto the other (extproc.repick).
+    assert "3 re-picked here" in first and "re-picked away" not in first
+    assert "3 re-picked away" in second and "re-picked here" not in second

@@ -70,7 +70,7 @@ class ConsoleStack(Stack):
         p = Proc("extproc", [sys.executable, "-m", "extproc", "serve", "--policy", str(self.policy_dir),
                              "--grpc", f"127.0.0.1:{self.grpc_port}", "--admin", f"127.0.0.1:{self.admin_port}",
                              "--reload-interval", "0.2", "--console-url", self.console_url,
-                             "--replica-id", self.replica_id],
+                             "--replica-id", self.replica_id, "--eds-dir", str(self.eds_dir)],
                  self.workdir / "extproc.log", env={"SLUICE_CONSOLE_TOKEN_FILE": self.token_file()})
         self.procs["extproc"] = p.start()
         wait_http(f"{self.admin_url}/healthz", proc=p.popen)

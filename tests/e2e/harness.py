@@ -90,6 +90,7 @@ class Stack:
         self.envoy_admin_port = free_port()
         self.policy_dir = self.workdir / "policies"
         self.policy_dir.mkdir(parents=True, exist_ok=True)
+        self.eds_dir = self.workdir / "eds"  # a pool's endpoint set, written by extproc (--eds-dir)
         if self.policy_doc is None:
             self.policy_doc = test_policy(self.sim_port, **self.gateway)
 
@@ -127,7 +128,7 @@ class Stack:
     def start_extproc(self) -> None:
         p = Proc("extproc", [sys.executable, "-m", "extproc", "serve", "--policy", str(self.policy_dir),
                              "--grpc", f"127.0.0.1:{self.grpc_port}", "--admin", f"127.0.0.1:{self.admin_port}",
-                             "--reload-interval", "0.2"], self.workdir / "extproc.log")
+                             "--reload-interval", "0.2", "--eds-dir", str(self.eds_dir)], self.workdir / "extproc.log")
         self.procs["extproc"] = p.start()
         wait_http(f"{self.admin_url}/healthz", proc=p.popen)
 
@@ -136,9 +137,10 @@ class Stack:
         policy = build_policy(self.policy_doc)
         gw = policy.gateway
         opts = EnvoyOptions(listen_port=self.envoy_port, admin_port=self.envoy_admin_port,
-                            extproc_port=self.grpc_port, drain_port=self.admin_port,
+                            extproc_port=self.grpc_port, drain_port=self.admin_port, eds_dir=str(self.eds_dir),
                             **gateway_options(gw))  # type: ignore[arg-type]
-        # A pool (the first backend lists endpoints) gets the ORIGINAL_DST cluster.
+        # A pool (the first backend lists endpoints) gets the EDS cluster; extproc, started
+        # first, has written its endpoint file.
         routes = [BackendRoute("sim", "127.0.0.1", self.sim_port, pool=policy.backends[0].is_pool)]
         cfg = write_config(self.workdir / "envoy.yaml", routes, opts)
         # access-log lines reach envoy.log within 0.25 s (the default flush interval is 10 s)

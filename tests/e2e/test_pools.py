@@ -1,8 +1,9 @@
 """A pool end to end: one backend, two simulated engines of different KV sizes, real Envoy.
 
 Sluice admits against the pool's budget and places each request on an endpoint
-where its footprint fits (extproc.policy.placement); Envoy's ORIGINAL_DST cluster
-connects to the ip:port Sluice put in ``x-sluice-endpoint``.
+where its footprint fits (extproc.policy.placement); Envoy's EDS cluster (its endpoint
+set written by extproc --eds-dir) connects to the first ip:port Sluice put in
+``x-sluice-endpoint`` and, if that connection is refused, to the second.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from extproc.policy.schema import hash_key
 from tests.e2e.harness import Stack, eventually, free_port, get_json, running
@@ -178,26 +180,85 @@ def test_removing_an_endpoint_drains_it(stack: PoolStack) -> None:
     eventually(lambda: big_key(stack) in endpoints(stack), 10, "the endpoint is back after the reload")
 
 
-def test_an_endpoint_refusing_connections_is_ejected_by_its_breaker(stack: PoolStack) -> None:
-    """No metrics_url, so only the outcomes tell: Envoy's 503s open the endpoint's breaker
-    (three failures), not the pool's, and traffic goes on to the others."""
+def eds_hosts(s: Stack) -> set[str]:
+    """The ip:port in Envoy's endpoint set of the pool (the file extproc --eds-dir writes)."""
+    (cla,) = yaml.safe_load((s.eds_dir / "sim.eds.yaml").read_text())["resources"]
+    return {f"{a['address']}:{a['port_value']}" for loc in cla.get("endpoints", []) for e in loc["lb_endpoints"]
+            for a in [e["endpoint"]["address"]["socket_address"]]}
+
+
+def repicks(s: Stack) -> dict[tuple[str, str], float]:
+    """sluice_endpoint_repicks_total by (from_endpoint, to_endpoint)."""
+    out = {}
+    for line in s.metrics_text().splitlines():
+        if line.startswith("sluice_endpoint_repicks_total{"):
+            labels = dict(x.split("=", 1) for x in line[line.index("{") + 1:line.index("}")].split(","))
+            out[(labels["from_endpoint"].strip('"'), labels["to_endpoint"].strip('"'))] = float(line.split()[-1])
+    return out
+
+
+def test_an_endpoint_refusing_connections_is_re_picked_and_ejected_by_its_breaker(stack: PoolStack) -> None:
+    """An endpoint whose serving port refuses connections while its metrics read fresh (its
+    metrics_url is the big engine's exposition): Envoy retries each connect failure once on
+    Sluice's second choice, so every client gets 200; extproc moves the hold to where it ran,
+    the refused endpoint's breaker hears the failures and opens (not the pool's), and
+    after all streams close nothing is held anywhere."""
     original = copy.deepcopy(stack.policy_doc)
     assert original is not None
     dead = f"127.0.0.1:{free_port()}"  # nothing listens there
     doc = copy.deepcopy(original)
-    doc["backends"][0]["endpoints"].append({"address": dead, "kv_capacity_tokens": 100_000})  # most headroom
+    doc["backends"][0]["endpoints"].append({"address": dead, "kv_capacity_tokens": 100_000,  # most headroom
+                                            "metrics_url": f"{stack.big_url}/metrics"})
+    n = 12
     try:
         stack.write_policy(doc)
-        eventually(lambda: dead in endpoints(stack), 10, "the policy reloaded")
-        codes = [chat(stack, 20, 20).status_code for _ in range(8)]
-        assert codes[:3] == [503] * 3 and codes[3:] == [200] * 5, codes
+        eventually(lambda: endpoints(stack).get(dead, {}).get("usable"), 10, "the refusing endpoint usable")
+        eventually(lambda: dead in eds_hosts(stack), 5, "Envoy's endpoint set has it")
+        before = sum(repicks(stack).values())
+        with ThreadPoolExecutor(4) as pool:
+            rs = list(pool.map(lambda _: chat(stack, 20, 20), range(n)))
+        assert [r.status_code for r in rs] == [200] * n, [r.text for r in rs if r.status_code != 200]
+        assert all("x-sluice-upstream" not in r.headers for r in rs)
+        assert served(stack.sim_url) + served(stack.big_url) == n, "each ran once, on a live engine"
+        moved = {k: v for k, v in repicks(stack).items() if k[0] == dead}
+        assert set(moved) <= {(dead, small_key(stack)), (dead, big_key(stack))}, moved
+        assert 3 <= sum(moved.values()) - before <= n, moved  # at least the three that open it
         st = endpoints(stack)[dead]
-        assert st["breaker"]["state"] == "open" and not st["usable"]
+        assert st["breaker"]["trips"] >= 1 and st["breaker"]["state"] in ("open", "half_open"), st
+        assert st["metrics_reason"] not in ("unreachable", "stale", "no_data"), "ejected by its breaker alone"
         assert stack.state()["backends"]["sim"]["breaker"]["state"] == "closed", "one endpoint is not the pool"
-        assert served(stack.sim_url) + served(stack.big_url) == 5
+        stack.wait_settled(10)
+        for key, e in endpoints(stack).items():
+            assert e["slots"]["in_use"] == 0 and e["kv"]["reserved_tokens"] == 0, (key, e)
     finally:
         stack.write_policy(original)
     eventually(lambda: dead not in endpoints(stack), 10, "the dead endpoint is gone after the reload")
+    eventually(lambda: dead not in eds_hosts(stack), 5, "and out of Envoy's set")
+
+
+def test_an_endpoint_added_at_runtime_is_reachable_through_envoy(stack: PoolStack) -> None:
+    """The policy's new endpoint reaches Envoy's endpoint set (extproc --eds-dir) with the
+    reload: a host Envoy does not know would be skipped (round robin over the others)."""
+    original = copy.deepcopy(stack.policy_doc)
+    assert original is not None
+    port = free_port()
+    start_engine(stack, "sim-extra", port, ["--kv-blocks", str(BIG_BLOCKS * 4), *COMMON], f"sim-extra-{port}.log")
+    doc = copy.deepcopy(original)
+    doc["backends"][0]["endpoints"].append(endpoint(port, BIG_BLOCKS * 4))  # most room: Sluice picks it
+    key = f"127.0.0.1:{port}"
+    try:
+        clear(engine_url(port))
+        stack.write_policy(doc)
+        eventually(lambda: endpoints(stack).get(key, {}).get("usable"), 10, "the new endpoint scraped and usable")
+        assert key in eds_hosts(stack)
+        rs = [chat(stack, 20, 20) for _ in range(4)]
+        assert [r.status_code for r in rs] == [200] * 4
+        assert served(engine_url(port)) == 4 and served(stack.sim_url) + served(stack.big_url) == 0
+        assert not any(k[0] == key or k[1] == key for k in repicks(stack)), "served where Sluice put it"
+    finally:
+        stack.write_policy(original)
+        eventually(lambda: key not in endpoints(stack), 10, "the extra endpoint gone after the reload")
+        stack.procs.pop("sim-extra").stop()
 
 
 def test_an_endpoint_that_stops_answering_is_ejected(stack: PoolStack) -> None:
