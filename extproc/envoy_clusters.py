@@ -54,15 +54,14 @@ from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
 )
 from envoy_data_plane.google.protobuf import Any
 
-__all__ = ["DRAIN_CLUSTER", "ENDPOINT_HEADER", "UPSTREAM_HEADER", "backend_cluster", "eds_path",
+# ENDPOINT_HEADER: ip:port of the pool endpoint Sluice picked, then (comma-separated) its
+# second choice; defined beside the rest of that contract.
+from extproc.repick import ENDPOINT_HEADER
+
+__all__ = ["DRAIN_CLUSTER", "ENDPOINT_HEADER", "backend_cluster", "eds_path",
            "extproc_cluster", "extproc_health", "pool_cluster", "socket_address"]
 
 DRAIN_CLUSTER = "sluice_drain"  # extproc's admin port, where oversized uploads are drained
-# ip:port of the pool endpoint Sluice picked, then (comma-separated) its second choice
-ENDPOINT_HEADER = "x-sluice-endpoint"
-# Added by a pool's routes to the response: the ip:port that served it (after a re-pick,
-# the second choice); extproc reads it and removes it before the client sees it.
-UPSTREAM_HEADER = "x-sluice-upstream"
 
 _HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 _BACKEND_CIRCUIT_LIMIT = 10000

@@ -109,7 +109,6 @@ from extproc import envoy_usage
 from extproc.drain import DRAIN_PATH, LIMIT_HEADER
 from extproc.envoy_clusters import (
     DRAIN_CLUSTER,
-    UPSTREAM_HEADER,
     backend_cluster,
     extproc_cluster,
     pool_cluster,
@@ -347,16 +346,9 @@ def _repick(opts: EnvoyOptions) -> RetryPolicy:
                        retry_back_off=RetryPolicyRetryBackOff(base_interval=backoff, max_interval=backoff))
 
 
-def _served_by() -> list[HeaderValueOption]:
-    return [HeaderValueOption(
-        header=HeaderValue(key=UPSTREAM_HEADER, value="%UPSTREAM_REMOTE_ADDRESS%"),
-        append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
-        keep_empty_value=False,  # Envoy's own replies (no upstream) get none
-    )]
-
-
 def _route(b: BackendRoute, headers: list[HeaderMatcher], opts: EnvoyOptions) -> Route:
-    """A backend's route; a pool's re-picks once on a refused connection and says who served."""
+    """A backend's route; a pool's re-picks once on a refused connection (who served comes to
+    extproc as the ``upstream.address`` attribute, extproc.repick)."""
     return Route(
         match=RouteMatch(prefix="/", headers=headers),
         route=RouteAction(
@@ -365,9 +357,6 @@ def _route(b: BackendRoute, headers: list[HeaderMatcher], opts: EnvoyOptions) ->
             idle_timeout=_LONG_IDLE,
             retry_policy=_repick(opts) if b.pool else None,
         ),
-        # Under "streamed" ext_proc skips the response headers: it could not remove this
-        # one, and reads the upstream.address attribute instead.
-        response_headers_to_add=_served_by() if b.pool and opts.response_processing != "streamed" else [],
     )
 
 

@@ -5,11 +5,9 @@ Request side: Sluice names its pick and a second choice in ``x-sluice-endpoint``
 fails, retries once on the second. With no second choice it names only the pick and sends
 ``x-envoy-max-retries: 0``, so Envoy does not retry on a host Sluice did not choose.
 
-Response side: a pool route adds ``x-sluice-upstream`` (the ``ip:port`` that served), or
-Envoy sends the ``upstream.address`` attribute (``UPSTREAM_ATTRIBUTE``) with the first
-response message. Sluice removes the header from the response, and when the address names
-another endpoint than the pick the
-request's hold follows it there (``served_elsewhere``): the pick's slot and KV are released,
+Response side: Envoy sends the ``upstream.address`` attribute (``UPSTREAM_ATTRIBUTE``, the
+``ip:port`` that served) with the first response message; when it names another endpoint
+than the pick, the request's hold follows it there (``served_elsewhere``): the pick's slot and KV are released,
 the served endpoint's taken (over its budget if need be: the request already runs there),
 and the pick's breaker hears a failure. The request's own outcome is still reported once,
 at settle, to the endpoint that served it.
@@ -30,9 +28,9 @@ if TYPE_CHECKING:  # envoyconfig imports this module: keep it light
 log = logging.getLogger("sluice.repick")
 
 ENDPOINT_HEADER = "x-sluice-endpoint"  # as extproc.stream and extproc.envoy_clusters name it
-UPSTREAM_HEADER = "x-sluice-upstream"  # ip:port that served a pool request (added by Envoy's pool routes)
-# The same address as an ext_proc attribute (envoyconfig.POOL_RESPONSE_ATTRIBUTES): no header to
-# add and remove, and it comes with response_processing streamed too (on the first body chunk).
+# The ip:port that served a pool request, as an ext_proc attribute (envoyconfig's
+# POOL_RESPONSE_ATTRIBUTES): on the response headers under usage_trailers, on the first body
+# chunk under streamed. Not a response header: nothing to add, remove, or leak to a client.
 UPSTREAM_ATTRIBUTE = "upstream.address"
 MAX_RETRIES_HEADER = "x-envoy-max-retries"
 UNKNOWN = "unknown"  # the to_endpoint label of a served address that is not in the pool

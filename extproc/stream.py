@@ -29,8 +29,8 @@ from extproc.policy.schema import Limits, Model, Tenant
 from extproc.prefix_key import prefix_keys
 from extproc.redact import redact_query
 from extproc.repick import (
+    ENDPOINT_HEADER,
     UPSTREAM_ATTRIBUTE,
-    UPSTREAM_HEADER,
     client_retry_removals,
     endpoint_headers,
     served_elsewhere,
@@ -43,13 +43,10 @@ from extproc.tokenizer import TokenizerFailed, estimate
 log = logging.getLogger("sluice.stream")
 
 KEY_HEADERS = ("authorization", "x-api-key")
-ENDPOINT_HEADER = "x-sluice-endpoint"  # where a pool's EDS cluster connects, then retries (envoy_clusters)
 REQUEST_HEADERS = frozenset({":path", ":method", "content-length", *KEY_HEADERS})
-RESPONSE_HEADERS = frozenset({":status", "content-type", UPSTREAM_HEADER})
+RESPONSE_HEADERS = frozenset({":status", "content-type"})
 PROMPT_PARAM = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
 _HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-# A pool's responses carry x-sluice-upstream (extproc.repick), which the client never sees.
-_HEADERS_DROP_UPSTREAM = msg.headers_response("response_headers", remove=(UPSTREAM_HEADER,))
 _TRAILERS_CONTINUE = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 
@@ -410,8 +407,7 @@ class StreamProcessor(Settlement):
             self.status = 0
         self.first_byte_s = self.rt.clock()
         self.sse = "text/event-stream" in headers.get("content-type", "")
-        header = headers.get(UPSTREAM_HEADER)
-        served = header if header is not None or request is None else msg.attribute(request, UPSTREAM_ATTRIBUTE)
+        served = None if request is None else msg.attribute(request, UPSTREAM_ATTRIBUTE)
         if isinstance(served, str) and self.ticket is not None and not self.settled:
             # Envoy re-picked after a connect failure: the hold follows (before any settle below).
             served_elsewhere(self.ticket, served, self.rt.metrics, self.first_byte_s)
@@ -419,7 +415,7 @@ class StreamProcessor(Settlement):
         # of: an error response has nothing to bill and its end is not waited for.
         if self.admitted and (h.end_of_stream or self.status >= 400):
             self.settle("end_of_stream")
-        return _HEADERS_CONTINUE if header is None else _HEADERS_DROP_UPSTREAM
+        return _HEADERS_CONTINUE
 
     def on_response_trailers(self, request: pb.ProcessingRequest) -> pb.ProcessingResponse:
         """The one message at a clean end of a response, carrying Envoy's usage record."""

@@ -24,9 +24,10 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
+from extproc import messages as msg
 from extproc import repick
 from extproc.drain import DRAIN_PATH, LIMIT_HEADER
-from extproc.envoy_clusters import ENDPOINT_HEADER, UPSTREAM_HEADER
+from extproc.envoy_clusters import ENDPOINT_HEADER
 from extproc.envoy_eds import render as render_eds
 from extproc.envoy_eds import write_if_changed
 from extproc.envoy_replies import ENVOY_REPLIES
@@ -627,17 +628,14 @@ def test_only_pool_routes_retry_and_only_on_a_refused_connection() -> None:
                 assert route["route"]["retry_policy"] == {
                     "retry_on": "connect-failure", "num_retries": 1,
                     "retry_back_off": {"base_interval": "0.003s", "max_interval": "0.003s"}}
-                assert route["response_headers_to_add"] == [{
-                    "header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"},
-                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
             else:
-                assert "retry_policy" not in route["route"] and "response_headers_to_add" not in route
+                assert "retry_policy" not in route["route"]
+            # who served comes as the upstream.address attribute: no header for clients to see
+            assert "response_headers_to_add" not in route
         assert "retry_policy" not in vhost["routes"][0]["route"]  # the drain
-    # Streamed responses skip ext_proc's response headers, which could not remove it then.
-    (vhost,) = hcm(render_bootstrap(backends, EnvoyOptions(response_processing="streamed")))["route_config"][
-        "virtual_hosts"]
-    pool_routes = [r for r in vhost["routes"] if r["route"]["cluster"] == "pool"]
-    assert pool_routes and all("response_headers_to_add" not in r and r["route"]["retry_policy"] for r in pool_routes)
+    for mode in ("usage_trailers", "streamed"):
+        cfg = ext_proc(render_bootstrap(backends, EnvoyOptions(response_processing=mode)))
+        assert repick.UPSTREAM_ATTRIBUTE in cfg["response_attributes"], mode
 
 
 def test_ext_proc_may_set_x_envoy_max_retries_and_no_other_envoy_header_but_the_retry_ones() -> None:
@@ -647,13 +645,11 @@ def test_ext_proc_may_set_x_envoy_max_retries_and_no_other_envoy_header_but_the_
     assert allowed.fullmatch("x-envoy-max-retries")
     assert not any(allowed.fullmatch(h) for h in ("x-envoy-original-path", "x-envoy-internal",
                                                   "x-envoy-expected-rq-timeout-ms", "x-envoy-decorator-operation"))
-    # extproc names the headers as Envoy's routes and clusters do
-    assert (repick.ENDPOINT_HEADER, repick.UPSTREAM_HEADER) == (ENDPOINT_HEADER, UPSTREAM_HEADER)
 
 
 # A pool through the real Envoy, with a stub ext_proc server that names the endpoints the
-# client asks for (x-test-endpoints) and copies x-sluice-upstream into x-test-served,
-# removing it, as extproc does.
+# client asks for (x-test-endpoints) and copies the upstream.address attribute (who served,
+# as extproc reads it) into x-test-served.
 
 
 def _header(headers: base_pb2.HeaderMap, name: str) -> str | None:
@@ -677,9 +673,9 @@ class PickProcessor(ext_grpc.ExternalProcessorServicer):
             elif phase == "request_body":
                 yield ext_pb.ProcessingResponse(request_body=ext_pb.BodyResponse())
             elif phase == "response_headers":
-                served = _header(request.response_headers.headers, UPSTREAM_HEADER) or "none"
+                served = msg.attribute(request, repick.UPSTREAM_ATTRIBUTE) or "none"
                 common = ext_pb.CommonResponse(header_mutation=ext_pb.HeaderMutation(
-                    set_headers=[_set("x-test-served", served)], remove_headers=[UPSTREAM_HEADER]))
+                    set_headers=[_set("x-test-served", str(served))]))
                 yield ext_pb.ProcessingResponse(response_headers=ext_pb.HeadersResponse(response=common))
             elif phase == "response_body":
                 yield ext_pb.ProcessingResponse(response_body=ext_pb.BodyResponse())
@@ -718,14 +714,13 @@ def test_a_refused_connection_is_retried_once_on_the_next_listed_endpoint(tmp_pa
         with running_envoy(tmp_path, [BackendRoute("pool", "127.0.0.1", 1, pool=True)], opts):
             status, headers, body = ask(f"{live_a},{closed}")
             assert status == 200 and json.loads(body)["backend"] == "a"
-            assert headers["x-test-served"] == live_a and UPSTREAM_HEADER not in headers
+            assert headers["x-test-served"] == live_a
 
             # The first choice refuses: served by the second, and ext_proc saw where.
             for _ in range(3):
                 status, headers, body = ask(f"{closed},{live_a}")
                 assert status == 200, body
                 assert json.loads(body)["backend"] == "a" and headers["x-test-served"] == live_a
-                assert UPSTREAM_HEADER not in headers, "ext_proc may remove it"
             # Many at once, each served for 0.3 s: every one re-picked (a retry counts as in
             # flight until it is answered; Envoy's default allows 3 per cluster).
             with futures.ThreadPoolExecutor(8) as pool:

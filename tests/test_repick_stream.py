@@ -1,8 +1,8 @@
 """Re-pick once on a connect failure (issue 11), the extproc side, driven by ext_proc messages.
 
 Request side: ``x-sluice-endpoint: pick,second`` (or the pick and ``x-envoy-max-retries: 0``),
-and a client's retry headers removed. Response side: ``x-sluice-upstream`` removed, and the
-hold follows the request to the endpoint that served it.
+and a client's retry headers removed. Response side: Envoy's ``upstream.address`` attribute
+says who served, and the hold follows the request there.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.endpoints import endpoint_status
 from extproc.policy.breaker import BreakerState
 from extproc.policy.schema import build_policy, hash_key
-from extproc.repick import CLIENT_RETRY_HEADERS, MAX_RETRIES_HEADER, UPSTREAM_HEADER
+from extproc.repick import CLIENT_RETRY_HEADERS, MAX_RETRIES_HEADER
 from extproc.runtime import Runtime
 from extproc.store import lease_plan
 from extproc.stream import ENDPOINT_HEADER, StreamProcessor
@@ -75,11 +75,11 @@ def set_headers(common: pb.CommonResponse) -> dict[str, str]:
 
 
 def served_by(upstream: str | None, status: int = 200) -> pb.ProcessingRequest:
+    """Response headers, with Envoy's upstream.address attribute when ``upstream`` is given."""
     hs = [(":status", str(status)), ("content-type", "text/event-stream")]
-    if upstream is not None:
-        hs.append((UPSTREAM_HEADER, upstream))
     hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in hs])
-    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=hm))
+    r = pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=hm))
+    return r if upstream is None else with_upstream_attribute(r, upstream)
 
 
 def repicks(rt: Runtime, frm: str, to: str) -> float:
@@ -166,8 +166,7 @@ def test_served_by_the_second_choice_moves_the_hold_once_records_the_failure_and
     kv = sp.ticket.hold.kv
     assert held(rt) == {A: (1, kv), B: (0, 0)}
     out = sp.handle("response_headers", served_by(B))
-    assert out is not None and list(out.response_headers.response.header_mutation.remove_headers) == \
-        [UPSTREAM_HEADER]
+    assert out is not None and not out.response_headers.HasField("response")  # nothing to mutate
     assert sp.ticket.hold.endpoint == B
     assert held(rt) == {A: (0, 0), B: (1, kv)}
     assert eps.by_key[A].breaker.state(clock.now) is BreakerState.OPEN  # consecutive_failures: 1
@@ -185,18 +184,17 @@ def test_served_by_the_second_choice_moves_the_hold_once_records_the_failure_and
     rt.close()
 
 
-def test_served_by_the_pick_only_drops_the_header() -> None:
+def test_served_by_the_pick_keeps_the_hold_and_mutates_nothing() -> None:
     rt, clock = runtime(policy((A, B)))
     eps = rt.backends["pool"].endpoints
     assert eps is not None
     sp, _ = request(rt)
     out = sp.handle("response_headers", served_by(A))
-    assert out is not None and list(out.response_headers.response.header_mutation.remove_headers) == \
-        [UPSTREAM_HEADER]
+    assert out is not None and not out.response_headers.HasField("response")
     assert sp.ticket is not None and sp.ticket.hold is not None and sp.ticket.hold.endpoint == A
     assert eps.by_key[A].breaker.state(clock.now) is BreakerState.CLOSED
     assert repicks(rt, A, B) == 0
-    # A single-address backend's response has no such header: the shared answer, no mutation.
+    # A single-address backend's response: the shared answer too.
     rt2, _ = runtime(policy(None))
     sp2, _ = request(rt2)
     out2 = sp2.handle("response_headers", served_by(None))
@@ -295,24 +293,11 @@ def test_a_drained_endpoints_repick_series_leave_metrics() -> None:
     rt.close()
 
 
-# -- the served address as Envoy's upstream.address attribute (no header) --------------------
+# -- the served address under response_processing streamed ----------------------------------
 
 def with_upstream_attribute(r: pb.ProcessingRequest, upstream: str) -> pb.ProcessingRequest:
     r.attributes["envoy.filters.http.ext_proc"].fields["upstream.address"].string_value = upstream
     return r
-
-
-def test_usage_trailers_the_attribute_alone_moves_the_hold_and_needs_no_mutation() -> None:
-    rt, clock = runtime(policy((A, B)))
-    sp, _ = request(rt)
-    assert sp.ticket is not None and sp.ticket.hold is not None
-    kv = sp.ticket.hold.kv
-    out = sp.handle("response_headers", with_upstream_attribute(served_by(None), B))
-    assert out is not None and not out.response_headers.HasField("response")  # nothing to remove
-    assert sp.ticket.hold.endpoint == B and held(rt) == {A: (0, 0), B: (1, kv)} and repicks(rt, A, B) == 1
-    sp.handle("response_trailers", trailers(5, 10))
-    assert held(rt) == {A: (0, 0), B: (0, 0)}
-    rt.close()
 
 
 def test_streamed_the_attribute_on_the_first_body_chunk_moves_the_hold_before_settle() -> None:
