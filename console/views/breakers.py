@@ -30,7 +30,9 @@ def _history() -> list[dict[str, Any]]:
     return sorted(items, key=lambda i: i["at"], reverse=True)[:200]
 
 
-def _context(**extra: Any) -> dict[str, Any]:
+def _context(*, history: bool = True, **extra: Any) -> dict[str, Any]:
+    """What the breakers page renders; ``history=False`` leaves out the 24-hour history
+    (two queries), which the state region polled every second does not show."""
     s = sluice()
     snap = snapshot()
     names = [b.name for b in snap.policy.backends] if snap else []
@@ -38,7 +40,7 @@ def _context(**extra: Any) -> dict[str, Any]:
     manual = backend_manual(snap.doc) if snap else {}
     return {"names": names, "backends": live.backend_views(names, reps), "manual": manual, "now": s.now(),
             "manual_endpoints": manual_by_endpoint(snap.doc) if snap else {},
-            "history": _history(), "forms": {}, **extra}
+            "history": _history() if history else [], "forms": {}, **extra}
 
 
 def parse_form() -> tuple[str, str, float | None, dict[str, str], dict[str, list[str]]]:
@@ -81,7 +83,7 @@ def page() -> tuple[str, int]:
 
 @bp.get("/breakers/state")
 def state() -> tuple[str, int]:
-    return region("breakers.html", "_breakers_state.html", **_context())
+    return region("breakers.html", "_breakers_state.html", **_context(history=not is_htmx()))
 
 
 @bp.get("/breakers/history")

@@ -7,6 +7,7 @@ from typing import Any
 from flask import Blueprint
 
 from console import live, sparkline, ttft
+from console.security import is_htmx
 from console.views.breakers import backend_manual, manual_by_endpoint
 from console.views.common import region, sluice, snapshot
 
@@ -14,7 +15,9 @@ bp = Blueprint("overview", __name__)
 SPARK_WINDOW_S = 15 * 60
 
 
-def _context() -> dict[str, Any]:
+def _context(*, charts: bool = True) -> dict[str, Any]:
+    """What the Overview renders; ``charts=False`` leaves out the KV and TTFT sparklines
+    (queries per backend), which the replicas region polled every second does not show."""
     s = sluice()
     now = s.now()
     snap = snapshot()
@@ -22,9 +25,9 @@ def _context() -> dict[str, Any]:
     names = [b.name for b in snap.policy.backends] if snap else []
     backends = live.backend_views(names, reps)
     sparks = {b.name: sparkline.svg(live.kv_series(s.store, b.name, now - SPARK_WINDOW_S), now - SPARK_WINDOW_S,
-                                    now, label=f"KV usage of {b.name}, last 15 min") for b in backends}
+                                    now, label=f"KV usage of {b.name}, last 15 min") for b in backends} if charts else {}
     slos = {name: t.ttft_p99_ms for name, t in snap.policy.tiers.items()} if snap else {}
-    ttfts = {b.name: _ttft_rows(s.store, b.name, now, slos) for b in backends}
+    ttfts = {b.name: _ttft_rows(s.store, b.name, now, slos) for b in backends} if charts else {}
     manual = backend_manual(snap.doc) if snap else {}
     return {"backends": backends, "sparks": sparks, "ttfts": ttfts, "replicas": reps, "manual": manual,
             "manual_endpoints": manual_by_endpoint(snap.doc) if snap else {},
@@ -58,4 +61,4 @@ def backends() -> tuple[str, int]:
 
 @bp.get("/overview/replicas")
 def replicas() -> tuple[str, int]:
-    return region("overview.html", "_replicas.html", **_context())
+    return region("overview.html", "_replicas.html", **_context(charts=not is_htmx()))

@@ -37,6 +37,36 @@ def test_live_regions_poll_from_the_server(operator: Console, page: str, partial
         assert operator.client.get(url).get_data(as_text=True).startswith("<!doctype html>")
 
 
+# (region polled every second, the query it must not run, where that query lives)
+OWN_CONTEXT = [
+    ("/breakers/state", "console.views.breakers._history", "/breakers/history"),
+    ("/overview/replicas", "console.live.kv_series", "/overview/backends"),
+    ("/overview/replicas", "console.ttft.summary", "/overview/backends"),
+]
+
+
+@pytest.mark.parametrize("region_url,query,owner", OWN_CONTEXT)
+def test_a_polled_region_runs_only_the_queries_it_shows(operator: Console, monkeypatch: pytest.MonkeyPatch,
+                                                         region_url: str, query: str, owner: str) -> None:
+    module, name = query.rsplit(".", 1)
+    mod = __import__(module, fromlist=[name])
+    real, calls = getattr(mod, name), []
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(region_url)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mod, name, counted)
+    htmx = {"HX-Request": "true"}
+    assert operator.client.get(region_url, headers=htmx).status_code == 200
+    assert calls == [], f"{region_url} ran {query}"
+    assert operator.client.get(owner, headers=htmx).status_code == 200
+    assert calls, f"{owner} shows what {query} gives and must run it"
+    calls.clear()
+    assert operator.client.get(region_url).status_code == 200  # no HTMX: the whole page, which shows it
+    assert calls
+
+
 @pytest.mark.parametrize("path", ["/", "/tenants", "/tiers", "/breakers", "/audit", "/export"])
 def test_pages_render(operator: Console, path: str) -> None:
     r = operator.client.get(path)
