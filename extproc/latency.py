@@ -29,8 +29,8 @@ from extproc.policy.schema import Backend, Policy, Tier
 
 if TYPE_CHECKING:
     from extproc.admission import Ticket
-    from extproc.response import Usage
     from extproc.runtime import Runtime
+    from extproc.usage import Usage
 
 
 def adaptive_config(spec: Backend, policy: Policy) -> AdaptiveConfig | None:

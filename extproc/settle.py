@@ -19,8 +19,8 @@ from extproc.estimate import completion_estimate
 from extproc.openai_body import ParsedRequest
 from extproc.policy.breaker import Outcome, outcome_for_status
 from extproc.policy.schema import Limits, Policy, Tenant
-from extproc.response import JSONTracker, SSETracker, Usage
 from extproc.runtime import Runtime
+from extproc.usage import JSONTracker, SSETracker, Usage
 
 log = logging.getLogger("sluice.stream")
 

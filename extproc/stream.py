@@ -35,10 +35,10 @@ from extproc.repick import (
     endpoint_headers,
     served_elsewhere,
 )
-from extproc.response import JSONTracker, SSETracker
 from extproc.runtime import Runtime
 from extproc.settle import Settlement
 from extproc.tokenizer import TokenizerFailed, estimate
+from extproc.usage import JSONTracker, SSETracker
 
 log = logging.getLogger("sluice.stream")
 
