@@ -17,7 +17,7 @@ from extproc.admission import Ticket
 from extproc.envoy_usage import EnvoyUsage
 from extproc.estimate import completion_estimate
 from extproc.openai_body import ParsedRequest
-from extproc.policy.breaker import Outcome, outcome_for_status
+from extproc.policy.breaker import outcome_at_settle
 from extproc.policy.schema import Limits, Policy, Tenant
 from extproc.runtime import Runtime
 from extproc.usage import JSONTracker, SSETracker, Usage
@@ -115,15 +115,8 @@ class Settlement:
         if t.admitted_at:
             self.rt.metrics.in_flight.dec()
             self.rt.track(self.tenant.name, -1)
-        if how == "end_of_stream" and self.status:
-            outcome = outcome_for_status(self.status)
-        elif how == "error":
-            outcome = Outcome.FAILURE
-        else:
-            # A client that leaves says nothing about the backend's health.
-            outcome = Outcome.CANCELLED
         latency = self.first_byte_s - t.admitted_at if self.first_byte_s and t.admitted_at else None
-        t.report_outcome(outcome, latency, now)
+        t.report_outcome(outcome_at_settle(how, self.status), latency, now)
         if t.hold is not None:
             hold, t.hold = t.hold, None
             t.runtime.release(hold, now)
