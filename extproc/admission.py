@@ -99,7 +99,7 @@ class Admission:
 
     def _shadow(self, rule: str) -> bool:
         if self.policy.shadowed(self.tier.name, rule):
-            self.rt.metrics.child(self.rt.metrics.shadow, rule, self.tier.name).inc()
+            self.rt.metrics.shadowed(rule, self.tier.name)
             return True
         return False
 
@@ -274,7 +274,7 @@ class Admission:
             raise
         finally:
             ticket.queued_s = self.rt.clock() - t0
-            self.rt.metrics.child(self.rt.metrics.queue_wait, self.tier.name, result).observe(ticket.queued_s)
+            self.rt.metrics.queue_waited(self.tier.name, result, ticket.queued_s)
 
     async def _await_grant(self, ticket: Ticket, w: Waiter) -> str:
         be = ticket.runtime
