@@ -66,7 +66,9 @@ class Ticket:
     prefix: tuple[int, ...] = ()  # prompt prefix keys when the pool has prefix affinity (extproc.prefix_key)
 
     def report_outcome(self, outcome: Outcome, latency_s: float | None, now: float) -> None:
-        """Tell each breaker that let this request through how it ended; once.
+        """Tell each breaker that let this request through how it ended; once. The one place
+        an outcome reaches the breakers: admission gives a probe back with ``CANCELLED``,
+        settle reports ``outcome_at_settle`` (extproc.settle).
 
         The tenant's breakers hear first and decide who a failure is blamed on: a
         failure of this tenant alone reaches the backend's breakers as
@@ -97,7 +99,7 @@ class Admission:
 
     def _shadow(self, rule: str) -> bool:
         if self.policy.shadowed(self.tier.name, rule):
-            self.rt.metrics.child(self.rt.metrics.shadow, rule, self.tier.name).inc()
+            self.rt.metrics.shadowed(rule, self.tier.name)
             return True
         return False
 
@@ -111,7 +113,7 @@ class Admission:
         if verdict.allowed and route_breaker is not None:
             ticket.route_verdict = route_verdict = route_breaker.allow(now)
             if not route_verdict.allowed:
-                self._release_probe(ticket, now)
+                ticket.report_outcome(Outcome.CANCELLED, None, now)  # a half-open probe's place goes back
                 ticket.breaker_verdict, verdict = None, route_verdict
                 what = f"Model {model.name!r} on backend {backend.name!r}"
         if not verdict.allowed:
@@ -133,7 +135,7 @@ class Admission:
         if d.fallback_below_scale and scale < d.fallback_below_scale and not self._shadow("degrade"):
             fb = self._fallback(model, now)
             if fb is not None:
-                self._release_probe(ticket, now)
+                ticket.report_outcome(Outcome.CANCELLED, None, now)  # a half-open probe's place goes back
                 ticket = self._to_fallback(ticket, fb, now)
         if d.clamp_max_tokens and scale < d.clamp_below_scale and ticket.completion > d.clamp_max_tokens \
                 and not self._shadow("degrade"):
@@ -169,15 +171,11 @@ class Admission:
         ticket.tenant_verdict = verdict = ticket.runtime.tenants_for(ticket.model.name).allow(ticket.tenant, now)
         if verdict.allowed or self._shadow("breaker"):
             return
-        self._release_probe(ticket, now)
+        ticket.report_outcome(Outcome.CANCELLED, None, now)  # a half-open probe's place goes back
         wait = verdict.retry_after_s if verdict.retry_after_s is not None else 30.0
         raise Reject(REASON_TENANT_OPEN, f"Requests with this key are failing on backend {ticket.backend.name!r} "
                      f"while other tenants' requests succeed; the key is refused there for now ({verdict.reason}). "
                      "Retry later.", code="service_unavailable", headers=retry_after_headers(wait))
-
-    def _release_probe(self, ticket: Ticket, now: float) -> None:
-        # A half-open probe slot that will not be used must be given back.
-        ticket.report_outcome(Outcome.CANCELLED, None, now)
 
     # -- budgets -------------------------------------------------------------------
     def precheck(self, now: float) -> Verdict | None:
@@ -276,7 +274,7 @@ class Admission:
             raise
         finally:
             ticket.queued_s = self.rt.clock() - t0
-            self.rt.metrics.child(self.rt.metrics.queue_wait, self.tier.name, result).observe(ticket.queued_s)
+            self.rt.metrics.queue_waited(self.tier.name, result, ticket.queued_s)
 
     async def _await_grant(self, ticket: Ticket, w: Waiter) -> str:
         be = ticket.runtime

@@ -34,11 +34,7 @@ _ids = itertools.count(1)
 
 
 def breaker_config(s: BreakerSettings) -> BreakerConfig:
-    return BreakerConfig(window_s=s.window_s, min_requests=s.min_requests, error_ratio=s.error_ratio,
-                         consecutive_failures=s.consecutive_failures, latency_slo_s=s.latency_slo_s,
-                         cooldown_s=s.cooldown_s, max_cooldown_s=max(s.max_cooldown_s, s.cooldown_s),
-                         ramp_steps=tuple(s.ramp_steps), ramp_step_s=s.ramp_step_s,
-                         trip_on_preemption=s.trip_on_preemption, preemption_threshold=s.preemption_threshold)
+    return s.config()
 
 
 def tenant_breakers(s: BreakerSettings, now: float) -> TenantBreakers:

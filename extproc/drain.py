@@ -58,9 +58,9 @@ def drain_handler(runtime: Runtime):  # noqa: ANN201 - an aiohttp handler
         limit = int(header) if header.isdigit() else gw.max_body_bytes
         length = request.content_length
         size = f"{length} bytes" if length is not None else "too large"
-        m.child(m.rejections, REASON, "413").inc()
+        m.rejected(REASON, 413)  # no sluice_requests: the ext_proc never saw it
         if length is not None and length > gw.drain_max_bytes:
-            m.child(m.drained, "over_drain_limit").inc()
+            m.drained_upload("over_drain_limit")
             return _reply(size, limit, close=True)
         read, outcome = 0, "drained"
         try:
@@ -77,8 +77,7 @@ def drain_handler(runtime: Runtime):  # noqa: ANN201 - an aiohttp handler
             outcome = "timeout"
         except (ConnectionError, ClientPayloadError, HttpProcessingError):
             outcome = "client_gone"  # the upload ended early: the answer goes nowhere
-        m.drained_bytes.inc(read)
-        m.child(m.drained, outcome).inc()
+        m.drained_upload(outcome, read)
         return _reply(size, limit, close=outcome != "drained")
 
     return drain

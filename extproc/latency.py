@@ -29,8 +29,8 @@ from extproc.policy.schema import Backend, Policy, Tier
 
 if TYPE_CHECKING:
     from extproc.admission import Ticket
-    from extproc.response import Usage
     from extproc.runtime import Runtime
+    from extproc.usage import Usage
 
 
 def adaptive_config(spec: Backend, policy: Policy) -> AdaptiveConfig | None:
@@ -67,24 +67,18 @@ def record_settle(rt: Runtime, ticket: Ticket, tenant: str, tier: Tier, *, how: 
     if not ticket.admitted_at or first_byte is None or not 0 < status < 400:
         return
     m = rt.metrics
-    labels = (ticket.backend.name, tier.name)
     ttft = max(0.0, first_byte - ticket.admitted_at)
-    m.child(m.ttft, *labels).observe(ttft)
-    rt.ttft_counts.observe(*labels, ttft)
-    m.child(m.ttft_arrival, *labels).observe(max(0.0, first_byte - arrived))
+    rt.ttft_counts.observe(ticket.backend.name, tier.name, ttft)
     done = how == "end_of_stream"
     out = usage.completion_tokens // max(1, n) if usage is not None else None
-    itl = None
-    if done:
-        m.child(m.duration, *labels).observe(max(0.0, now - arrived))
-        if out is not None and out > 1:
-            itl = max(0.0, now - first_byte) / (out - 1)
-            m.child(m.itl, *labels).observe(itl)
-        if out is not None and n > 0:
-            rt.completions.observe(tenant, tier.name, ticket.model.name, out)
-            learned = rt.completions.learned("tier", tier.name, ticket.model.name)
-            if learned is not None:
-                m.child(m.completion_estimate, tier.name, ticket.model.name).set(learned)
+    itl = max(0.0, now - first_byte) / (out - 1) if done and out is not None and out > 1 else None
+    m.latency(ticket.backend.name, tier.name, ttft, max(0.0, first_byte - arrived),
+              duration=max(0.0, now - arrived) if done else None, itl=itl)
+    if done and out is not None and n > 0:
+        rt.completions.observe(tenant, tier.name, ticket.model.name, out)
+        learned = rt.completions.learned("tier", tier.name, ticket.model.name)
+        if learned is not None:
+            m.completion_estimated(tier.name, ticket.model.name, learned)
     ctl = ticket.runtime.latency
     if ctl is None:
         return

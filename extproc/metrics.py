@@ -1,7 +1,17 @@
-"""Prometheus metrics, one registry per runtime so tests can run several side by side."""
+"""Prometheus metrics, one registry per runtime so tests can run several side by side.
+
+The request path (admission, stream, settle, repick, drain, latency) says what happened
+through the intent methods below (``admitted``, ``rejected``, ``settled``, ...; listed in
+``INTENTS``), each the one place its event is counted; ``tests.metrics_fake`` records
+them for assertions. The monitor's and the scrape's gauges are set on the metric
+objects directly (``child``/``forget``): one call site each, nothing to gain.
+"""
 
 from __future__ import annotations
 
+from collections import Counter as Tally
+from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -14,12 +24,20 @@ TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 
 ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+NO_TENANT = "-"  # the tenant label of a request refused before its key was known
+# The request path's events, one method each (tests.metrics_fake records these).
+INTENTS = ("admitted", "rejected", "bypassed", "settled", "released", "charged_refused", "shadowed",
+           "queue_waited", "phase", "placed", "repicked", "tokenized", "latency", "completion_estimated",
+           "drained_upload")
 
 
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        # Per tenant, for /debug/state and the console (not label sets on a metric).
+        self.tenant_rejections: defaultdict[str, Tally[str]] = defaultdict(Tally)
+        self.tenant_degradations: defaultdict[str, Tally[str]] = defaultdict(Tally)
         self.requests = Counter("sluice_requests", "Requests by tenant and outcome (admitted or the rejection reason).",
                                 ["tenant", "outcome"], registry=r)
         self.rejections = Counter("sluice_rejections", "Rejections by reason and HTTP status.",
@@ -122,6 +140,100 @@ class Metrics:
         self.endpoint_usable = Gauge("sluice_endpoint_usable", "1 while a pool endpoint may be picked (breaker "
                                      "not open, metrics fresh, not draining).", ["backend", "endpoint"], registry=r)
 
+    # -- the request path's events ----------------------------------------------------
+    def admitted(self, tenant: str, tier: str, cost: int, tokens_remaining: int, degraded: Iterable[str] = ()) -> None:
+        """A request got its pre-charge and slot and goes to the backend (in flight until ``released``)."""
+        c = self.child
+        c(self.requests, tenant, "admitted").inc()
+        c(self.tokens_precharged, tenant).inc(cost)
+        self.in_flight.inc()
+        c(self.bucket_tokens, tenant).set(tokens_remaining)
+        for kind in degraded:
+            c(self.degraded, tier, kind).inc()
+            self.tenant_degradations[tenant][kind] += 1
+
+    def rejected(self, reason: str, status: int, tenant: str | None = None) -> None:
+        """A request refused with ``status``: the one place a rejection is counted.
+
+        ``tenant`` is the key's tenant, ``NO_TENANT`` for a request Sluice refused before
+        knowing it, None for one the ext_proc never saw (the drain): that is not a request
+        of ``sluice_requests``."""
+        self.child(self.rejections, reason, str(status)).inc()
+        if tenant is None:
+            return
+        self.child(self.requests, tenant, reason).inc()
+        if tenant != NO_TENANT:
+            self.tenant_rejections[tenant][reason] += 1
+
+    def bypassed(self, tenant: str, outcome: str) -> None:
+        """A request that needs no admission: ``passthrough`` (an unknown path let through)
+        or ``models`` (the model list, answered by Sluice)."""
+        self.child(self.requests, tenant, outcome).inc()
+
+    def settled(self, how: str, tenant: str, charged: int, reserved: int) -> None:
+        """An admitted request settled ``how``: charged what it used, the rest of its
+        reservation refunded (or the excess over it charged)."""
+        c = self.child
+        c(self.settles, how).inc()
+        c(self.tokens_charged, tenant).inc(charged)
+        if charged <= reserved:
+            c(self.tokens_refunded, tenant).inc(reserved - charged)
+        else:
+            c(self.tokens_excess, tenant).inc(charged - reserved)
+
+    def released(self) -> None:
+        """An ``admitted`` request is no longer in flight."""
+        self.in_flight.dec()
+
+    def charged_refused(self, tenant: str, reason: str, tokens: int) -> None:
+        """A prompt refused after it was counted, charged as spent (extproc.settle)."""
+        self.child(self.tokens_refused, tenant, reason).inc(tokens)
+
+    def shadowed(self, rule: str, tier: str) -> None:
+        """A rule in shadow mode would have refused or degraded a request."""
+        self.child(self.shadow, rule, tier).inc()
+
+    def queue_waited(self, tier: str, result: str, seconds: float) -> None:
+        self.child(self.queue_wait, tier, result).observe(seconds)
+
+    def phase(self, phase: str, seconds: float) -> None:
+        """Time spent answering one ext_proc message."""
+        self.child(self.phase_seconds, phase).observe(seconds)
+
+    def placed(self, backend: str, endpoint: str, affinity: str | None) -> None:
+        """A pool request placed on ``endpoint``; ``affinity`` the prefix result (hit, spill, miss) if any."""
+        self.child(self.endpoint_picks, backend, endpoint).inc()
+        if affinity is not None:
+            self.child(self.prefix_affinity, backend, affinity).inc()
+
+    def repicked(self, backend: str, from_endpoint: str, to_endpoint: str) -> None:
+        """Envoy served a pool request elsewhere than the pick (extproc.repick)."""
+        self.child(self.endpoint_repicks, backend, from_endpoint, to_endpoint).inc()
+
+    def tokenized(self, tenant: str, seconds: float) -> None:
+        self.child(self.tokenize_seconds, tenant).inc(seconds)
+
+    def latency(self, backend: str, tier: str, ttft: float, from_arrival: float, duration: float | None = None,
+                itl: float | None = None) -> None:
+        """A forwarded request's latencies (extproc.latency); duration and ITL only when it ended normally."""
+        c = self.child
+        c(self.ttft, backend, tier).observe(ttft)
+        c(self.ttft_arrival, backend, tier).observe(from_arrival)
+        if duration is not None:
+            c(self.duration, backend, tier).observe(duration)
+        if itl is not None:
+            c(self.itl, backend, tier).observe(itl)
+
+    def completion_estimated(self, tier: str, model: str, tokens: float) -> None:
+        self.child(self.completion_estimate, tier, model).set(tokens)
+
+    def drained_upload(self, outcome: str, read: int = 0) -> None:
+        """An oversized upload the drain answered (extproc.drain), ``read`` bytes discarded."""
+        if read:
+            self.drained_bytes.inc(read)
+        self.child(self.drained, outcome).inc()
+
+    # -- the metric objects ------------------------------------------------------------
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, cached: labels() costs ~3 us, a dict lookup ~0.1 us.
 

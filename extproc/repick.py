@@ -80,7 +80,7 @@ def served_elsewhere(ticket: Ticket, served: str, metrics: Metrics, now: float) 
     to = eps.key_of(served)
     backend = ticket.backend.name
     if to is None:
-        metrics.child(metrics.endpoint_repicks, backend, hold.endpoint, UNKNOWN).inc()
+        metrics.repicked(backend, hold.endpoint, UNKNOWN)
         log.warning("pool %s: request placed on %s was served by %s, not an endpoint of the pool; "
                     "its reservation stays on %s", backend, hold.endpoint, served, hold.endpoint)
         return UNKNOWN
@@ -92,7 +92,7 @@ def served_elsewhere(ticket: Ticket, served: str, metrics: Metrics, now: float) 
     eps.record(hold.endpoint, Outcome.FAILURE, None, now)
     if ticket.prefix and eps.affinity is not None:
         eps.affinity.record(ticket.prefix, to, now)  # the served engine holds the prefix now
-    metrics.child(metrics.endpoint_repicks, backend, hold.endpoint, to).inc()
+    metrics.repicked(backend, hold.endpoint, to)
     log.info("pool %s: %s refused the connection; re-picked to %s (second choice %s)",
              backend, hold.endpoint, to, hold.second)
     return to

@@ -12,7 +12,7 @@ import logging
 import os
 import socket
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -43,12 +43,12 @@ BREAKER_SYNC_S = 0.25
 
 class Runtime:
     def __init__(self, policy: Policy, *, clock: Callable[[], float] = time.monotonic,
-                 replica_id: str | None = None, share: int = 1) -> None:
+                 replica_id: str | None = None, share: int = 1, metrics: Metrics | None = None) -> None:
         self.clock = clock
         # One of ``share`` worker processes on a shared store: per-process limits (slots,
         # KV, concurrency caps) are cut to this process's part (extproc.policy.share).
         self.share = share
-        self.metrics = Metrics()
+        self.metrics = metrics or Metrics()  # tests may pass tests.metrics_fake.RecordingMetrics
         self.replica_id = replica_id or f"{socket.gethostname()}-{os.getpid()}"
         # gateway.state (or $SLUICE_REDIS_URL) is read once: a store is not swapped live.
         self.state_url = state_url(policy.gateway)
@@ -72,8 +72,6 @@ class Runtime:
         self.etag = ""
         self.backends: dict[str, BackendState] = {}
         self.tenant_in_flight: Counter[str] = Counter()
-        self.rejections: defaultdict[str, Counter[str]] = defaultdict(Counter)
-        self.degradations: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self.decode_rates = DecodeRates()  # for usage estimates when none arrives
         # Learned completion lengths: runtime state, so they survive policy swaps.
         self.completions = CompletionEstimator()
@@ -232,12 +230,6 @@ class Runtime:
     def track(self, tenant: str, delta: int) -> None:
         self.tenant_in_flight[tenant] += delta
 
-    def count_rejection(self, tenant: str, reason: str) -> None:
-        self.rejections[tenant][reason] += 1
-
-    def count_degradation(self, tenant: str, kind: str) -> None:
-        self.degradations[tenant][kind] += 1
-
     # -- tokenizing ------------------------------------------------------------------
     async def count_prompt(self, encoding: str, texts: list[str], *, tenant: str = "-",
                            limit: int | None = None) -> tokenizer.Count:
@@ -254,7 +246,7 @@ class Runtime:
                 return job.result()
             return await self.token_pool.count(tenant, job)
         finally:
-            self.metrics.child(self.metrics.tokenize_seconds, tenant).inc(job.seconds)
+            self.metrics.tokenized(tenant, job.seconds)
 
     async def count_tokens(self, encoding: str, texts: list[str]) -> int:
         return (await self.count_prompt(encoding, texts)).tokens
@@ -292,8 +284,8 @@ class Runtime:
             tv, _ = self.state.view(name, limits, now)
             out[name] = {"tier": tenant.tier, "in_flight": self.tenant_in_flight.get(name, 0),
                          "tokens_remaining": tv.remaining, "tpm": limits.tpm,
-                         "rejections": dict(self.rejections.get(name, {})),
-                         "degraded": dict(self.degradations.get(name, {}))}
+                         "rejections": dict(self.metrics.tenant_rejections.get(name, {})),
+                         "degraded": dict(self.metrics.tenant_degradations.get(name, {}))}
         return out
 
     def close(self) -> None:

@@ -17,10 +17,10 @@ from extproc.admission import Ticket
 from extproc.envoy_usage import EnvoyUsage
 from extproc.estimate import completion_estimate
 from extproc.openai_body import ParsedRequest
-from extproc.policy.breaker import Outcome, outcome_for_status
+from extproc.policy.breaker import outcome_at_settle
 from extproc.policy.schema import Limits, Policy, Tenant
-from extproc.response import JSONTracker, SSETracker, Usage
 from extproc.runtime import Runtime
+from extproc.usage import JSONTracker, SSETracker, Usage
 
 log = logging.getLogger("sluice.stream")
 
@@ -57,8 +57,7 @@ class Settlement:
             return
         tokens, self.prompt_tokens = self.prompt_tokens, 0
         self.rt.state.spend(self.tenant.name, self.limits, tokens, self.rt.clock())
-        m = self.rt.metrics
-        m.child(m.tokens_refused, self.tenant.name, reason).inc(tokens)
+        self.rt.metrics.charged_refused(self.tenant.name, reason, tokens)
 
     # -- the one exit -------------------------------------------------------
     def settle(self, how: str) -> None:
@@ -82,14 +81,7 @@ class Settlement:
             self._release(t, how, now)
             if self.forwarded and how != "rejected":
                 self._observe_latency(t, how, now)
-        m = self.rt.metrics
-        name = self.tenant.name
-        m.child(m.settles, how).inc()
-        m.child(m.tokens_charged, name).inc(actual)
-        if actual <= self.reserved:
-            m.child(m.tokens_refunded, name).inc(self.reserved - actual)
-        else:
-            m.child(m.tokens_excess, name).inc(actual - self.reserved)
+        self.rt.metrics.settled(how, self.tenant.name, actual, self.reserved)
 
     def _observe_latency(self, t: Ticket, how: str, now: float) -> None:
         assert self.tenant is not None and self.req is not None
@@ -113,17 +105,10 @@ class Settlement:
     def _release(self, t: Ticket, how: str, now: float) -> None:
         assert self.tenant is not None
         if t.admitted_at:
-            self.rt.metrics.in_flight.dec()
+            self.rt.metrics.released()
             self.rt.track(self.tenant.name, -1)
-        if how == "end_of_stream" and self.status:
-            outcome = outcome_for_status(self.status)
-        elif how == "error":
-            outcome = Outcome.FAILURE
-        else:
-            # A client that leaves says nothing about the backend's health.
-            outcome = Outcome.CANCELLED
         latency = self.first_byte_s - t.admitted_at if self.first_byte_s and t.admitted_at else None
-        t.report_outcome(outcome, latency, now)
+        t.report_outcome(outcome_at_settle(how, self.status), latency, now)
         if t.hold is not None:
             hold, t.hold = t.hold, None
             t.runtime.release(hold, now)

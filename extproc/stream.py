@@ -20,6 +20,7 @@ from extproc import messages as msg
 from extproc.admission import Admission, Reject, Ticket
 from extproc.envoy_usage import EnvoyUsage
 from extproc.errors import REASONS, error_body, format_duration, retry_after_headers
+from extproc.metrics import NO_TENANT
 from extproc.openai_body import BadRequest, ParsedRequest, parse_request, path_kind, upstream_body
 from extproc.peer import PeerStream
 from extproc.policy import decision
@@ -35,10 +36,10 @@ from extproc.repick import (
     endpoint_headers,
     served_elsewhere,
 )
-from extproc.response import JSONTracker, SSETracker
 from extproc.runtime import Runtime
 from extproc.settle import Settlement
 from extproc.tokenizer import TokenizerFailed, estimate
+from extproc.usage import JSONTracker, SSETracker
 
 log = logging.getLogger("sluice.stream")
 
@@ -123,8 +124,7 @@ class StreamProcessor(Settlement):
                 yield response
 
     def _timed(self, phase: str, t0: float) -> None:
-        m = self.rt.metrics
-        m.child(m.phase_seconds, phase).observe(time.perf_counter() - t0)
+        self.rt.metrics.phase(phase, time.perf_counter() - t0)
 
     def _rejected(self, rej: Reject) -> pb.ProcessingResponse | None:
         self.finished = True
@@ -153,12 +153,7 @@ class StreamProcessor(Settlement):
         self.settle("rejected")
         self._charge_refused(rej.reason)
         status, etype = REASONS.get(rej.reason, (400, "invalid_request_error"))
-        tenant = self.tenant.name if self.tenant else "-"
-        m = self.rt.metrics
-        m.child(m.requests, tenant, rej.reason).inc()
-        m.child(m.rejections, rej.reason, str(status)).inc()
-        if self.tenant is not None:
-            self.rt.count_rejection(self.tenant.name, rej.reason)
+        self.rt.metrics.rejected(rej.reason, status, self.tenant.name if self.tenant else NO_TENANT)
         headers = {"x-sluice-reason": rej.reason, **rej.headers}
         if self.tenant is not None and "x-ratelimit-limit-tokens" not in headers:
             # Once the key is known every answer says where the tenant stands.
@@ -188,7 +183,7 @@ class StreamProcessor(Settlement):
         if self.kind is None:
             if gw.unknown_paths == "reject":
                 raise Reject("unknown_path", f"Unknown path {path.split('?', 1)[0]!r}.", code="not_found")
-            self.rt.metrics.child(self.rt.metrics.requests, tenant.name, "passthrough").inc()
+            self.rt.metrics.bypassed(tenant.name, "passthrough")
             dest = self._passthrough_destination()  # overwrites a client's; else a client's is removed
             return msg.headers_response("request_headers", {**self._identity_headers(), **new_path, **dest},
                                         (*(KEY_HEADERS if gw.strip_api_key else ()), *(() if dest else
@@ -222,7 +217,7 @@ class StreamProcessor(Settlement):
                 raise Reject("unknown_model", f"The model {name!r} does not exist.", code="model_not_found",
                              param="model")
             body = found
-        self.rt.metrics.child(self.rt.metrics.requests, self.tenant.name, "models").inc()
+        self.rt.metrics.bypassed(self.tenant.name, "models")
         self.finished = True
         return msg.immediate(200, body, self._rate_headers(), "sluice_models")
 
@@ -307,9 +302,7 @@ class StreamProcessor(Settlement):
         second choice, ``x-envoy-max-retries: 0`` (extproc.repick); None for one address."""
         hold, eps = ticket.hold, ticket.runtime.endpoints
         if eps is not None and hold is not None and hold.endpoint is not None:
-            self.rt.metrics.child(self.rt.metrics.endpoint_picks, ticket.backend.name, hold.endpoint).inc()
-            if hold.affinity is not None:
-                self.rt.metrics.child(self.rt.metrics.prefix_affinity, ticket.backend.name, hold.affinity).inc()
+            self.rt.metrics.placed(ticket.backend.name, hold.endpoint, hold.affinity)
             second = eps.by_key.get(hold.second) if hold.second is not None else None
             return endpoint_headers(eps.by_key[hold.endpoint].destination,
                                     second.destination if second is not None and second.ip is not None else None)
@@ -359,15 +352,8 @@ class StreamProcessor(Settlement):
 
     def _count_admission(self, ticket: Ticket, cost: int) -> None:
         assert self.tenant is not None and ticket.verdict is not None
-        m = self.rt.metrics
-        name = self.tenant.name
-        m.child(m.requests, name, "admitted").inc()
-        m.child(m.tokens_precharged, name).inc(cost)
-        m.in_flight.inc()
-        m.child(m.bucket_tokens, name).set(ticket.verdict.tokens.remaining)
-        for kind in ticket.degraded:
-            m.child(m.degraded, self.tenant.tier, kind).inc()
-            self.rt.count_degradation(self.tenant.name, kind)
+        self.rt.metrics.admitted(self.tenant.name, self.tenant.tier, cost, ticket.verdict.tokens.remaining,
+                                 ticket.degraded)
         self.rt.track(self.tenant.name, +1)
 
     def _completion_budget(self, req: ParsedRequest, model: Model, prompt: int) -> int:

@@ -57,6 +57,7 @@ __all__ = [
     "BreakerState",
     "BreakerVerdict",
     "Outcome",
+    "outcome_at_settle",
     "outcome_for_status",
 ]
 
@@ -88,6 +89,18 @@ def outcome_for_status(status: int) -> Outcome:
     if status >= 500:
         return Outcome.FAILURE
     return Outcome.CLIENT_ERROR if status >= 400 else Outcome.SUCCESS
+
+
+def outcome_at_settle(how: str, status: int) -> Outcome:
+    """What a request that settles ``how`` (extproc.settle) tells its breakers.
+
+    A response that ended gives its status' outcome; an upstream error (reset, timeout) is
+    a failure; anything else (refused, client gone, the stream reset before an answer)
+    says nothing about the backend: ``CANCELLED`` gives a half-open probe's place back.
+    """
+    if how == "end_of_stream" and status:
+        return outcome_for_status(status)
+    return Outcome.FAILURE if how == "error" else Outcome.CANCELLED
 
 
 @dataclass(frozen=True)

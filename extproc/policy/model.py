@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from extproc.policy.breaker_config import BreakerConfig
 
 __all__ = ["AdaptiveSettings", "Backend", "Endpoint", "BreakerOverride", "BreakerSettings", "Degrade", "Gateway", "Limits",
            "Model", "Policy", "Tenant", "Tier", "WatermarkSettings", "hash_key", "KV_RESERVATIONS", "TPM_PRECHARGES"]
 
 KV_RESERVATIONS = ("worst_case", "learned")
 TPM_PRECHARGES = ("max_tokens", "learned")
+_BREAKER = BreakerConfig()  # the defaults BreakerSettings takes
+_BREAKER_FIELDS = frozenset(f.name for f in fields(BreakerConfig)) - {"max_cooldown_s"}
 
 
 def hash_key(api_key: str) -> str:
@@ -78,17 +82,21 @@ class WatermarkSettings:
 
 @dataclass(frozen=True)
 class BreakerSettings:
-    window_s: float = 30.0
-    min_requests: int = 20
-    error_ratio: float = 0.5
-    consecutive_failures: int = 5
-    latency_slo_s: float | None = None
-    cooldown_s: float = 30.0
-    max_cooldown_s: float = 120.0
-    ramp_steps: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)
-    ramp_step_s: float = 10.0
-    trip_on_preemption: bool = True
-    preemption_threshold: float = 1.0
+    """The breaker tunables a policy may set. Their defaults and bounds are the breaker's
+    own (``BreakerConfig``, extproc.policy.breaker_config): a bad value fails at load,
+    with its place in the policy, because constructing one builds its ``config()``."""
+
+    window_s: float = _BREAKER.window_s
+    min_requests: int = _BREAKER.min_requests
+    error_ratio: float = _BREAKER.error_ratio
+    consecutive_failures: int = _BREAKER.consecutive_failures
+    latency_slo_s: float | None = _BREAKER.latency_slo_s
+    cooldown_s: float = _BREAKER.cooldown_s
+    max_cooldown_s: float = _BREAKER.max_cooldown_s
+    ramp_steps: tuple[float, ...] = tuple(_BREAKER.ramp_steps)
+    ramp_step_s: float = _BREAKER.ramp_step_s
+    trip_on_preemption: bool = _BREAKER.trip_on_preemption
+    preemption_threshold: float = _BREAKER.preemption_threshold
     # Failure attribution (extproc.policy.tenant_breakers): a failure counts for this
     # breaker once this many tenants fail (1: always), else for its tenant's own breaker;
     # at most max_tenant_breakers tenants tracked here.
@@ -100,6 +108,15 @@ class BreakerSettings:
             raise ValueError("min_failing_tenants must be >= 1")
         if self.max_tenant_breakers < 1:
             raise ValueError("max_tenant_breakers must be >= 1")
+        if not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in self.ramp_steps):
+            raise ValueError("ramp_steps must be numbers")
+        self.config()  # the breaker's own checks, at load
+
+    def config(self) -> BreakerConfig:
+        """The breaker these settings make; the breaker's other tunables keep its defaults.
+        A ``cooldown_s`` above ``max_cooldown_s`` raises the maximum to it."""
+        return BreakerConfig(**{f.name: getattr(self, f.name) for f in fields(self) if f.name in _BREAKER_FIELDS},
+                             max_cooldown_s=max(self.max_cooldown_s, self.cooldown_s))
 
 
 @dataclass(frozen=True)
