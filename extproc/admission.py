@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import messages as msg
-from extproc.backends import BackendState, Hold, Waiter
+from extproc.backends import BackendState, Expired, Hold, Waiter
 from extproc.errors import retry_after_headers
 from extproc.peer import PeerStream
 from extproc.policy import decision
@@ -28,6 +28,7 @@ from extproc.policy.tenant_breakers import REASON_TENANT_OPEN
 from extproc.runtime import Runtime
 
 LEASE_WAIT_HINT_S = 2.0  # Envoy's message timeout while the lease check runs (bounded at 0.5 s, runtime)
+BACKSTOP_S = 1.0  # past a queue deadline, a wait ends by itself if no tick ended it (_await_grant)
 
 
 class Reject(Exception):
@@ -279,11 +280,17 @@ class Admission:
             self.rt.metrics.child(self.rt.metrics.queue_wait, self.tier.name, result).observe(ticket.queued_s)
 
     async def _await_grant(self, ticket: Ticket, w: Waiter) -> str:
+        """Wait for the queue's answer: a slot, a refusal, or the deadline, which the runtime's
+        tick decides on the runtime's clock (``BackendState.tick``); or the client leaving."""
         be = ticket.runtime
         max_wait = self.tier.max_queue_wait_ms / 1000
         closed = self.peer.closed_signal()
         try:
-            done, _ = await asyncio.wait({w.future, closed}, timeout=max_wait, return_when=asyncio.FIRST_COMPLETED)
+            # The timeout is only a backstop, should the tick loop (extproc.ticker) have died:
+            # the wait still ends, as a queue_timeout, before Envoy's message timeout
+            # (_wait_hint: max wait + 2 s) answers 504. Normally the tick ends it at the deadline.
+            done, _ = await asyncio.wait({w.future, closed}, timeout=max_wait + BACKSTOP_S,
+                                         return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             be.leave(w)
             raise
@@ -292,8 +299,9 @@ class Admission:
             if isinstance(got, Hold):
                 ticket.hold = got
                 return "admitted"
-            raise Reject("slots", f"Too many concurrent requests for this key ({got.detail}).",
-                         code="rate_limit_exceeded", headers=retry_after_headers(1))
+            if not isinstance(got, Expired):
+                raise Reject("slots", f"Too many concurrent requests for this key ({got.detail}).",
+                             code="rate_limit_exceeded", headers=retry_after_headers(1))
         be.leave(w)
         if closed in done:
             raise Reject("client_gone", "client went away while queued")
@@ -302,4 +310,3 @@ class Admission:
         raise Reject("queue_timeout", f"Waited {max_wait:.0f}s for a free slot; the backend is saturated.",
                      code="service_unavailable",
                      headers=retry_after_headers(be.queue.retry_after_hint(self.tier.name, self.rt.clock())))
-
