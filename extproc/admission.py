@@ -261,14 +261,16 @@ class Admission:
         be = ticket.runtime
         if ticket.lease_short is not None:
             return await self._await_lease(ticket)
-        w = be.enqueue(self.tier.name, self.tenant.name, self.limits.max_concurrency, ticket.kv, now, ticket.prefix)
+        # Queued at t0: the deadline counts from here, not from the stream's ``now`` (taken
+        # before a shared store's round trip and the wait hint's send).
+        t0 = self.rt.clock()
+        w = be.enqueue(self.tier.name, self.tenant.name, self.limits.max_concurrency, ticket.kv, t0, ticket.prefix)
         if isinstance(w, str):
             if self._shadow("queue"):
                 return
             raise Reject("queue_full", "Too many requests are waiting for this backend; retry later.",
                          code="rate_limit_exceeded",
-                         headers=retry_after_headers(be.queue.retry_after_hint(self.tier.name, now)))
-        t0 = self.rt.clock()
+                         headers=retry_after_headers(be.queue.retry_after_hint(self.tier.name, t0)))
         result = "cancelled"
         try:
             result = await self._await_grant(ticket, w)
