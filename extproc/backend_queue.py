@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -68,6 +68,7 @@ class BackendQueue:
     configs: dict[str, TierQueueConfig]
     priorities: dict[str, int]
     endpoints: EndpointSet | None
+    on_enqueue: Callable[[], None] | None = None  # wakes an idle ticker (extproc.ticker)
 
     if TYPE_CHECKING:
         def slot_scale(self, now: float) -> float: ...
@@ -135,6 +136,8 @@ class BackendQueue:
             return res.reason
         fut: asyncio.Future[Hold | Denied | Expired] = asyncio.get_running_loop().create_future()
         w = self.waiters[wid] = Waiter(wid, tier, tenant, cap, kv, fut, prefix, now)
+        if self.on_enqueue is not None:
+            self.on_enqueue()
         return w
 
     def leave(self, w: Waiter) -> None:

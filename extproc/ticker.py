@@ -1,23 +1,27 @@
 """The admission tick: ends queue waits at their deadline and pumps the queues.
 
-Every ``TICK_S`` each backend's ``tick`` (``extproc.backend_queue``) runs with the
-runtime's clock: waiters whose deadline (queued at + the tier's ``max_queue_wait_ms``)
-has passed get their 503 ``queue_timeout``, and capacity that came back over time (a
-watermark recovering, a latency limit rising) goes to the waiting requests. Freed
-slots reach waiters at once (a release pumps); only deadlines and slow recoveries wait
-for the tick, so a queue timeout comes at most ``TICK_S`` (plus event-loop lag) late.
-A tick with empty queues does nothing; measured idle cost: see README (``TICK_S``).
+While any request waits, each backend's ``tick`` (``extproc.backend_queue``) runs every
+``TICK_S`` with the runtime's clock: waiters whose deadline (queued at + the tier's
+``max_queue_wait_ms``) has passed get their 503 ``queue_timeout``, and capacity that
+came back over time (a watermark recovering, a latency limit rising) goes to the
+waiting requests. Freed slots reach waiters at once (a release pumps); only deadlines
+and slow recoveries wait for the tick, so a queue timeout comes at most ``TICK_S``
+(plus event-loop lag) late. With every queue empty the loop sleeps until an enqueue
+wakes it (or ``IDLE_S``, for a backend added since it last looked), so an idle
+extproc pays nothing for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from extproc.runtime import Runtime
 
 log = logging.getLogger("sluice.ticker")
 TICK_S = 0.025
+IDLE_S = 0.5
 
 
 def tick(rt: Runtime) -> int:
@@ -32,8 +36,16 @@ def tick(rt: Runtime) -> int:
     return handed
 
 
-async def run_ticker(rt: Runtime, interval_s: float = TICK_S) -> None:
-    """Tick until cancelled."""
+async def run_ticker(rt: Runtime, interval_s: float = TICK_S, idle_s: float = IDLE_S) -> None:
+    """Tick until cancelled: every ``interval_s`` while a request waits, else on the next enqueue."""
+    wake = asyncio.Event()
     while True:
+        wake.clear()
+        for be in rt.backends.values():
+            be.on_enqueue = wake.set
         tick(rt)
-        await asyncio.sleep(interval_s)
+        if any(be.queue.depth() for be in rt.backends.values()):
+            await asyncio.sleep(interval_s)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), idle_s)

@@ -6,6 +6,7 @@ The clock is a fake moved by assignment; nothing here sleeps to move time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -172,6 +173,34 @@ def test_the_ticker_keeps_ticking_the_other_backends_when_one_fails() -> None:
         clock.t += 1.0
         ticker.tick(rt)
         assert isinstance(w.future.result(), Expired)
+        be.release(hold, clock())
+
+    try:
+        asyncio.run(run())
+    finally:
+        rt.close()
+
+
+def test_an_idle_ticker_wakes_on_the_first_enqueue_and_then_ticks_until_the_queue_is_empty() -> None:
+    clock = Clock()
+    p = policy(wait_ms=1000)
+    rt = Runtime(p, clock=clock)
+
+    async def run() -> None:
+        be = rt.backends["b"]
+        hold = be.try_acquire("t", "a", None, 10, clock())
+        assert isinstance(hold, Hold)
+        # Idle, it would sleep a minute: only the enqueue's wake-up can make it tick in time.
+        task = asyncio.create_task(ticker.run_ticker(rt, interval_s=0.01, idle_s=60))
+        await asyncio.sleep(0.05)  # the ticker found every queue empty and sleeps
+        w = be.enqueue("t", "a", None, 10, clock())
+        assert isinstance(w, Waiter)
+        clock.t += 1.0  # the deadline, on the runtime's clock
+        got = await asyncio.wait_for(asyncio.shield(w.future), 5)
+        assert isinstance(got, Expired) and be.queue.depth() == 0
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
         be.release(hold, clock())
 
     try:
