@@ -33,6 +33,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from extproc.reloader import watch_policy_dir
     from extproc.runtime import Runtime
     from extproc.server import serve
+    from extproc.ticker import run_ticker
 
     policy = load_policy(args.policy)
     worker = args.worker_index is not None
@@ -75,6 +76,7 @@ async def _serve(args: argparse.Namespace) -> int:
     else:
         watcher = asyncio.create_task(client.run())
     monitor = asyncio.create_task(run_monitor(runtime))
+    ticker = asyncio.create_task(run_ticker(runtime))  # queue deadlines and pumping
     eds = asyncio.create_task(_keep_eds(runtime, eds_writer)) if eds_writer is not None else None
     print(f"sluice extproc: gRPC {ghost}:{gport}, admin http://{ahost}:{aport}/metrics", flush=True)
     stop = asyncio.Event()
@@ -90,6 +92,7 @@ async def _serve(args: argparse.Namespace) -> int:
                                             waited)
     watcher.cancel()
     monitor.cancel()
+    ticker.cancel()
     if eds is not None:
         eds.cancel()
     if leases is not None:

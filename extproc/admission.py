@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import messages as msg
-from extproc.backends import BackendState, Hold, Waiter
+from extproc.backends import BackendState, Expired, Hold, Waiter
 from extproc.errors import retry_after_headers
 from extproc.peer import PeerStream
 from extproc.policy import decision
@@ -28,6 +28,7 @@ from extproc.policy.tenant_breakers import REASON_TENANT_OPEN
 from extproc.runtime import Runtime
 
 LEASE_WAIT_HINT_S = 2.0  # Envoy's message timeout while the lease check runs (bounded at 0.5 s, runtime)
+BACKSTOP_S = 1.0  # past a queue deadline, a wait ends by itself if no tick ended it (_await_grant)
 
 
 class Reject(Exception):
@@ -258,14 +259,16 @@ class Admission:
         be = ticket.runtime
         if ticket.lease_short is not None:
             return await self._await_lease(ticket)
-        w = be.enqueue(self.tier.name, self.tenant.name, self.limits.max_concurrency, ticket.kv, now, ticket.prefix)
+        # Queued at t0: the deadline counts from here, not from the stream's ``now`` (taken
+        # before a shared store's round trip and the wait hint's send).
+        t0 = self.rt.clock()
+        w = be.enqueue(self.tier.name, self.tenant.name, self.limits.max_concurrency, ticket.kv, t0, ticket.prefix)
         if isinstance(w, str):
             if self._shadow("queue"):
                 return
             raise Reject("queue_full", "Too many requests are waiting for this backend; retry later.",
                          code="rate_limit_exceeded",
-                         headers=retry_after_headers(be.queue.retry_after_hint(self.tier.name, now)))
-        t0 = self.rt.clock()
+                         headers=retry_after_headers(be.queue.retry_after_hint(self.tier.name, t0)))
         result = "cancelled"
         try:
             result = await self._await_grant(ticket, w)
@@ -277,11 +280,17 @@ class Admission:
             self.rt.metrics.queue_waited(self.tier.name, result, ticket.queued_s)
 
     async def _await_grant(self, ticket: Ticket, w: Waiter) -> str:
+        """Wait for the queue's answer: a slot, a refusal, or the deadline, which the runtime's
+        tick decides on the runtime's clock (``BackendState.tick``); or the client leaving."""
         be = ticket.runtime
         max_wait = self.tier.max_queue_wait_ms / 1000
         closed = self.peer.closed_signal()
         try:
-            done, _ = await asyncio.wait({w.future, closed}, timeout=max_wait, return_when=asyncio.FIRST_COMPLETED)
+            # The timeout is only a backstop, should the tick loop (extproc.ticker) have died:
+            # the wait still ends, as a queue_timeout, before Envoy's message timeout
+            # (_wait_hint: max wait + 2 s) answers 504. Normally the tick ends it at the deadline.
+            done, _ = await asyncio.wait({w.future, closed}, timeout=max_wait + BACKSTOP_S,
+                                         return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             be.leave(w)
             raise
@@ -290,8 +299,9 @@ class Admission:
             if isinstance(got, Hold):
                 ticket.hold = got
                 return "admitted"
-            raise Reject("slots", f"Too many concurrent requests for this key ({got.detail}).",
-                         code="rate_limit_exceeded", headers=retry_after_headers(1))
+            if not isinstance(got, Expired):
+                raise Reject("slots", f"Too many concurrent requests for this key ({got.detail}).",
+                             code="rate_limit_exceeded", headers=retry_after_headers(1))
         be.leave(w)
         if closed in done:
             raise Reject("client_gone", "client went away while queued")
@@ -300,4 +310,3 @@ class Admission:
         raise Reject("queue_timeout", f"Waited {max_wait:.0f}s for a free slot; the backend is saturated.",
                      code="service_unavailable",
                      headers=retry_after_headers(be.queue.retry_after_hint(self.tier.name, self.rt.clock())))
-

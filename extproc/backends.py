@@ -2,35 +2,34 @@
 
 The pure pieces live in ``extproc.policy``: ``BackendState`` is the ``BackendView``
 that ``extproc.policy.admit.decide`` reads, and applies what it decides. This module
-owns the asyncio side of the queue (a future per waiting request), the periodic
-``tick``, the ``status`` report, and keeps the pieces in step with the policy.
+owns the acquisition, the ``status`` report, and keeps the pieces in step with the
+policy; the asyncio side of the queue (a future per waiting request, the pump, the
+deadlines, the periodic ``tick``) is ``extproc.backend_queue``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from extproc.backend_queue import BackendQueue, Expired, Waiter, queue_configs
 from extproc.endpoints import EndpointSet, affinity_status, pool_status
 from extproc.latency import adaptive_config
 from extproc.policy import admit
 from extproc.policy import kv as kvmath
-from extproc.policy.admission_queue import AdmissionQueue, Enqueued, TierQueueConfig
+from extproc.policy.admission_queue import AdmissionQueue, TierQueueConfig
 from extproc.policy.breaker import Breaker, BreakerConfig
 from extproc.policy.concurrency import AdaptiveLimit
 from extproc.policy.decision import ROOM_CAUSES, Admit, Queue, Reject
-from extproc.policy.owed import LOOK_AHEAD
 from extproc.policy.schema import Backend, BreakerOverride, BreakerSettings, Policy
 from extproc.policy.slots import Denied, PoolName, SlotGrant, SlotPool
 from extproc.policy.tenant_breakers import TenantBreakers
 from extproc.policy.watermark import WatermarkController
 from extproc.scrape import scrape_status
 
-_ids = itertools.count(1)
+__all__ = ["BackendState", "Expired", "Hold", "Waiter"]
 
 
 def breaker_config(s: BreakerSettings) -> BreakerConfig:
@@ -48,17 +47,6 @@ def watermark_controller(b: Backend) -> WatermarkController:
                                waiting_threshold=w.waiting_threshold)
 
 
-@dataclass
-class Waiter:
-    id: int
-    tier: str
-    tenant: str
-    tenant_cap: int | None
-    kv: int
-    future: asyncio.Future[Hold | Denied]
-    prefix: tuple[int, ...] = ()  # prompt prefix keys for placement (extproc.prefix_key)
-
-
 @dataclass(frozen=True)
 class Hold:
     """What an admitted request holds on a backend: a slot and its KV footprint."""
@@ -71,7 +59,7 @@ class Hold:
 
 
 @dataclass
-class BackendState:
+class BackendState(BackendQueue):
     spec: Backend
     pool: SlotPool
     wm: WatermarkController
@@ -108,7 +96,7 @@ class BackendState:
     @classmethod
     def create(cls, spec: Backend, policy: Policy, now: float) -> BackendState:
         order = policy.tier_order()
-        configs = _queue_configs(policy)
+        configs = queue_configs(policy)
         rt = cls(spec=spec,
                  pool=SlotPool(spec.max_concurrency, {t: policy.tiers[t].guaranteed_slots for t in order}, order,
                                _burst_caps(policy)),
@@ -166,7 +154,7 @@ class BackendState:
             self.tenant_breakers = tenant_breakers(spec.breaker, now)
         self._sync_route_breakers(spec, now)
         self._sync_latency(spec, policy, now)
-        if _queue_configs(policy) != self.configs:
+        if queue_configs(policy) != self.configs:
             self._requeue(policy, now)
         self.spec = spec
         self._sync_view(spec)
@@ -181,15 +169,6 @@ class BackendState:
             self.endpoints.sync(spec, now)
         elif spec.is_pool:
             self.endpoints = EndpointSet.create(spec, now)
-
-    def _requeue(self, policy: Policy, now: float) -> None:
-        # Waiters keep waiting on their futures; only the queue's bookkeeping is rebuilt.
-        self.configs = _queue_configs(policy)
-        new: AdmissionQueue[int] = AdmissionQueue(self.configs)
-        for w in sorted(self.waiters.values(), key=lambda w: w.id):
-            if w.tier not in policy.tiers or not isinstance(new.enqueue(w.id, w.tier, now), Enqueued):
-                self._resolve(w, Denied("queue_full", "tier removed or queue shrank"))
-        self.queue = new
 
     def apply_override(self, policy: Policy, now: float, wall: float | None = None) -> None:
         """Apply the policy's manual trips/resets for this backend and its routes, once per change."""
@@ -239,14 +218,6 @@ class BackendState:
         # A footprint must fit one endpoint's cache.
         return self.spec.kv_capacity_tokens if self.endpoints is None else self.endpoints.largest_capacity()
 
-    def waiting(self) -> Sequence[tuple[str, int]]:
-        if not self.waiters:
-            return ()
-        return [(w.tier, w.kv) for w in self.waiters.values() if not w.future.done()]
-
-    def queued(self, tier: str) -> int:
-        return self.queue.depth(tier)
-
     def slo_at_risk(self, tier: str, now: float) -> bool:
         return self.latency is not None and self.latency.at_risk(tier, now)
 
@@ -257,39 +228,6 @@ class BackendState:
         if self.endpoints is None:
             return True
         return self.endpoints.fits_somewhere(kv, now, self.owed_endpoints(tier, now))
-
-    def owed_endpoints(self, tier: str | None, now: float, behind_head: bool = False) -> tuple[str, ...]:
-        """The pool endpoints a request of ``tier`` may not take: owed to a blocked, more
-        important waiter, and to its own tier's head when it goes past it (extproc.policy.owed)."""
-        if self.endpoints is None or tier is None or not self.waiters:
-            return ()
-        heads = {t: w.kv for t in self.configs if (w := self._head(t)) is not None}
-        return self.endpoints.owed(heads, self.priorities, tier, now, behind_head)
-
-    def _head(self, tier: str) -> Waiter | None:
-        """The first waiter of ``tier``'s queue (FIFO: its head), if it still waits."""
-        wid = self.queue.head(tier)
-        w = None if wid is None else self.waiters.get(wid)
-        return w if w is not None and not w.future.done() else None
-
-    def _behind_head(self, tier: str, ids: list[int], now: float) -> int | None:
-        """Look-ahead (extproc.policy.owed): a request behind ``tier``'s head that may go
-        first because the head fits no endpoint now, and it fits one not owed to the head."""
-        head = self._head(tier)
-        if self.endpoints is None or head is None or not kvmath.kv_fits(self, head.kv, now, tier):
-            return None  # no pool, or the head waits for the pool's budget: FIFO
-        if self.endpoints.fits_somewhere(head.kv, now, self.owed_endpoints(tier, now)):
-            return None  # it fits: it waits for a slot, and so would the others
-        exclude = self.owed_endpoints(tier, now, behind_head=True)
-        scale = self.slot_scale(now)
-        for wid in ids:
-            w = self.waiters.get(wid)
-            if w is None or w.future.done() or w.kv >= head.kv:
-                continue
-            if kvmath.kv_fits(self, w.kv, now, tier) and self.endpoints.fits_somewhere(w.kv, now, exclude) \
-                    and not isinstance(self.slot_for(tier, w.tenant, w.tenant_cap, scale), Denied):
-                return wid
-        return None
 
     # -- KV budget (extproc.policy.kv) ------------------------------------------------------
     def footprint(self, tokens: int) -> int:
@@ -346,65 +284,6 @@ class BackendState:
         self.kv_in_use += kv
         return Hold(grant, kv, endpoint, affinity, second)
 
-    def can_admit(self, tier: str, now: float) -> bool:
-        head = next((w for w in self.waiters.values() if w.tier == tier and not w.future.done()), None)
-        return admit.can_admit(self, tier, None if head is None else head.kv, now)
-
-    def enqueue(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
-                prefix: tuple[int, ...] = ()) -> Waiter | str:
-        wid = next(_ids)
-        res = self.queue.enqueue(wid, tier, now)
-        if not isinstance(res, Enqueued):
-            return res.reason
-        fut: asyncio.Future[Hold | Denied] = asyncio.get_running_loop().create_future()
-        w = self.waiters[wid] = Waiter(wid, tier, tenant, cap, kv, fut, prefix)
-        return w
-
-    def leave(self, w: Waiter) -> None:
-        """A waiter gives up (deadline or disconnect); a grant already handed over goes back."""
-        self.queue.remove(w.id)
-        self.waiters.pop(w.id, None)
-        if w.future.done() and not w.future.cancelled():
-            got = w.future.result()
-            if isinstance(got, Hold):
-                self._give_back(got)
-        elif not w.future.done():
-            w.future.cancel()
-
-    def pump(self, now: float) -> int:
-        """Hand free slots to waiting requests, fairly across tiers. Returns how many."""
-        handed = 0
-        passed: list[int] = []  # what look-ahead admitted past its tier's head
-
-        def behind(tier: str, ids: list[int]) -> int | None:
-            wid = self._behind_head(tier, ids, now)
-            if wid is not None:
-                passed.append(wid)
-            return wid
-
-        while self.queue.depth():
-            wid = self.queue.next_eligible(lambda tier: self.can_admit(tier, now), now,
-                                           None if self.endpoints is None else behind, LOOK_AHEAD)
-            if wid is None:
-                break
-            past = wid in passed  # the head keeps its owed endpoint against it
-            passed.clear()
-            w = self.waiters.get(wid)
-            if w is None or w.future.done():
-                continue
-            self._resolve(w, self._take(w.tier, w.tenant, w.tenant_cap, w.kv, now, w.prefix, past))
-            handed += 1
-        return handed
-
-    def _resolve(self, w: Waiter, got: Hold | Denied) -> None:
-        self.waiters.pop(w.id, None)
-        self.queue.remove(w.id)
-        if w.future.done():
-            if isinstance(got, Hold):
-                self._give_back(got)
-            return
-        w.future.set_result(got)
-
     def _give_back(self, hold: Hold) -> None:
         self.pool.release(hold.grant)
         self.kv_in_use -= hold.kv
@@ -414,12 +293,6 @@ class BackendState:
     def release(self, hold: Hold, now: float) -> None:
         self._give_back(hold)
         self.pump(now)
-
-    # -- periodic work and the report ------------------------------------------------------
-    def tick(self, now: float) -> int:
-        """The periodic step (``extproc.monitor``): hand capacity that came back over time
-        (a watermark recovering, a latency limit rising) to waiting requests. Returns how many."""
-        return self.pump(now) if self.queue.depth() else 0
 
     def status(self, now: float) -> dict[str, Any]:
         """This backend in the status report (/debug/state and the console's Overview)."""
@@ -452,12 +325,6 @@ class BackendState:
 def _breaker_summary(snap: Mapping[str, Any]) -> dict[str, Any]:
     return {"state": snap.get("state"), "retry_after_s": snap.get("cooldown_left_s"),
             "manual": snap.get("manual"), "trips": snap.get("trips", 0)}
-
-
-def _queue_configs(policy: Policy) -> dict[str, TierQueueConfig]:
-    return {name: TierQueueConfig(max_depth=t.max_queue_depth, max_wait_s=t.max_queue_wait_ms / 1000.0,
-                                  weight=float(t.queue_weight), priority=t.priority)
-            for name, t in policy.tiers.items()}
 
 
 def _burst_caps(policy: Policy) -> dict[str, int]:

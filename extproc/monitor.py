@@ -1,8 +1,9 @@
-"""Background loops at the edge: scrape backends, keep gauges fresh, wake waiters.
+"""Background loops at the edge: scrape backends, keep gauges fresh.
 
 The scrape feeds the watermark controller (capacity scale) and the breaker
-(preemption counter). A short tick (``BackendState.tick``) hands capacity that came back over
-time to queued requests, and turns breaker transitions into metrics and log lines.
+(preemption counter). A short refresh keeps the gauges current and turns breaker
+transitions into metrics and log lines. The admission queues have their own tick
+(``extproc.ticker``).
 """
 
 from __future__ import annotations
@@ -135,7 +136,6 @@ def refresh(rt: Runtime) -> None:
     now = rt.clock()
     m = rt.metrics
     for name, be in rt.backends.items():
-        be.tick(now)
         scale = be.scale(now)
         m.scale.labels(name).set(scale)
         if be.has_metrics and kv_source(be.sample, be.spec.kv_capacity_tokens is not None) == "reservations":

@@ -47,6 +47,7 @@ from extproc.envoyconfig import (
     write_config,
 )
 from extproc.openai_body import ENDPOINTS
+from tests.waiting import eventually
 
 BACKENDS = (
     BackendRoute("sim", "127.0.0.1", 8000, ("llama-3-8b",)),
@@ -362,16 +363,15 @@ def running_envoy(tmp_path: Path, backends, opts: EnvoyOptions) -> Iterator[Path
             stderr=subprocess.STDOUT,
         )
     try:
-        deadline = time.monotonic() + 5
-        while True:
+        def ready() -> bool:
             assert proc.poll() is None, f"envoy exited early:\n{log_path.read_text()}"
             with contextlib.suppress(OSError):
                 admin = http.client.HTTPConnection("127.0.0.1", opts.admin_port, timeout=1)
                 admin.request("GET", "/ready")
-                if admin.getresponse().status == 200:
-                    break
-            assert time.monotonic() < deadline, f"envoy not ready:\n{log_path.read_text()}"
-            time.sleep(0.05)
+                return admin.getresponse().status == 200
+            return False
+
+        eventually(ready, 5, lambda: f"envoy not ready:\n{log_path.read_text()}")
         yield log_path
     except BaseException:
         print(f"--- envoy log ---\n{log_path.read_text()}")
@@ -453,9 +453,7 @@ def test_ext_proc_message_timeout_is_503_with_retry_after(tmp_path: Path) -> Non
             error = json.loads(body)["error"]
             assert set(error) == ERROR_KEYS and error["param"] is None
             assert error["type"] == "server_error"
-            deadline = time.monotonic() + 5
-            while '"status":503' not in log.read_text() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            eventually(lambda: '"status":503' in log.read_text(), 5, "the 503 in Envoy's access log")
             assert "timeout" in log.read_text()  # it was the message timeout that fired
     finally:
         grpc_server.stop(grace=None)
@@ -742,25 +740,17 @@ def test_a_refused_connection_is_retried_once_on_the_next_listed_endpoint(tmp_pa
             assert status in (200, 503) and json.loads(body or b"{}").get("backend") != "b"
             # ... until the file names it: Envoy follows the file when it is replaced.
             write_if_changed(eds / "pool.eds.yaml", render_eds("pool", [closed, live_a, live_b]))
-            deadline = time.monotonic() + 10
-            while True:
-                status, headers, body = ask(live_b)
-                if status == 200 and json.loads(body)["backend"] == "b":
-                    break
-                assert time.monotonic() < deadline, "Envoy did not load the new endpoint set"
-                time.sleep(0.05)
+            def served_by_b() -> tuple[int, dict[str, str], bytes] | None:
+                got = ask(live_b)
+                return got if got[0] == 200 and json.loads(got[2])["backend"] == "b" else None
+
+            status, headers, body = eventually(served_by_b, 10, "Envoy did not load the new endpoint set")
             assert headers["x-test-served"] == live_b
             # An empty set (no endpoint name resolves yet) is accepted: 503, Envoy stays up.
             write_if_changed(eds / "pool.eds.yaml", render_eds("pool", []))
-            deadline = time.monotonic() + 10
-            while ask(live_a)[0] != 503:
-                assert time.monotonic() < deadline, "Envoy did not load the empty endpoint set"
-                time.sleep(0.05)
+            eventually(lambda: ask(live_a)[0] == 503, 10, "Envoy did not load the empty endpoint set")
             write_if_changed(eds / "pool.eds.yaml", render_eds("pool", [live_a]))
-            deadline = time.monotonic() + 10
-            while ask(live_a)[0] != 200:
-                assert time.monotonic() < deadline, "Envoy did not come back from the empty set"
-                time.sleep(0.05)
+            eventually(lambda: ask(live_a)[0] == 200, 10, "Envoy did not come back from the empty set")
     finally:
         grpc_server.stop(grace=None)
         a.shutdown()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from extproc.policy.reader import PolicyError
 from extproc.policy.schema import build_policy, hash_key
 from extproc.runtime import Runtime
 from extproc.scrape import Sample, classify_answer, parse_sample
+from tests.waiting import eventually_async
 
 FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
 URL = "http://127.0.0.1:1/metrics"
@@ -150,15 +150,6 @@ def test_the_monitor_reports_a_wrong_metrics_url_in_state_and_metrics() -> None:
     async def handler(request: web.Request) -> web.Response:
         return web.Response(body=answer["body"].encode(), headers={"Content-Type": answer["ctype"]})
 
-    async def until(check: Any, what: str, timeout: float = 20.0) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            got = check()
-            if got:
-                return got
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}")
-
     async def run(rt: Runtime) -> None:
         app = web.Application()
         app.router.add_get("/metrics", handler)
@@ -169,7 +160,8 @@ def test_the_monitor_reports_a_wrong_metrics_url_in_state_and_metrics() -> None:
         rt.swap(policy("trtllm", f"http://127.0.0.1:{port}/metrics", watermark={"scrape_interval_s": 0.2}))
         monitor = asyncio.create_task(run_monitor(rt))
         try:
-            st = await until(lambda: rt.status()["backends"]["b"]["metrics_problem"], "the problem in the status")
+            st = await eventually_async(lambda: rt.status()["backends"]["b"]["metrics_problem"], 20,
+                                        "the problem in the status")
             assert st["problem"] == "not_prometheus" and "/prometheus/metrics" in st["hint"]
             assert rt.metrics.registry.get_sample_value(
                 "sluice_backend_metrics_problem", {"backend": "b", "problem": "not_prometheus"}) == 1.0
@@ -178,12 +170,12 @@ def test_the_monitor_reports_a_wrong_metrics_url_in_state_and_metrics() -> None:
             hold = be.try_acquire("hi", "a", None, 400, rt.clock())
             assert isinstance(hold, Hold)
             # Meanwhile the KV shown is Sluice's own reservations (400 of 1000 tokens).
-            await until(lambda: rt.metrics.registry.get_sample_value(
-                "sluice_backend_kv_usage", {"backend": "b"}) == pytest.approx(0.4), "the reserved KV gauge")
+            await eventually_async(lambda: rt.metrics.registry.get_sample_value(
+                "sluice_backend_kv_usage", {"backend": "b"}) == pytest.approx(0.4), 20, "the reserved KV gauge")
             assert rt.status()["backends"]["b"]["kv_usage"] == pytest.approx(0.4)
             be.release(hold, rt.clock())
             answer.update(ctype="text/plain; version=0.0.4", body=(FIXTURES / "trtllm_serve.prom").read_text())
-            await until(lambda: rt.status()["backends"]["b"]["kv_source"] == "engine", "the engine's KV")
+            await eventually_async(lambda: rt.status()["backends"]["b"]["kv_source"] == "engine", 20, "the engine's KV")
             b = rt.status()["backends"]["b"]
             assert b["metrics_problem"] is None and b["kv_usage"] == pytest.approx(0.5625) and b["waiting"] == 5.0
             assert rt.metrics.registry.get_sample_value(

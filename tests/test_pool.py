@@ -316,20 +316,21 @@ def test_premium_waiters_are_placed_while_free_traffic_keeps_coming(
         waiting: list[tuple[Waiter, int]] = []  # (waiter, duration once placed)
         premium: list[Waiter] = []
         for step in range(400):
+            at = step / 1000  # a step is 1 ms: the tick expires waits, and none reaches the 1 s deadline here
             for end, h in [r for r in running if r[0] <= step]:
                 running.remove((end, h))
-                be.release(h, float(step))
-            be.tick(float(step))
+                be.release(h, at)
+            be.tick(at)
             n_free, free_blocks, has_premium, premium_blocks, duration = steps[step % len(steps)]
             arrivals = [("lo", "z", free_blocks * 10)] * n_free
             if has_premium and step < 40:
                 arrivals.append(("hi", "a", premium_blocks * 16))  # up to 3200: the largest cache
             for tier, tenant, kv in arrivals:
-                got = be.try_acquire(tier, tenant, None, kv, float(step))
+                got = be.try_acquire(tier, tenant, None, kv, at)
                 if isinstance(got, Hold):
                     running.append((step + duration, got))
                     continue
-                w = be.enqueue(tier, tenant, None, kv, float(step))
+                w = be.enqueue(tier, tenant, None, kv, at)
                 if isinstance(w, Waiter):
                     waiting.append((w, duration))
                     if tier == "hi":

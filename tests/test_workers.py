@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from extproc.policyfile import load_policy
 from extproc.store import ENV_URL
 from extproc.workers import refusal, worker_argv
 from tests.redis_server import redis_server_fixture  # noqa: F401 - the redis_server fixture
+from tests.waiting import eventually
 
 POLICY = str(ROOT / "policies")
 
@@ -92,12 +92,12 @@ def test_workers_with_redis_share_one_grpc_port_and_stop_together(redis_server: 
                                "--replica-id", "host-a"], cwd=ROOT, start_new_session=True,
                               env={**os.environ, ENV_URL: redis_server.url})
     try:
-        deadline = time.monotonic() + 30
-        while not (_up(http_ok, f"http://127.0.0.1:{admin_port}/healthz")
-                   and _up(http_ok, f"http://127.0.0.1:{admin_port + 1}/healthz")):
+        def both_up() -> bool:
             assert parent.poll() is None, "the supervisor exited"
-            assert time.monotonic() < deadline, "the workers did not come up"
-            time.sleep(0.1)
+            return _up(http_ok, f"http://127.0.0.1:{admin_port}/healthz") \
+                and _up(http_ok, f"http://127.0.0.1:{admin_port + 1}/healthz")
+
+        eventually(both_up, 30, "the workers did not come up", interval=0.1)
         assert _listeners(grpc_port) == 2, "both workers listen on the gRPC port (SO_REUSEPORT)"
         full = load_policy(POLICY).backends[0]
         leased = []

@@ -6,7 +6,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from console import users
 from console.__main__ import main
 from console.store import Store
 from tests.console.conftest import write_policy
+from tests.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,16 +58,16 @@ def test_serve_demo_with_waitress(tmp_path: Path) -> None:
         assert url, lines
         assert re.match(r"\s+demo operator: demo / \S+", lines[1]), lines
         assert "replica API token: tok-123" in lines[2]
-        deadline = time.monotonic() + 10
-        while True:
+        def healthy() -> bool:
             try:
                 with urllib.request.urlopen(url.group(1) + "/healthz", timeout=1) as r:
                     assert json.loads(r.read()) == {"status": "ok"}
                     assert r.headers["Server"] == "sluice-console"
-                break
+                return True
             except OSError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+                return False
+
+        eventually(healthy, 10, "the console's /healthz")
         req = urllib.request.Request(url.group(1) + "/api/v1/policy", headers={"Authorization": "Bearer tok-123"})
         with urllib.request.urlopen(req, timeout=5) as r:
             assert "tenants" in json.loads(r.read())

@@ -6,11 +6,11 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from bench.procs import free_port
+from tests.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,10 +42,11 @@ def test_extproc_sends_the_token_from_its_file(tmp_path: Path) -> None:
          "--console-token-file", str(secret), "--replica-id", "t1"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 30
-        while not seen and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-        assert seen, "extproc never called the console"
+        def called() -> bool:
+            assert seen or proc.poll() is None, "extproc exited without calling the console"
+            return bool(seen)
+
+        eventually(called, 30, "extproc never called the console")
         assert seen[0] == "Bearer tok-in-a-file"
         assert "tok-in-a-file" not in " ".join(map(str, proc.args))
     finally:

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,21 +19,11 @@ import yaml
 from bench.procs import ROOT, Proc, envoy_binary, free_port, get_json, tails, wait_http, wait_idle
 from extproc.envoyconfig import BackendRoute, EnvoyOptions, gateway_options, write_config
 from extproc.policy.schema import build_policy, hash_key
+from tests.waiting import eventually
 
 __all__ = ["ROOT", "TEST_KEYS", "Proc", "Stack", "envoy_binary", "eventually", "free_port", "get_json",
            "running", "test_policy", "wait_http"]
 
-
-
-def eventually(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll ``check`` until it returns something truthy (and return that), or fail saying ``what``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        time.sleep(interval)
 
 
 TEST_KEYS = {

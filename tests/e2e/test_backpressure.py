@@ -21,6 +21,7 @@ import yaml
 
 from extproc.policy.schema import hash_key
 from tests.e2e.harness import Proc, Stack, free_port, get_json, running, wait_http
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
@@ -70,10 +71,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 def calm_backend(stack: Stack) -> Iterator[None]:
     sim_config(stack.sim_url, kv_usage_override=None, fail_status=None)
     wait_scale(stack, lambda s: s == 1.0, timeout=8)
-    deadline = time.monotonic() + 8
-    while backend_state(stack)["breaker"]["state"] != "closed":
-        assert time.monotonic() < deadline, "breaker left open by an earlier test"
-        time.sleep(0.05)
+    eventually(lambda: backend_state(stack)["breaker"]["state"] == "closed", 8, "breaker left open by an earlier test")
     yield
     sim_config(stack.sim_url, kv_usage_override=None, fail_status=None)
 
@@ -89,14 +87,14 @@ def backend_state(stack: Stack) -> dict[str, Any]:
 
 
 def wait_scale(stack: Stack, ok: Any, timeout: float = 5.0) -> float:
-    deadline = time.monotonic() + timeout
-    while True:
-        scale = backend_state(stack)["scale"]
-        if ok(scale):
-            return scale
-        if time.monotonic() > deadline:
-            raise AssertionError(f"scale {scale} did not reach the expected value in {timeout}s")
-        time.sleep(0.05)
+    seen: list[float] = []
+
+    def check() -> bool:
+        seen.append(backend_state(stack)["scale"])
+        return bool(ok(seen[-1]))
+
+    eventually(check, timeout, lambda: f"scale {seen[-1]} did not reach the expected value")
+    return seen[-1]
 
 
 def chat(url: str, key: str | None, prompt_words: int = 10, max_tokens: int = 20, tokens: int | None = None,
@@ -210,31 +208,22 @@ def test_manual_trip_takes_effect_within_2s(stack: Stack) -> None:
     doc = policy(stack.sim_port)
     doc["breakers"] = [{"backend": "sim", "state": "open", "reason": "draining node for maintenance",
                         "by": "alice"}]
-    t0 = time.monotonic()
     stack.write_policy(doc)
-    while True:
-        r = chat(stack.url, KEYS["premium"])
-        if r.status_code == 503:
-            break
-        assert time.monotonic() - t0 < 2.0, "manual trip not applied within 2 s"
-        time.sleep(0.05)
+    r = eventually(lambda: r if (r := chat(stack.url, KEYS["premium"])).status_code == 503 else None, 2.0,
+                   "manual trip not applied")
     assert r.headers["x-sluice-reason"] == "breaker_open"
     assert "manual" in r.json()["error"]["message"]
     stack.write_policy(policy(stack.sim_port))
-    deadline = time.monotonic() + 4
-    while chat(stack.url, KEYS["premium"]).status_code != 200:
-        assert time.monotonic() < deadline, "traffic did not come back after the manual reset"
-        time.sleep(0.1)
+    eventually(lambda: chat(stack.url, KEYS["premium"]).status_code == 200, 4,
+               "traffic did not come back after the manual reset", interval=0.1)
 
 
 def _hold_cache(stack: Stack, pool: ThreadPoolExecutor) -> list[Any]:
     # Two slow requests whose worst-case footprints fill 4,000 of 4,096 cache tokens.
     futs = [pool.submit(chat, stack.url, KEYS["premium"], 400, 1590, 300, {"x-sim-tps": "20"})
             for _ in range(2)]
-    deadline = time.monotonic() + 5
-    while backend_state(stack)["kv"]["reserved_tokens"] < 3800:
-        assert time.monotonic() < deadline, backend_state(stack)
-        time.sleep(0.02)
+    eventually(lambda: backend_state(stack)["kv"]["reserved_tokens"] >= 3800, 5, lambda: str(backend_state(stack)),
+               interval=0.02)
     return futs
 
 
@@ -242,10 +231,7 @@ def test_queue_timeout_full_queue_and_disconnect_while_queued(stack: Stack) -> N
     with ThreadPoolExecutor(4) as pool:
         holders = _hold_cache(stack, pool)
         waiter = pool.submit(chat, stack.url, KEYS["q"], 10, 400)
-        deadline = time.monotonic() + 2
-        while backend_state(stack)["queue"]["depth"]["q"] != 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        eventually(lambda: backend_state(stack)["queue"]["depth"]["q"] == 1, 2, "the request queued", interval=0.01)
         full = chat(stack.url, KEYS["q"], 10, 400)
         assert full.status_code == 429 and full.headers["x-sluice-reason"] == "queue_full"
         timed_out = waiter.result()
@@ -259,15 +245,10 @@ def test_queue_timeout_full_queue_and_disconnect_while_queued(stack: Stack) -> N
         sock = socket.create_connection(("127.0.0.1", stack.envoy_port))
         sock.sendall((f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS['q']}\r\n"
                       f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body)
-        deadline = time.monotonic() + 2
-        while backend_state(stack)["queue"]["depth"]["q"] != 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        eventually(lambda: backend_state(stack)["queue"]["depth"]["q"] == 1, 2, "the request queued", interval=0.01)
         sock.close()
-        deadline = time.monotonic() + 1
-        while backend_state(stack)["queue"]["depth"]["q"] != 0:
-            assert time.monotonic() < deadline, "the disconnected request is still queued"
-            time.sleep(0.01)
+        eventually(lambda: backend_state(stack)["queue"]["depth"]["q"] == 0, 1,
+                   "the disconnected request is still queued", interval=0.01)
         after = stack.state()["ledger"]
         assert after["charged"] == before["charged"], "a request that never reached the backend is not billed"
         assert [h.result().status_code for h in holders] == [200, 200]
@@ -288,10 +269,8 @@ def test_waiting_premium_request_sheds_batch_and_degrades_free(stack: Stack) -> 
     with ThreadPoolExecutor(4) as pool:
         holders = _hold_cache(stack, pool)
         waiting = pool.submit(chat, stack.url, KEYS["premium"], 10, 1000, 20)
-        deadline = time.monotonic() + 2
-        while backend_state(stack)["queue"]["depth"]["premium"] != 1:
-            assert time.monotonic() < deadline, backend_state(stack)
-            time.sleep(0.01)
+        eventually(lambda: backend_state(stack)["queue"]["depth"]["premium"] == 1, 2, lambda: str(backend_state(stack)),
+                   interval=0.01)
         # The KV watermark is calm (reservations keep it so); the premium queue is the pressure.
         assert backend_state(stack)["scale"] == 1.0
         shed = chat(stack.url, KEYS["batch"])

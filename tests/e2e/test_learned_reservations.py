@@ -20,6 +20,7 @@ import pytest
 
 from extproc.policy.schema import hash_key
 from tests.e2e.harness import Stack, running
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
@@ -92,10 +93,8 @@ def burst(stack: Stack) -> tuple[int, list[int]]:
 
 
 def wait_reservation(stack: Stack, mode: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while stack.state()["backends"]["sim"]["kv"]["reservation"] != mode:
-        assert time.monotonic() < deadline, f"policy with kv_reservation {mode} not loaded"
-        time.sleep(0.05)
+    eventually(lambda: stack.state()["backends"]["sim"]["kv"]["reservation"] == mode, timeout,
+               f"policy with kv_reservation {mode} not loaded")
 
 
 def test_learned_reservations_run_more_requests_on_the_same_cache_without_preemption(stack: Stack) -> None:

@@ -1,0 +1,215 @@
+"""The wait queue of one backend: a future per waiting request, the pump, the deadlines.
+
+``extproc.policy.admission_queue`` orders and bounds the waiting requests (pure, takes
+``now``); this part of ``BackendState`` parks an asyncio future per waiter, hands freed
+capacity to waiters (``pump``, with the pool's look-ahead), and expires waiters whose
+deadline (the time they were queued + the tier's ``max_queue_wait_ms``, both on the
+runtime's clock) has passed, on the periodic ``tick`` (``extproc.ticker``). A future
+ends with a ``Hold`` (admitted), a ``Denied`` (refused while waiting) or ``Expired``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+from extproc.policy import admit
+from extproc.policy import kv as kvmath
+from extproc.policy.admission_queue import AdmissionQueue, Enqueued, TierQueueConfig
+from extproc.policy.owed import LOOK_AHEAD
+from extproc.policy.schema import Policy
+from extproc.policy.slots import Denied, PoolName
+
+if TYPE_CHECKING:
+    from extproc.backends import Hold
+    from extproc.endpoints import EndpointSet
+    from extproc.policy.view import BackendView
+
+_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Expired:
+    """A waiter's deadline passed before capacity came: the client gets a 503 ``queue_timeout``."""
+
+    waited_s: float
+
+
+@dataclass
+class Waiter:
+    id: int
+    tier: str
+    tenant: str
+    tenant_cap: int | None
+    kv: int
+    future: asyncio.Future[Hold | Denied | Expired]
+    prefix: tuple[int, ...] = ()  # prompt prefix keys for placement (extproc.prefix_key)
+    queued_at: float = 0.0  # on the runtime's clock; the deadline is this + the tier's max wait
+
+
+def queue_configs(policy: Policy) -> dict[str, TierQueueConfig]:
+    return {name: TierQueueConfig(max_depth=t.max_queue_depth, max_wait_s=t.max_queue_wait_ms / 1000.0,
+                                  weight=float(t.queue_weight), priority=t.priority)
+            for name, t in policy.tiers.items()}
+
+
+def _held(got: Hold | Denied | Expired) -> bool:
+    return not isinstance(got, Denied | Expired)
+
+
+class BackendQueue:
+    """The queue methods of ``extproc.backends.BackendState`` (a mixin: it keeps the fields)."""
+
+    queue: AdmissionQueue[int]
+    waiters: dict[int, Waiter]
+    configs: dict[str, TierQueueConfig]
+    priorities: dict[str, int]
+    endpoints: EndpointSet | None
+    on_enqueue: Callable[[], None] | None = None  # wakes an idle ticker (extproc.ticker)
+
+    if TYPE_CHECKING:
+        def slot_scale(self, now: float) -> float: ...
+        def slot_for(self, tier: str, tenant: str, tenant_cap: int | None, scale: float) -> PoolName | Denied: ...
+        def _take(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
+                  prefix: tuple[int, ...] = (), behind_head: bool = False) -> Hold | Denied: ...
+        def _give_back(self, hold: Hold) -> None: ...
+
+    def _view(self) -> BackendView:
+        return cast("BackendView", self)
+
+    # -- what the core reads (BackendView) ------------------------------------------------
+    def waiting(self) -> Sequence[tuple[str, int]]:
+        if not self.waiters:
+            return ()
+        return [(w.tier, w.kv) for w in self.waiters.values() if not w.future.done()]
+
+    def queued(self, tier: str) -> int:
+        return self.queue.depth(tier)
+
+    def owed_endpoints(self, tier: str | None, now: float, behind_head: bool = False) -> tuple[str, ...]:
+        """The pool endpoints a request of ``tier`` may not take: owed to a blocked, more
+        important waiter, and to its own tier's head when it goes past it (extproc.policy.owed)."""
+        if self.endpoints is None or tier is None or not self.waiters:
+            return ()
+        heads = {t: w.kv for t in self.configs if (w := self._head(t)) is not None}
+        return self.endpoints.owed(heads, self.priorities, tier, now, behind_head)
+
+    def _head(self, tier: str) -> Waiter | None:
+        """The first waiter of ``tier``'s queue (FIFO: its head), if it still waits."""
+        wid = self.queue.head(tier)
+        w = None if wid is None else self.waiters.get(wid)
+        return w if w is not None and not w.future.done() else None
+
+    def _behind_head(self, tier: str, ids: list[int], now: float) -> int | None:
+        """Look-ahead (extproc.policy.owed): a request behind ``tier``'s head that may go
+        first because the head fits no endpoint now, and it fits one not owed to the head."""
+        head = self._head(tier)
+        view = self._view()
+        if self.endpoints is None or head is None or not kvmath.kv_fits(view, head.kv, now, tier):
+            return None  # no pool, or the head waits for the pool's budget: FIFO
+        if self.endpoints.fits_somewhere(head.kv, now, self.owed_endpoints(tier, now)):
+            return None  # it fits: it waits for a slot, and so would the others
+        exclude = self.owed_endpoints(tier, now, behind_head=True)
+        scale = self.slot_scale(now)
+        for wid in ids:
+            w = self.waiters.get(wid)
+            if w is None or w.future.done() or w.kv >= head.kv:
+                continue
+            if kvmath.kv_fits(view, w.kv, now, tier) and self.endpoints.fits_somewhere(w.kv, now, exclude) \
+                    and not isinstance(self.slot_for(tier, w.tenant, w.tenant_cap, scale), Denied):
+                return wid
+        return None
+
+    # -- waiting --------------------------------------------------------------------------
+    def can_admit(self, tier: str, now: float) -> bool:
+        head = next((w for w in self.waiters.values() if w.tier == tier and not w.future.done()), None)
+        return admit.can_admit(self._view(), tier, None if head is None else head.kv, now)
+
+    def enqueue(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
+                prefix: tuple[int, ...] = ()) -> Waiter | str:
+        wid = next(_ids)
+        res = self.queue.enqueue(wid, tier, now)
+        if not isinstance(res, Enqueued):
+            return res.reason
+        fut: asyncio.Future[Hold | Denied | Expired] = asyncio.get_running_loop().create_future()
+        w = self.waiters[wid] = Waiter(wid, tier, tenant, cap, kv, fut, prefix, now)
+        if self.on_enqueue is not None:
+            self.on_enqueue()
+        return w
+
+    def leave(self, w: Waiter) -> None:
+        """A waiter gives up (expired or disconnected); a grant already handed over goes back."""
+        self.queue.remove(w.id)
+        self.waiters.pop(w.id, None)
+        if w.future.done() and not w.future.cancelled():
+            got = w.future.result()
+            if _held(got):
+                self._give_back(cast("Hold", got))
+        elif not w.future.done():
+            w.future.cancel()
+
+    def pump(self, now: float) -> int:
+        """Hand free slots to waiting requests, fairly across tiers. Returns how many."""
+        handed = 0
+        passed: list[int] = []  # what look-ahead admitted past its tier's head
+
+        def behind(tier: str, ids: list[int]) -> int | None:
+            wid = self._behind_head(tier, ids, now)
+            if wid is not None:
+                passed.append(wid)
+            return wid
+
+        while self.queue.depth():
+            wid = self.queue.next_eligible(lambda tier: self.can_admit(tier, now), now,
+                                           None if self.endpoints is None else behind, LOOK_AHEAD)
+            if wid is None:
+                break
+            past = wid in passed  # the head keeps its owed endpoint against it
+            passed.clear()
+            w = self.waiters.get(wid)
+            if w is None or w.future.done():
+                continue
+            self._resolve(w, self._take(w.tier, w.tenant, w.tenant_cap, w.kv, now, w.prefix, past))
+            handed += 1
+        return handed
+
+    def expire(self, now: float) -> int:
+        """End the waits whose deadline has come (``Expired``), earliest first. Returns how many."""
+        gone = 0
+        for wid in self.queue.expire(now):
+            w = self.waiters.get(wid)
+            if w is not None:
+                self._resolve(w, Expired(now - w.queued_at))
+                gone += 1
+        return gone
+
+    def tick(self, now: float) -> int:
+        """The periodic step (``extproc.ticker``): expire the waits past their deadline, then
+        hand capacity that came back over time (a watermark recovering, a latency limit
+        rising) to the waiting requests. Returns how many were handed a slot."""
+        if not self.queue.depth():
+            return 0
+        self.expire(now)
+        return self.pump(now)
+
+    def _resolve(self, w: Waiter, got: Hold | Denied | Expired) -> None:
+        self.waiters.pop(w.id, None)
+        self.queue.remove(w.id)
+        if w.future.done():
+            if _held(got):
+                self._give_back(cast("Hold", got))
+            return
+        w.future.set_result(got)
+
+    def _requeue(self, policy: Policy, now: float) -> None:
+        # Waiters keep waiting on their futures; only the queue's bookkeeping is rebuilt.
+        # Each keeps the time it was queued at (its deadline moves only by the new max wait).
+        self.configs = queue_configs(policy)
+        new: AdmissionQueue[int] = AdmissionQueue(self.configs)
+        for w in sorted(self.waiters.values(), key=lambda w: w.id):
+            if w.tier not in policy.tiers or not isinstance(new.enqueue(w.id, w.tier, w.queued_at), Enqueued):
+                self._resolve(w, Denied("queue_full", "tier removed or queue shrank"))
+        self.queue = new
