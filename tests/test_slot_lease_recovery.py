@@ -72,7 +72,8 @@ class Fleet:
             r.admit()
             self.samples.append(self.held())
 
-        self.run(r.leases.tick({"b": lambda: (POOL, 0, r.in_use + r.waiting, 0)}, apply))
+        # (pool, pool kv, wanted, wanted kv, exact, in use, kv in use), as extproc.store.lease_plan
+        self.run(r.leases.tick({"b": lambda: (POOL, 0, r.in_use + r.waiting, 0, 0, r.in_use, 0)}, apply))
         r.admit()
         self.samples.append(self.held())
 
@@ -82,6 +83,9 @@ class Fleet:
 
     def restart_redis(self) -> None:
         self.server.kill()
+        self.start_redis()
+
+    def start_redis(self) -> None:
         self.server.start()  # the same port, empty
         for _ in range(2):  # the pooled connections died with it
             with contextlib.suppress(Exception):
@@ -190,5 +194,64 @@ def test_a_replica_that_never_returns_holds_the_claims_up_only_for_the_bound(ser
         f.tick(a)
         assert a.leases.claims == {} and a.lease == POOL - b.lease == 9, (a.lease, b.lease)
         assert max(f.samples) <= POOL, f.samples
+    finally:
+        f.close()
+
+
+def test_an_exchange_that_finds_the_replica_fenced_is_no_report_and_lifts_no_claim(server: RedisServer) -> None:
+    """Seen through Envoy (13 of 12 after a freeze): a replica's lease exchanges found it fenced
+    twice before its heartbeat registered it again; the second, already capped, took the
+    counts of the last exchange before the loss (every replica reported) as a report and
+    lifted the claim. The heartbeat then found it fenced and it claimed again what it held
+    by then, nothing, while its requests ran on: the others, once they had all reported,
+    were granted that room."""
+    f = Fleet(server, 3)
+    try:
+        a, b, c = f.replicas
+        _steady(f, [6, 2, 1])  # leases 7, 3, 2
+        f.t[0] += TTL / 3
+        f.tick(a)  # a renewal: its last exchange before the loss saw every replica reported
+        assert a.leases.leases["b"].reported == a.leases.leases["b"].registered == 3
+        f.restart_redis()
+        a.waiting = 3
+        f.tick(a)  # fenced: claims 7
+        f.tick(a)  # fenced again, its heartbeat not yet run
+        assert a.leases.fenced == 2 and a.leases.claims == {"b": (7, 0)}, a.leases.claims
+        for r in f.replicas:
+            assert f.beat(r)
+        b.waiting = c.waiting = 6  # b and c want far more than they held
+        for _ in range(4):
+            for r in f.replicas:
+                f.t[0] += 0.05
+                f.tick(r)
+        assert max(f.samples) <= POOL, f.samples
+        assert not any(r.leases.claims for r in f.replicas) and a.in_use == 7  # lifted; a ran one more
+    finally:
+        f.close()
+
+
+def test_requests_in_flight_beyond_a_lease_cut_to_the_local_share_keep_their_room(server: RedisServer) -> None:
+    """A lease cut to the local share while its requests still run (Redis away just past
+    the ttl): when Redis is back, the replica asks for what it has in use, not only for
+    the cut lease, so the others are not granted the room those requests occupy."""
+    f = Fleet(server, 3)
+    try:
+        a, b, c = f.replicas
+        _steady(f, [6, 2, 1])  # leases 7, 3, 2
+        f.server.kill()
+        f.t[0] += TTL + 0.1  # past the leases' deadline: each cut to floor(12 / 3) = 4
+        for r in f.replicas:
+            f.tick(r)
+        assert [(r.lease, r.in_use) for r in f.replicas] == [(4, 6), (3, 2), (2, 1)]
+        f.start_redis()  # empty: every replica is fenced
+        b.waiting = c.waiting = 6
+        for r in f.replicas:
+            assert f.beat(r)
+        for _ in range(4):
+            for r in f.replicas:
+                f.t[0] += 0.05
+                f.tick(r)
+        assert max(f.samples) <= POOL, f.samples
+        assert a.lease >= a.in_use == 6 and sum(r.lease for r in f.replicas) == POOL == f.in_redis()
     finally:
         f.close()

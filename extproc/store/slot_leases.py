@@ -259,8 +259,15 @@ class SlotLeases:
         log.warning("slot leases: Redis lost this replica's leases; holding at most %s until the %d replicas "
                     "seen have reported (or %.1fs)", self.claims, self.recover_n, self.recover_s)
 
-    def cap(self, name: str, now: float) -> tuple[int, int] | None:
-        """The most lease ``name`` may ask for while recovering (None: not recovering)."""
+    def _notice_fence(self, now: float) -> None:
+        """The heartbeat registered this replica again (Redis lost its member): so are its leases."""
+        if self.registry.fences != self._fences:
+            self._fences = self.registry.fences
+            self._recover(now)
+
+    def cap(self, name: str, now: float, in_use: tuple[int, int] = (0, 0)) -> tuple[int, int] | None:
+        """The most lease ``name`` may ask for while recovering (None: not recovering): its claim,
+        or what its requests in flight hold (``in_use``: slots, kv) where that is more."""
         if not self.claims:
             return None
         if now >= self.recover_until:
@@ -268,7 +275,8 @@ class SlotLeases:
                         "asking as usual", self.recover_s)
             self.claims = {}
             return None
-        return self.claims.get(name, (0, 0))
+        s, k = self.claims.get(name, (0, 0))
+        return max(s, in_use[0]), max(k, in_use[1])
 
     def _reported(self, name: str, ls: PoolLease) -> None:
         """An exchange while recovering: every registered replica (and as many as before the
@@ -312,6 +320,8 @@ class SlotLeases:
                         "it registers again", member, backend)
             self.registry.beat_at = -math.inf  # the store's next heartbeat finds it fenced and registers anew
             ls.slots, ls.kv, ls.others, ls.others_kv = 0, 0, 0, 0
+            # Not a report: the counts of the last exchange before the loss must not lift a claim.
+            ls.reported, ls.registered = 0, 0
             ls.renew_at = -math.inf
             return ls
         ls.slots, ls.kv, ls.others, ls.others_kv = gs, gk, others, others_kv
@@ -322,21 +332,20 @@ class SlotLeases:
 
     async def tick(self, usage: Mapping[str, tuple[int, ...] | Callable[[], tuple[int, ...]]],
                    apply: Callable[[str, PoolLease], None] | None = None) -> dict[str, PoolLease]:
-        """One check: ``usage`` lease name -> (pool slots, pool kv, slots wanted, kv wanted[, exact]),
-        or a function returning it, called just before that lease is decided (what is in use
-        changes while earlier exchanges of the check are awaited; a lease must not shrink
-        below it).
+        """One check: ``usage`` lease name -> (pool slots, pool kv, slots wanted, kv wanted[, exact[,
+        slots in use, kv in use]]), or a function returning it, called just before that lease
+        is decided (what is in use changes while earlier exchanges of the check are awaited; a
+        lease must not shrink below it).
 
         "Wanted" is what is in use plus what waits for room (``extproc.store.lease_plan``);
         the lease is kept at that plus a block. ``exact`` (a draining pool endpoint): hold
-        just what is in use, no block. ``apply`` is called with each lease that changed, a
-        shrink before it is sent (so the backend admits within it before Redis gives the
-        rest away), a grant when it arrives. Returns the leases that changed.
+        just what is in use, no block. What is in use (0 when not given) raises a recovering
+        lease's cap to cover its requests in flight. ``apply`` is called with each lease that
+        changed, a shrink before it is sent (so the backend admits within it before Redis
+        gives the rest away), a grant when it arrives. Returns the leases that changed.
         """
         live = self.registry.live
-        if self.registry.fences != self._fences:  # registered again (Redis lost the member): so are the leases
-            self._fences = self.registry.fences
-            self._recover(self.clock())
+        self._notice_fence(self.clock())
         changed: dict[str, PoolLease] = {}
         grew = False
         for name in [n for n in self.leases if n not in usage]:
@@ -346,6 +355,7 @@ class SlotLeases:
         for name, entry in usage.items():
             ps, pk, used_s, used_k, *rest = entry() if callable(entry) else entry
             exact = bool(rest and rest[0])
+            busy = (int(rest[1]), int(rest[2])) if len(rest) >= 3 else (0, 0)
             ls = self.lease(name, ps, pk)
             before = (ls.slots, ls.kv)
             if exact:
@@ -355,7 +365,10 @@ class SlotLeases:
                 ws = want(ps, used_s, ls.slots, live)
                 wk = want(pk, used_k, ls.kv, live) if pk > 0 else None
             now = self.clock()
-            cap = self.cap(name, now)
+            # before each lease, not once a check: the heartbeat may land while an earlier lease's
+            # exchange is awaited, and this one would go out under the new member uncapped
+            self._notice_fence(now)
+            cap = self.cap(name, now, busy)
             # recovering and wanting more than the claim: exchange every check, to learn when it is lifted
             pressed = cap is not None and ((ws or 0) > cap[0] or (wk or 0) > cap[1])
             if ws is None and wk is None and now < ls.renew_at and not pressed:
