@@ -25,10 +25,13 @@ class Registry:
         self.keys = [f"{prefix}:replicas", f"{prefix}:epoch"]
         self.member = ""
         self.live = 1
-        # replicas registered at the last heartbeat that found this one alive (not fenced):
-        # how many to wait for when Redis comes back without the leases (slot_leases)
+        # replicas registered at the last heartbeat that found this one alive (not fenced), or
+        # more seen since: how many to wait for when Redis comes back without the leases
+        # (slot_leases). Within a ttl of a fence it only rises: the others register again
+        # one by one, and a count of those back so far is not how many there are.
         self.steady = 1
         self.fences = 0  # heartbeats that found this replica fenced (its member gone)
+        self.fenced_at = -float("inf")  # local time of the last of them
         self.beat_at = -float("inf")  # local time of the last successful heartbeat
         self._seen: deque[tuple[float, int]] = deque()
 
@@ -45,10 +48,13 @@ class Registry:
         self.live = max(1, int(live))
         self.beat_at = now
         self.observe(self.live, now)
-        if not int(fenced):
-            self.steady = self.live
-        else:
+        if int(fenced):
             self.fences += 1
+            self.fenced_at = now
+        elif now - self.fenced_at < self.ttl_s:
+            self.steady = max(self.steady, self.live)
+        else:
+            self.steady = self.live
         if int(fenced):
             log.warning("state store: replica %s was fenced (its registration expired or Redis lost it); "
                         "registered again as %s", self.replica_id, self.member)
