@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from bench.redis_server import RedisServer
 from extproc.store.redis_state import connect
 from extproc.store.registry import Registry
+from extproc.store.scripts import HEARTBEAT
 from extproc.store.slot_leases import PoolLease, SlotLeases
 
 POOL = 12
@@ -328,3 +330,29 @@ def test_the_count_to_wait_for_is_not_lowered_by_the_replicas_back_so_far() -> N
     reg.record([b"r0#4", 3, 0], 121.0)
     reg.record([b"r0#4", 2, 0], 120.0 + TTL)  # a ttl after the fence: the count as it is
     assert reg.steady == 2
+
+
+def test_a_heartbeat_that_lands_between_two_leases_of_a_check_caps_the_second(server: RedisServer) -> None:
+    """The fence is noticed before each lease, not once a check: a heartbeat that registers
+    the replica again while an earlier lease of the check is decided (or its exchange is
+    awaited) would otherwise send the next lease's ask uncapped under the new member."""
+    f = Fleet(server, 3)
+    sync = redis.Redis.from_url(server.url)
+    try:
+        a, b, c = f.replicas
+        _steady(f, [6, 2, 1])  # leases 7, 3, 2
+        f.restart_redis()
+        a.waiting = 3
+
+        def beat_now() -> tuple[int, ...]:  # another pool's lease, decided first: the heartbeat lands
+            reply = sync.eval(HEARTBEAT, 2, *a.registry.keys, *a.registry.args(""))
+            assert a.registry.record(reply, f.t[0])  # fenced: registered again
+            return (1, 0, 0, 0, 0, 0, 0)
+
+        usage = {"other": beat_now, "b": lambda: (POOL, 0, a.in_use + a.waiting, 0, 0, a.in_use, 0)}
+        f.run(a.leases.tick(usage))
+        assert a.leases.claims.get("b") == (7, 0) and a.lease == 7, (a.leases.claims, a.lease)  # before: 10
+        assert f.held() <= POOL
+    finally:
+        sync.close()
+        f.close()
