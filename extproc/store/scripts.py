@@ -156,6 +156,10 @@ return out
 # KEYS[1]: the replica sorted set (score: Redis-time deadline), KEYS[2]: the epoch
 # counter. ARGV: replica id, member held ('' to register), ttl, now ('' = TIME).
 # A member that expired is fenced: it gets a new epoch and must drop what it held.
+# Registering drops the replica's other members: a heartbeat that timed out on the
+# replica's side may still have run (Redis slow, or frozen and back) and registered one
+# that nobody holds; it would count as a replica for a ttl (the live count, and the
+# registered replicas a recovering slot lease waits for: extproc.store.slot_leases).
 HEARTBEAT = r"""
 local now
 if ARGV[4] ~= '' then now = tonumber(ARGV[4]) else
@@ -164,7 +168,12 @@ end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('%.17g', now))
 local member, fenced = ARGV[2], 0
 if member ~= '' and not redis.call('ZSCORE', KEYS[1], member) then member, fenced = '', 1 end
-if member == '' then member = ARGV[1] .. '#' .. redis.call('INCR', KEYS[2]) end
+if member == '' then
+  member = ARGV[1] .. '#' .. redis.call('INCR', KEYS[2])
+  for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+    if string.match(m, '^(.*)#%d+$') == ARGV[1] then redis.call('ZREM', KEYS[1], m) end
+  end
+end
 redis.call('ZADD', KEYS[1], string.format('%.17g', now + tonumber(ARGV[3])), member)
 return {member, redis.call('ZCARD', KEYS[1]), fenced}
 """
