@@ -26,8 +26,9 @@ nothing new; its requests in flight finish) until the registry's heartbeat regis
 it again under a new epoch. A replica that dies gives its lease back when the lease
 expires: within ttl; the survivors see the room at their next check.
 
-Bounds: the slots (KV) in use by all replicas ≤ the pool, except while a fenced
-replica's requests in flight finish. A hot replica can lease at least ``pool − (N −
+Bounds: the slots (KV) in use by all replicas ≤ the pool, except while the requests
+in flight of a replica fenced alone (paused past its ttl while the others reached
+Redis) finish. A hot replica can lease at least ``pool − (N −
 1) × block`` ≈ ``pool × (3N + 1) / (4N)`` while the others are idle; a request
 finding its replica's lease full waits one round trip in the queue (or, in a tier
 without a queue, is refused while the lease grows for the next). Redis unreachable:
@@ -37,28 +38,43 @@ replicas seen in the last ttl)`` until Redis answers.
 Redis back without the leases (restarted empty, or frozen past the ttl so that every
 member expired): each replica finds itself fenced, by an exchange (granted -1) or by
 its heartbeat (``Registry.fences``; an epoch counter restarted from 0 may hand out the
-same member name again, so the name is not what tells). At the first sign it takes a
-*claim* per lease, what it holds then (before the fence zeroes it), and until the claim
-is lifted it asks for no more than that. A pool's claim is lifted when an exchange on it
-shows that every registered replica has reported on the pool (``KEYS[4]``, each
-member's last exchange, a grant of 0 included) and that at least as many have as were
+same member name again, so the name is not what tells; the fence is looked for before
+each lease of a check). At the first sign it takes a *claim* per lease, what it holds
+then (before the fence zeroes it), and until the claim is lifted it asks for no more
+than that, or than what its requests in flight hold where that is more (a lease cut to
+the local share may have more running than it holds). A pool's claim is lifted when an
+exchange on it shows that every registered replica has reported on the pool
+(``KEYS[4]``, each member's last exchange, a grant of 0 included; an exchange that
+finds the replica fenced reports nothing) and that at least as many have as were
 registered before the loss (``Registry.steady``, the count at the last unfenced
-heartbeat, or more seen since); or when ``recover_s`` (ttl/2) has passed: a replica
-seen before that has not registered again by then is taken as gone (a running replica
-that reaches Redis heartbeats every ttl/3, so it registers again within ttl/3 of the
-loss and reports at its next check, ``check_s`` later). A capped lease that
-wants more exchanges every check, so the lift is seen within ``check_s``.
+heartbeat, or more seen since; within a ttl of a fence it only rises, as the replicas
+register again one by one; a member registered by a heartbeat whose answer the replica
+never got is dropped when it registers again, ``scripts.HEARTBEAT``); or when
+``recover_s`` (ttl/2) has passed: a replica seen before that has not registered again
+by then is taken as gone (a running replica that reaches Redis heartbeats every ttl/3,
+so it registers again within ttl/3 of the loss and reports at its next check,
+``check_s`` later). A capped lease that wants more exchanges every check, so the lift
+is seen within ``check_s``.
 
-Why the pool is not exceeded: before the loss, every local lease ≤ what Redis recorded
-for it (it shrinks locally before it is sent, grows only when Redis answers), and
-Redis's records sum to ≤ the pool; while Redis cannot be reached a local lease only
-shrinks (to the local share). So the claims, each taken from a local lease, sum to ≤
-the pool. Until every replica has reported, each asks for ≤ its claim and Redis grants
-≤ what is asked: the leases sum to ≤ the pool. Once every replica has reported, Redis's
-records cover every lease held, and the script's rule (grant ≤ pool − what the others
-hold) keeps the sum ≤ the pool as before. The exceptions: requests in flight beyond a
-lease that was cut or fenced (they finish; the lease admits nothing new until in use is
-below it), and a replica that is alive but registers again only after ``recover_s``
+Why the pool is not exceeded: call what a replica occupies on a pool the larger of its
+lease and what it has in use there. Before the loss, every local lease ≤ what Redis
+recorded for it (it shrinks locally before it is sent, grows only when Redis answers),
+what is in use ≤ the lease (a lease never shrinks below it), and Redis's records sum
+to ≤ the pool. While Redis cannot be reached a lease only shrinks (to the local share)
+and nothing is admitted beyond it, so what each replica occupies only shrinks. So the
+caps (claim or in use, whichever is more: at most what the replica occupied at the
+first sign) sum to ≤ the pool. Until every replica has reported, each asks for ≤ its
+cap and ≥ what it has in use (a lease is never asked below it), and Redis grants
+``min(ask, pool − the others' records)``, the others' records ≤ their caps: so ≥ what
+it has in use. The records then cover every request running and sum to ≤ the pool.
+Once every replica has reported, Redis's records cover every lease held and every
+request in flight, and the script's rule (grant ≤ pool − what the others hold) keeps
+the sum ≤ the pool as before. (Taking the claim from the lease alone, a replica whose
+requests outlived its cut lease, or that claimed again after a wrongly lifted claim,
+left room in Redis that its requests still used: 13 of 12 after a freeze through
+Envoy.) The exceptions: requests in flight beyond a lease fenced while the others
+reached Redis (they finish; the lease admits nothing new until in use is below it),
+and a replica that is alive but registers again only after ``recover_s``
 (paused, or cut off from Redis that long), which may find its room taken: it holds then
 what it was granted plus its requests in flight. Admission does not wait for the lift:
 a replica admits within its claim as soon as its own lease is granted again.
