@@ -345,7 +345,7 @@ def test_a_heartbeat_that_lands_between_two_leases_of_a_check_caps_the_second(se
         a.waiting = 3
 
         def beat_now() -> tuple[int, ...]:  # another pool's lease, decided first: the heartbeat lands
-            reply = sync.eval(HEARTBEAT, 2, *a.registry.keys, *a.registry.args(""))
+            reply = sync.eval(HEARTBEAT, 3, *a.registry.keys, *a.registry.args(""))
             assert a.registry.record(reply, f.t[0])  # fenced: registered again
             return (1, 0, 0, 0, 0, 0, 0)
 
@@ -370,7 +370,7 @@ def test_a_heartbeat_whose_answer_was_lost_leaves_no_member_behind_once_the_repl
         _steady(f, [2, 2])
         # as after a freeze past the ttl: every member and lease gone, the epoch counter kept
         f.run(f.client.delete(a.registry.keys[0], *a.leases.keys("b")[:2], a.leases.keys("b")[3]))
-        lost = f.run(f.client.eval(HEARTBEAT, 2, *a.registry.keys, *a.registry.args("")))  # a never hears of it
+        lost = f.run(f.client.eval(HEARTBEAT, 3, *a.registry.keys, *a.registry.args("")))  # a never hears of it
         assert f.beat(a) and f.beat(b)  # both fenced: registered again
         members = {m.decode() if isinstance(m, bytes) else m for m in f.run(f.client.zrange(a.registry.keys[0], 0, -1))}
         assert members == {a.registry.member, b.registry.member}, (members, lost[0])
@@ -381,5 +381,21 @@ def test_a_heartbeat_whose_answer_was_lost_leaves_no_member_behind_once_the_repl
                 f.t[0] += 0.05
                 f.tick(r)
         assert not a.leases.claims and not b.leases.claims  # every registered replica reported: lifted
+    finally:
+        f.close()
+
+
+def test_two_processes_with_one_replica_id_keep_a_member_each(server: RedisServer) -> None:
+    """The replica id defaults to the host name: a registration is idempotent per process
+    (its token), not per id, so two processes on one host never take each other's member."""
+    f = Fleet(server, 1)
+    try:
+        one, two = Registry("host", "rec", TTL), Registry("host", "rec", TTL)
+        for reg in (one, two, one, two):
+            f.run(reg.beat(f.client, "", f.t[0]))
+        assert one.member != two.member and one.live == two.live == 2
+        f.run(f.client.zrem(one.keys[0], one.member))  # one's member lost: it registers again
+        assert f.run(one.beat(f.client, "", f.t[0]))
+        assert not f.run(two.beat(f.client, "", f.t[0])) and two.live == 2
     finally:
         f.close()

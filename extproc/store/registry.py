@@ -4,12 +4,14 @@ Each replica registers once (its member is ``<replica id>#<epoch>``, the epoch f
 ``INCR``) and renews every ttl/3. A member not renewed within the ttl is dropped by
 the next heartbeat of anyone; the replica it belonged to is fenced: its next
 heartbeat registers it again under a new epoch, and what it held under the old
-member (leases) is no longer its.
+member (leases) is no longer its. Registering is idempotent per process (``token``):
+a heartbeat whose answer was lost may have registered a member, and the retry gets it.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import deque
 from typing import Any
 
@@ -22,7 +24,8 @@ class Registry:
     def __init__(self, replica_id: str, prefix: str, ttl_s: float = 10.0) -> None:
         self.replica_id = replica_id
         self.ttl_s = ttl_s
-        self.keys = [f"{prefix}:replicas", f"{prefix}:epoch"]
+        self.keys = [f"{prefix}:replicas", f"{prefix}:epoch", f"{prefix}:replicas:tokens"]
+        self.token = secrets.token_hex(8)  # this process's: a retried registration is not a second one
         self.member = ""
         self.live = 1
         # replicas registered at the last heartbeat that found this one alive (not fenced), or
@@ -39,7 +42,7 @@ class Registry:
         return now - self.beat_at >= self.ttl_s / 3
 
     def args(self, script_now: str) -> list[str]:
-        return [self.replica_id, self.member, repr(self.ttl_s), script_now]
+        return [self.replica_id, self.member, repr(self.ttl_s), script_now, self.token]
 
     def record(self, reply: list[Any], now: float) -> bool:
         """Take a heartbeat's reply; True when this replica was fenced (its old member expired)."""
@@ -75,5 +78,5 @@ class Registry:
         return max(recent) if recent else self._seen[-1][1]
 
     async def beat(self, client: Any, script_now: str, now: float) -> bool:
-        reply = await client.eval(HEARTBEAT, 2, *self.keys, *self.args(script_now))
+        reply = await client.eval(HEARTBEAT, len(self.keys), *self.keys, *self.args(script_now))
         return self.record(reply, now)
