@@ -48,8 +48,8 @@ exchange on it shows that every registered replica has reported on the pool
 finds the replica fenced reports nothing) and that at least as many have as were
 registered before the loss (``Registry.steady``, the count at the last unfenced
 heartbeat, or more seen since; within a ttl of a fence it only rises, as the replicas
-register again one by one; a member registered by a heartbeat whose answer the replica
-never got is dropped when it registers again, ``scripts.HEARTBEAT``); or when
+register again one by one; a heartbeat whose answer the replica never got registers
+no second member for it, ``scripts.HEARTBEAT``); or when
 ``recover_s`` (ttl/2) has passed: a replica seen before that has not registered again
 by then is taken as gone (a running replica that reaches Redis heartbeats every ttl/3,
 so it registers again within ttl/3 of the loss and reports at its next check,
