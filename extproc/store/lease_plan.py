@@ -55,15 +55,16 @@ def held(backend: str, leases: SlotLeases) -> tuple[int, int]:
 def usage(spec: Backend, be: BackendState, leases: SlotLeases,
           clock: Callable[[], float]) -> dict[str, Callable[[], tuple[int, ...]]]:
     """``SlotLeases.tick``'s input for one backend: lease name -> a function of (pool slots, pool
-    kv, wanted slots, wanted kv, exact), read when the lease is decided. Takes (and clears)
+    kv, wanted slots, wanted kv, exact, slots in use, kv in use), read when the lease is decided. Takes (and clears)
     the refusals recorded since the last check."""
     oc = spec.kv_overcommit
     if be.endpoints is None:
         def one() -> tuple[int, ...]:
             waiting = [w.kv for w in be.waiters.values() if not w.future.done()]
             s, k = leases.short.pop(spec.name, (0, 0))
+            busy = be.pool.in_use().total
             return (spec.max_concurrency, kv_pool(spec.kv_capacity_tokens, oc),
-                    be.pool.in_use().total + max(s, len(waiting)), be.kv_in_use + max(k, sum(waiting)), 0)
+                    busy + max(s, len(waiting)), be.kv_in_use + max(k, sum(waiting)), 0, busy, be.kv_in_use)
         return {spec.name: one}
     eps = be.endpoints
 
@@ -71,14 +72,15 @@ def usage(spec: Backend, be: BackendState, leases: SlotLeases,
         def get() -> tuple[int, ...]:
             st = eps.by_key.get(key)
             if st is None:  # forgotten since: give the lease back
-                return (0, 0, 0, 0, 1)
+                return (0, 0, 0, 0, 1, 0, 0)
             s, k = leases.short.pop(name, (0, 0))
             pool_s, pool_k = st.spec.max_concurrency, kv_pool(st.spec.kv_capacity_tokens, oc)
             if st.draining:  # leaving the pool: keep what its requests in flight hold, no more
-                return (pool_s, pool_k, st.in_flight, st.kv_in_use, 1)
+                return (pool_s, pool_k, st.in_flight, st.kv_in_use, 1, st.in_flight, st.kv_in_use)
             waiting = [w.kv for w in be.waiters.values() if not w.future.done()]
             ps, pk = eps.plan(waiting, clock()).get(key, (0, 0)) if waiting else (0, 0)
-            return (pool_s, pool_k, st.in_flight + max(s, ps), st.kv_in_use + max(k, pk), 0)
+            return (pool_s, pool_k, st.in_flight + max(s, ps), st.kv_in_use + max(k, pk), 0, st.in_flight,
+                    st.kv_in_use)
         return get
 
     names = {key: endpoint_lease(spec.name, key) for key in eps.by_key}

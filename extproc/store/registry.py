@@ -4,12 +4,14 @@ Each replica registers once (its member is ``<replica id>#<epoch>``, the epoch f
 ``INCR``) and renews every ttl/3. A member not renewed within the ttl is dropped by
 the next heartbeat of anyone; the replica it belonged to is fenced: its next
 heartbeat registers it again under a new epoch, and what it held under the old
-member (leases) is no longer its.
+member (leases) is no longer its. Registering is idempotent per process (``token``):
+a heartbeat whose answer was lost may have registered a member, and the retry gets it.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import deque
 from typing import Any
 
@@ -22,13 +24,17 @@ class Registry:
     def __init__(self, replica_id: str, prefix: str, ttl_s: float = 10.0) -> None:
         self.replica_id = replica_id
         self.ttl_s = ttl_s
-        self.keys = [f"{prefix}:replicas", f"{prefix}:epoch"]
+        self.keys = [f"{prefix}:replicas", f"{prefix}:epoch", f"{prefix}:replicas:tokens"]
+        self.token = secrets.token_hex(8)  # this process's: a retried registration is not a second one
         self.member = ""
         self.live = 1
-        # replicas registered at the last heartbeat that found this one alive (not fenced):
-        # how many to wait for when Redis comes back without the leases (slot_leases)
+        # replicas registered at the last heartbeat that found this one alive (not fenced), or
+        # more seen since: how many to wait for when Redis comes back without the leases
+        # (slot_leases). Within a ttl of a fence it only rises: the others register again
+        # one by one, and a count of those back so far is not how many there are.
         self.steady = 1
         self.fences = 0  # heartbeats that found this replica fenced (its member gone)
+        self.fenced_at = -float("inf")  # local time of the last of them
         self.beat_at = -float("inf")  # local time of the last successful heartbeat
         self._seen: deque[tuple[float, int]] = deque()
 
@@ -36,7 +42,7 @@ class Registry:
         return now - self.beat_at >= self.ttl_s / 3
 
     def args(self, script_now: str) -> list[str]:
-        return [self.replica_id, self.member, repr(self.ttl_s), script_now]
+        return [self.replica_id, self.member, repr(self.ttl_s), script_now, self.token]
 
     def record(self, reply: list[Any], now: float) -> bool:
         """Take a heartbeat's reply; True when this replica was fenced (its old member expired)."""
@@ -45,10 +51,13 @@ class Registry:
         self.live = max(1, int(live))
         self.beat_at = now
         self.observe(self.live, now)
-        if not int(fenced):
-            self.steady = self.live
-        else:
+        if int(fenced):
             self.fences += 1
+            self.fenced_at = now
+        elif now - self.fenced_at < self.ttl_s:
+            self.steady = max(self.steady, self.live)
+        else:
+            self.steady = self.live
         if int(fenced):
             log.warning("state store: replica %s was fenced (its registration expired or Redis lost it); "
                         "registered again as %s", self.replica_id, self.member)
@@ -69,5 +78,5 @@ class Registry:
         return max(recent) if recent else self._seen[-1][1]
 
     async def beat(self, client: Any, script_now: str, now: float) -> bool:
-        reply = await client.eval(HEARTBEAT, 2, *self.keys, *self.args(script_now))
+        reply = await client.eval(HEARTBEAT, len(self.keys), *self.keys, *self.args(script_now))
         return self.record(reply, now)

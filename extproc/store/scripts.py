@@ -154,8 +154,15 @@ return out
 """
 
 # KEYS[1]: the replica sorted set (score: Redis-time deadline), KEYS[2]: the epoch
-# counter. ARGV: replica id, member held ('' to register), ttl, now ('' = TIME).
+# counter, KEYS[3]: each registering process's token -> the member it was last given.
+# ARGV: replica id, member held ('' to register), ttl, now ('' = TIME), token.
 # A member that expired is fenced: it gets a new epoch and must drop what it held.
+# Registering is idempotent per token: a heartbeat that timed out on the replica's side
+# may still have run (Redis slow, or frozen and back) and registered a member the
+# replica never heard of; the retry gets that member rather than a second one (else it
+# counts as a replica for a ttl: the live count, and the registered replicas a
+# recovering slot lease waits for, extproc.store.slot_leases). Not by replica id: two
+# processes may share one (it defaults to the host name).
 HEARTBEAT = r"""
 local now
 if ARGV[4] ~= '' then now = tonumber(ARGV[4]) else
@@ -164,7 +171,21 @@ end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('%.17g', now))
 local member, fenced = ARGV[2], 0
 if member ~= '' and not redis.call('ZSCORE', KEYS[1], member) then member, fenced = '', 1 end
-if member == '' then member = ARGV[1] .. '#' .. redis.call('INCR', KEYS[2]) end
+if member == '' then
+  local given = redis.call('HGET', KEYS[3], ARGV[5])
+  if given and redis.call('ZSCORE', KEYS[1], given) then
+    member = given  -- registered by an attempt whose answer was lost: still nobody else's
+  else
+    member = ARGV[1] .. '#' .. redis.call('INCR', KEYS[2])
+    redis.call('HSET', KEYS[3], ARGV[5], member)
+    local raw = redis.call('HGETALL', KEYS[3])  -- forget the tokens whose members are gone
+    for i = 1, #raw, 2 do
+      if not redis.call('ZSCORE', KEYS[1], raw[i + 1]) and raw[i + 1] ~= member then
+        redis.call('HDEL', KEYS[3], raw[i])
+      end
+    end
+  end
+end
 redis.call('ZADD', KEYS[1], string.format('%.17g', now + tonumber(ARGV[3])), member)
 return {member, redis.call('ZCARD', KEYS[1]), fenced}
 """

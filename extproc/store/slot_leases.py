@@ -26,8 +26,9 @@ nothing new; its requests in flight finish) until the registry's heartbeat regis
 it again under a new epoch. A replica that dies gives its lease back when the lease
 expires: within ttl; the survivors see the room at their next check.
 
-Bounds: the slots (KV) in use by all replicas ≤ the pool, except while a fenced
-replica's requests in flight finish. A hot replica can lease at least ``pool − (N −
+Bounds: the slots (KV) in use by all replicas ≤ the pool, except while the requests
+in flight of a replica fenced alone (paused past its ttl while the others reached
+Redis) finish. A hot replica can lease at least ``pool − (N −
 1) × block`` ≈ ``pool × (3N + 1) / (4N)`` while the others are idle; a request
 finding its replica's lease full waits one round trip in the queue (or, in a tier
 without a queue, is refused while the lease grows for the next). Redis unreachable:
@@ -37,28 +38,43 @@ replicas seen in the last ttl)`` until Redis answers.
 Redis back without the leases (restarted empty, or frozen past the ttl so that every
 member expired): each replica finds itself fenced, by an exchange (granted -1) or by
 its heartbeat (``Registry.fences``; an epoch counter restarted from 0 may hand out the
-same member name again, so the name is not what tells). At the first sign it takes a
-*claim* per lease, what it holds then (before the fence zeroes it), and until the claim
-is lifted it asks for no more than that. A pool's claim is lifted when an exchange on it
-shows that every registered replica has reported on the pool (``KEYS[4]``, each
-member's last exchange, a grant of 0 included) and that at least as many have as were
+same member name again, so the name is not what tells; the fence is looked for before
+each lease of a check). At the first sign it takes a *claim* per lease, what it holds
+then (before the fence zeroes it), and until the claim is lifted it asks for no more
+than that, or than what its requests in flight hold where that is more (a lease cut to
+the local share may have more running than it holds). A pool's claim is lifted when an
+exchange on it shows that every registered replica has reported on the pool
+(``KEYS[4]``, each member's last exchange, a grant of 0 included; an exchange that
+finds the replica fenced reports nothing) and that at least as many have as were
 registered before the loss (``Registry.steady``, the count at the last unfenced
-heartbeat, or more seen since); or when ``recover_s`` (ttl/2) has passed: a replica
-seen before that has not registered again by then is taken as gone (a running replica
-that reaches Redis heartbeats every ttl/3, so it registers again within ttl/3 of the
-loss and reports at its next check, ``check_s`` later). A capped lease that
-wants more exchanges every check, so the lift is seen within ``check_s``.
+heartbeat, or more seen since; within a ttl of a fence it only rises, as the replicas
+register again one by one; a heartbeat whose answer the replica never got registers
+no second member for it, ``scripts.HEARTBEAT``); or when
+``recover_s`` (ttl/2) has passed: a replica seen before that has not registered again
+by then is taken as gone (a running replica that reaches Redis heartbeats every ttl/3,
+so it registers again within ttl/3 of the loss and reports at its next check,
+``check_s`` later). A capped lease that wants more exchanges every check, so the lift
+is seen within ``check_s``.
 
-Why the pool is not exceeded: before the loss, every local lease ≤ what Redis recorded
-for it (it shrinks locally before it is sent, grows only when Redis answers), and
-Redis's records sum to ≤ the pool; while Redis cannot be reached a local lease only
-shrinks (to the local share). So the claims, each taken from a local lease, sum to ≤
-the pool. Until every replica has reported, each asks for ≤ its claim and Redis grants
-≤ what is asked: the leases sum to ≤ the pool. Once every replica has reported, Redis's
-records cover every lease held, and the script's rule (grant ≤ pool − what the others
-hold) keeps the sum ≤ the pool as before. The exceptions: requests in flight beyond a
-lease that was cut or fenced (they finish; the lease admits nothing new until in use is
-below it), and a replica that is alive but registers again only after ``recover_s``
+Why the pool is not exceeded: call what a replica occupies on a pool the larger of its
+lease and what it has in use there. Before the loss, every local lease ≤ what Redis
+recorded for it (it shrinks locally before it is sent, grows only when Redis answers),
+what is in use ≤ the lease (a lease never shrinks below it), and Redis's records sum
+to ≤ the pool. While Redis cannot be reached a lease only shrinks (to the local share)
+and nothing is admitted beyond it, so what each replica occupies only shrinks. So the
+caps (claim or in use, whichever is more: at most what the replica occupied at the
+first sign) sum to ≤ the pool. Until every replica has reported, each asks for ≤ its
+cap and ≥ what it has in use (a lease is never asked below it), and Redis grants
+``min(ask, pool − the others' records)``, the others' records ≤ their caps: so ≥ what
+it has in use. The records then cover every request running and sum to ≤ the pool.
+Once every replica has reported, Redis's records cover every lease held and every
+request in flight, and the script's rule (grant ≤ pool − what the others hold) keeps
+the sum ≤ the pool as before. (Taking the claim from the lease alone, a replica whose
+requests outlived its cut lease, or that claimed again after a wrongly lifted claim,
+left room in Redis that its requests still used: 13 of 12 after a freeze through
+Envoy.) The exceptions: requests in flight beyond a lease fenced while the others
+reached Redis (they finish; the lease admits nothing new until in use is below it),
+and a replica that is alive but registers again only after ``recover_s``
 (paused, or cut off from Redis that long), which may find its room taken: it holds then
 what it was granted plus its requests in flight. Admission does not wait for the lift:
 a replica admits within its claim as soon as its own lease is granted again.
@@ -259,8 +275,15 @@ class SlotLeases:
         log.warning("slot leases: Redis lost this replica's leases; holding at most %s until the %d replicas "
                     "seen have reported (or %.1fs)", self.claims, self.recover_n, self.recover_s)
 
-    def cap(self, name: str, now: float) -> tuple[int, int] | None:
-        """The most lease ``name`` may ask for while recovering (None: not recovering)."""
+    def _notice_fence(self, now: float) -> None:
+        """The heartbeat registered this replica again (Redis lost its member): so are its leases."""
+        if self.registry.fences != self._fences:
+            self._fences = self.registry.fences
+            self._recover(now)
+
+    def cap(self, name: str, now: float, in_use: tuple[int, int] = (0, 0)) -> tuple[int, int] | None:
+        """The most lease ``name`` may ask for while recovering (None: not recovering): its claim,
+        or what its requests in flight hold (``in_use``: slots, kv) where that is more."""
         if not self.claims:
             return None
         if now >= self.recover_until:
@@ -268,7 +291,8 @@ class SlotLeases:
                         "asking as usual", self.recover_s)
             self.claims = {}
             return None
-        return self.claims.get(name, (0, 0))
+        s, k = self.claims.get(name, (0, 0))
+        return max(s, in_use[0]), max(k, in_use[1])
 
     def _reported(self, name: str, ls: PoolLease) -> None:
         """An exchange while recovering: every registered replica (and as many as before the
@@ -312,6 +336,8 @@ class SlotLeases:
                         "it registers again", member, backend)
             self.registry.beat_at = -math.inf  # the store's next heartbeat finds it fenced and registers anew
             ls.slots, ls.kv, ls.others, ls.others_kv = 0, 0, 0, 0
+            # Not a report: the counts of the last exchange before the loss must not lift a claim.
+            ls.reported, ls.registered = 0, 0
             ls.renew_at = -math.inf
             return ls
         ls.slots, ls.kv, ls.others, ls.others_kv = gs, gk, others, others_kv
@@ -322,21 +348,20 @@ class SlotLeases:
 
     async def tick(self, usage: Mapping[str, tuple[int, ...] | Callable[[], tuple[int, ...]]],
                    apply: Callable[[str, PoolLease], None] | None = None) -> dict[str, PoolLease]:
-        """One check: ``usage`` lease name -> (pool slots, pool kv, slots wanted, kv wanted[, exact]),
-        or a function returning it, called just before that lease is decided (what is in use
-        changes while earlier exchanges of the check are awaited; a lease must not shrink
-        below it).
+        """One check: ``usage`` lease name -> (pool slots, pool kv, slots wanted, kv wanted[, exact[,
+        slots in use, kv in use]]), or a function returning it, called just before that lease
+        is decided (what is in use changes while earlier exchanges of the check are awaited; a
+        lease must not shrink below it).
 
         "Wanted" is what is in use plus what waits for room (``extproc.store.lease_plan``);
         the lease is kept at that plus a block. ``exact`` (a draining pool endpoint): hold
-        just what is in use, no block. ``apply`` is called with each lease that changed, a
-        shrink before it is sent (so the backend admits within it before Redis gives the
-        rest away), a grant when it arrives. Returns the leases that changed.
+        just what is in use, no block. What is in use (0 when not given) raises a recovering
+        lease's cap to cover its requests in flight. ``apply`` is called with each lease that
+        changed, a shrink before it is sent (so the backend admits within it before Redis
+        gives the rest away), a grant when it arrives. Returns the leases that changed.
         """
         live = self.registry.live
-        if self.registry.fences != self._fences:  # registered again (Redis lost the member): so are the leases
-            self._fences = self.registry.fences
-            self._recover(self.clock())
+        self._notice_fence(self.clock())
         changed: dict[str, PoolLease] = {}
         grew = False
         for name in [n for n in self.leases if n not in usage]:
@@ -346,6 +371,7 @@ class SlotLeases:
         for name, entry in usage.items():
             ps, pk, used_s, used_k, *rest = entry() if callable(entry) else entry
             exact = bool(rest and rest[0])
+            busy = (int(rest[1]), int(rest[2])) if len(rest) >= 3 else (0, 0)
             ls = self.lease(name, ps, pk)
             before = (ls.slots, ls.kv)
             if exact:
@@ -355,7 +381,10 @@ class SlotLeases:
                 ws = want(ps, used_s, ls.slots, live)
                 wk = want(pk, used_k, ls.kv, live) if pk > 0 else None
             now = self.clock()
-            cap = self.cap(name, now)
+            # before each lease, not once a check: the heartbeat may land while an earlier lease's
+            # exchange is awaited, and this one would go out under the new member uncapped
+            self._notice_fence(now)
+            cap = self.cap(name, now, busy)
             # recovering and wanting more than the claim: exchange every check, to learn when it is lifted
             pressed = cap is not None and ((ws or 0) > cap[0] or (wk or 0) > cap[1])
             if ws is None and wk is None and now < ls.renew_at and not pressed:
