@@ -6,6 +6,8 @@ without streamed usage, the Responses API, and how a refusal surfaces in the SDK
 
 from __future__ import annotations
 
+import asyncio
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -13,7 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from openai import OpenAI
+from openai import AsyncOpenAI, OpenAI
 
 from extproc.policy.schema import hash_key
 from tests.e2e import harness
@@ -95,26 +97,42 @@ def test_chat_non_streaming(stack: Stack) -> None:
     assert charged(stack) - before == done.usage.total_tokens
 
 
-def stream_chat(c: OpenAI, **kw: Any) -> tuple[int, list[Any]]:
-    """(remaining tokens right after admission, the chunks the SDK yields)."""
-    raw = c.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": "Count to five"}], max_tokens=100, stream=True,
-        extra_headers={"x-sim-tokens": "5"}, **kw)
-    chunks = list(raw.parse())
-    return int(raw.headers["x-ratelimit-remaining-tokens"]), chunks
+STREAM_ARGS: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "Count to five"}],
+                               "max_tokens": 100, "stream": True, "extra_headers": {"x-sim-tokens": "5"}}
+
+
+def stream_chat(c: AsyncOpenAI, **kw: Any) -> tuple[int, list[Any]]:
+    """(remaining tokens right after admission, the chunks the SDK yields).
+
+    The async client: it reads an HTTP/1.1 stream to its end after ``[DONE]``. The sync
+    client (openai 3.57) closes the response on ``[DONE]``, which can beat Envoy to the
+    response's end, where the usage reaches Sluice with the trailers: then Sluice settles
+    a disconnect by estimate (see the test after this one). Exact refunds need the end."""
+    async def go() -> tuple[int, list[Any]]:
+        raw = await c.chat.completions.with_raw_response.create(**STREAM_ARGS, **kw)
+        chunks = [ch async for ch in raw.parse()]
+        await c.close()
+        return int(raw.headers["x-ratelimit-remaining-tokens"]), chunks
+    return asyncio.run(go())
+
+
+def async_client(stack: Stack, key: str) -> AsyncOpenAI:
+    # A new client per call: each asyncio.run has its own event loop.
+    return AsyncOpenAI(base_url=f"{stack.url}/v1", api_key=key)
 
 
 def test_streaming_usage_only_when_asked_and_the_refund_shows_in_the_next_request(stack: Stack) -> None:
-    c = client(stack, key=KEYS["refund"])
+    def c() -> AsyncOpenAI:
+        return async_client(stack, KEYS["refund"])
     # Asked: the last chunk is the usage chunk, with no choices.
-    r1, asked = stream_chat(c, stream_options={"include_usage": True})
+    r1, asked = stream_chat(c(), stream_options={"include_usage": True})
     usage = asked[-1].usage
     assert usage is not None and asked[-1].choices == [] and usage.completion_tokens == 5
     assert "".join(ch.choices[0].delta.content or "" for ch in asked[:-1] if ch.choices)
     t1 = time.monotonic()
     stack.wait_settled()
     # Not asked: Sluice asked the backend for usage on its own behalf and removed that chunk.
-    r2, plain = stream_chat(c)
+    r2, plain = stream_chat(c())
     t2 = time.monotonic()
     assert plain and all(ch.usage is None and ch.choices for ch in plain), plain[-1]
     assert sum(len(ch.choices[0].delta.content or "") > 0 for ch in plain) == 5
@@ -125,10 +143,45 @@ def test_streaming_usage_only_when_asked_and_the_refund_shows_in_the_next_reques
     refill = 10 * (t2 - t1) + 2
     assert -usage.total_tokens <= r2 - r1 <= -usage.total_tokens + refill, (r1, r2, usage)
     stack.wait_settled()
-    r3, _ = stream_chat(c)
+    r3, _ = stream_chat(c())
     t3 = time.monotonic()
     # The second (no usage chunk for the client) was refunded from the backend's usage just the same.
     assert -usage.total_tokens <= r3 - r2 <= -usage.total_tokens + 10 * (t3 - t2) + 2, (r2, r3)
+
+
+def settles(stack: Stack) -> dict[str, float]:
+    return {how: float(v) for how, v in
+            re.findall(r'^sluice_settles_total\{how="([a-z_]+)"\} (\S+)$', stack.metrics_text(), re.M)}
+
+
+def test_the_sync_client_hangs_up_on_done_and_each_stream_still_settles_once_within_its_reservation(
+        stack: Stack) -> None:
+    """The sync SDK closes the response as soon as it reads ``[DONE]``. When that beats the
+    response's end, the usage never reaches Sluice (it rides on the trailers there), and the
+    stream settles as a disconnect: charged the prompt plus the decode-rate estimate, never
+    more than the reservation and never less than the prompt; and always exactly once."""
+    c = client(stack, key=TEST_KEYS["premium"])
+    prompt_tokens = 10  # "Count to five" as the sim counts it (asserted below from the usage)
+    n = 8
+    before, settled_before = stack.wait_settled()["ledger"], settles(stack)
+    used = 0
+    for _ in range(n):
+        chunks = list(c.chat.completions.create(**STREAM_ARGS, stream_options={"include_usage": True}))
+        usage = chunks[-1].usage
+        assert usage is not None and usage.prompt_tokens == prompt_tokens and usage.completion_tokens == 5
+        used += usage.total_tokens
+    after, settled_after = stack.wait_settled()["ledger"], settles(stack)
+    by_how = {how: settled_after.get(how, 0.0) - settled_before.get(how, 0.0) for how in settled_after}
+    assert sum(by_how.values()) == n, by_how  # each stream settled once
+    estimated = by_how.get("disconnect", 0.0)
+    assert set(by_how) <= {"end_of_stream", "disconnect"} and by_how.get("end_of_stream", 0.0) + estimated == n
+    charged = after["charged"] - before["charged"]
+    exact = used * (n - estimated) / n
+    # Each estimated stream is charged between its prompt and its reservation (prompt + 100).
+    assert exact + estimated * prompt_tokens <= charged <= exact + estimated * (prompt_tokens + 100), \
+        (charged, used, by_how)
+    assert after["balanced"] and after["outstanding"] == 0
+    print(f"sync SDK: {n} streams, settled {by_how}, charged {charged} for {used} used")
 
 
 # -- the Responses API ----------------------------------------------------------------
