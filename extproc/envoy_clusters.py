@@ -2,8 +2,8 @@
 cluster per backend, each with one endpoint and circuit-breaker thresholds; a pool's
 cluster takes its endpoints from a file (EDS, written by ``extproc.envoy_eds``).
 
-Takes plain values rather than ``EnvoyOptions`` so ``extproc.envoyconfig``, which
-owns the options and assembles the bootstrap, can import this without a cycle.
+Takes plain values rather than ``EnvoyOptions`` (``extproc.envoy_options``);
+``extproc.envoyconfig``, which assembles the bootstrap, passes them.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from google.protobuf import duration_pb2
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 # Dynamic metadata namespace for response headers decided on the request side
-# (the Envoy config adds them from there; see envoyconfig).
+# (the Envoy config adds them from there; see envoy_routes).
 METADATA_NAMESPACE = "sluice"
 RESPONSE_HEADERS_FROM_METADATA = (
     "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens",

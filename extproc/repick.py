@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING
 
 from extproc.policy.breaker import Outcome
 
-if TYPE_CHECKING:  # envoyconfig imports this module: keep it light
+if TYPE_CHECKING:  # envoy_extproc imports this module (Envoy config rendering): keep it light
     from extproc.admission import Ticket
     from extproc.metrics import Metrics
 
 log = logging.getLogger("sluice.repick")
 
 ENDPOINT_HEADER = "x-sluice-endpoint"  # as extproc.stream and extproc.envoy_clusters name it
-# The ip:port that served a pool request, as an ext_proc attribute (envoyconfig's
+# The ip:port that served a pool request, as an ext_proc attribute (envoy_extproc's
 # POOL_RESPONSE_ATTRIBUTES): on the response headers under usage_trailers, on the first body
 # chunk under streamed. Not a response header: nothing to add, remove, or leak to a client.
 UPSTREAM_ATTRIBUTE = "upstream.address"
@@ -39,7 +39,7 @@ UNKNOWN = "unknown"  # the to_endpoint label of a served address that is not in 
 # reach it: a tenant could have a failed generation replayed (run twice, billed once). Envoy
 # strips client-sent x-envoy-* at the edge (envoyconfig._edge_options); Sluice removes these
 # too, so that holds whatever Envoy takes for internal. Envoy lets ext_proc touch exactly
-# these x-envoy-* headers (ENVOY_MUTABLE, envoyconfig's mutation_rules).
+# these x-envoy-* headers (ENVOY_MUTABLE, envoy_extproc's mutation_rules).
 CLIENT_RETRY_HEADERS = (
     "x-envoy-retry-on", MAX_RETRIES_HEADER, "x-envoy-retry-grpc-on", "x-envoy-retriable-status-codes",
     "x-envoy-retriable-header-names", "x-envoy-hedge-on-per-try-timeout",

@@ -287,7 +287,7 @@ class StreamProcessor(Settlement):
         if new_body is not None:
             set_headers["content-length"] = str(len(new_body))
         remove = (*(KEY_HEADERS if gw.strip_api_key else ()), *client_retry_removals(set_headers))
-        # Response headers decided now travel as dynamic metadata (see envoyconfig).
+        # Response headers decided now travel as dynamic metadata (see envoy_routes).
         out_headers = ratelimit_headers(verdict.tokens, verdict.requests)
         if ticket.degraded:
             out_headers["x-sluice-degraded"] = ",".join(ticket.degraded)

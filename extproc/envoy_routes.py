@@ -1,0 +1,141 @@
+"""The routes of Sluice's listener, in match order: the drain for oversized uploads, one
+route per backend picked by ``x-sluice-backend`` (a pool's with the one re-pick on a
+refused connection), and the catch-all to the first backend; plus what every route adds
+(the response headers decided on the request side) and strips (Sluice's own headers).
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from collections.abc import Sequence
+
+# Every module whose messages are packed into an Any must be imported before to_dict().
+from envoy_data_plane.envoy.config.core.v3 import (
+    HeaderValue,
+    HeaderValueOption,
+    HeaderValueOptionHeaderAppendAction,
+)
+from envoy_data_plane.envoy.config.route.v3 import (
+    FilterConfig,
+    HeaderMatcher,
+    RetryPolicy,
+    RetryPolicyRetryBackOff,
+    Route,
+    RouteAction,
+    RouteConfiguration,
+    RouteMatch,
+    VirtualHost,
+)
+from envoy_data_plane.envoy.type.matcher.v3 import (
+    RegexMatchAndSubstitute,
+    RegexMatcher,
+    StringMatcher,
+)
+from envoy_data_plane.envoy.type.v3 import Int64Range
+from envoy_data_plane.google.protobuf import Any
+
+from extproc.drain import DRAIN_PATH, LIMIT_HEADER
+from extproc.envoy_clusters import DRAIN_CLUSTER
+from extproc.envoy_options import BackendRoute, EnvoyOptions, ms, seconds
+from extproc.messages import METADATA_NAMESPACE, RESPONSE_HEADERS_FROM_METADATA
+from extproc.openai_body import ENDPOINTS
+
+__all__ = ["BACKEND_HEADER", "LONG_IDLE", "REPICK_ON", "route_config"]
+
+BACKEND_HEADER = "x-sluice-backend"
+LONG_IDLE = datetime.timedelta(seconds=300)  # SSE streams may pause between tokens
+
+
+def _headers_from_metadata() -> list[HeaderValueOption]:
+    return [
+        HeaderValueOption(
+            header=HeaderValue(key=name, value=f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{name})%"),
+            append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
+            keep_empty_value=False,  # absent for passthrough paths and Envoy's own replies
+        )
+        for name in RESPONSE_HEADERS_FROM_METADATA
+    ]
+
+
+# The only retry: a pool request whose connection was refused (or timed out connecting)
+# goes once to Sluice's second choice (x-sluice-endpoint's next host). Never on a reset
+# or a 5xx: a request that reached an engine may be generating already, and a replay
+# would generate twice for one bill.
+REPICK_ON = "connect-failure"
+
+
+def _repick(opts: EnvoyOptions) -> RetryPolicy:
+    backoff = ms(opts.repick_backoff_ms)
+    return RetryPolicy(retry_on=REPICK_ON, num_retries=1,
+                       retry_back_off=RetryPolicyRetryBackOff(base_interval=backoff, max_interval=backoff))
+
+
+def _route(b: BackendRoute, headers: list[HeaderMatcher], opts: EnvoyOptions) -> Route:
+    """A backend's route; a pool's re-picks once on a refused connection (who served comes to
+    extproc as the ``upstream.address`` attribute, extproc.repick)."""
+    return Route(
+        match=RouteMatch(prefix="/", headers=headers),
+        route=RouteAction(
+            cluster=b.name,
+            timeout=datetime.timedelta(0),  # no overall limit: generations stream for minutes
+            idle_timeout=LONG_IDLE,
+            retry_policy=_repick(opts) if b.pool else None,
+        ),
+    )
+
+
+def _drain_route(opts: EnvoyOptions, filters: Sequence[str]) -> Route:
+    """Uploads declaring a body over the cap go to the drain, past every filter but the router.
+
+    Envoy answering them itself (or ext_proc answering at request headers) closes the
+    connection with the body unread, and the RST destroys the 413 (see extproc/drain.py).
+    Here Envoy streams the body to the drain, which discards it and answers 413 once the
+    request is complete. A request ext_proc has rerouted (x-sluice-backend set, route
+    re-matched after a body rewrite) never lands here. Only the endpoints Sluice reads
+    are capped: pass-through paths (``unknown_paths: passthrough``) stream as before.
+    """
+    endpoints = "|".join(re.escape(p) for p in ENDPOINTS)
+    over_cap = HeaderMatcher(name="content-length",
+                             range_match=Int64Range(start=opts.max_body_bytes + 1, end=1 << 62))
+    not_rerouted = HeaderMatcher(name=BACKEND_HEADER, present_match=True, invert_match=True)
+    return Route(
+        name="drain_oversized_upload",
+        match=RouteMatch(safe_regex=RegexMatcher(regex=f"^({endpoints})$"), headers=[over_cap, not_rerouted]),
+        route=RouteAction(
+            cluster=DRAIN_CLUSTER,
+            regex_rewrite=RegexMatchAndSubstitute(pattern=RegexMatcher(regex="^/.*"), substitution=DRAIN_PATH),
+            # counted from the end of the upload, which the drain itself bounds
+            timeout=seconds(10),
+        ),
+        request_headers_to_add=[HeaderValueOption(
+            header=HeaderValue(key=LIMIT_HEADER, value=str(opts.max_body_bytes)),
+            append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
+        )],
+        typed_per_filter_config={name: Any.pack(FilterConfig(disabled=True)) for name in filters},
+    )
+
+
+def route_config(backends: Sequence[BackendRoute], opts: EnvoyOptions,
+                 filters: Sequence[str]) -> RouteConfiguration:
+    """The listener's routes; ``filters``: the HTTP filters the drain route turns off."""
+    routes = [_drain_route(opts, filters)]
+    routes.extend(
+        _route(
+            b,
+            [HeaderMatcher(name=BACKEND_HEADER, string_match=StringMatcher(exact=b.name))],
+            opts,
+        )
+        for b in backends
+    )
+    routes.append(_route(backends[0], [], opts))
+    return RouteConfiguration(
+        name="sluice_routes",
+        virtual_hosts=[VirtualHost(name="sluice", domains=["*"], routes=routes)],
+        # Clients cannot pick a backend or claim a body limit: Envoy strips client-sent
+        # copies before any filter runs (every request is external, see envoyconfig._edge_options),
+        # and the one ext_proc sets never goes upstream.
+        internal_only_headers=[BACKEND_HEADER, LIMIT_HEADER],
+        request_headers_to_remove=[BACKEND_HEADER],
+        response_headers_to_add=_headers_from_metadata(),
+    )
