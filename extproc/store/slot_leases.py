@@ -33,7 +33,7 @@ Redis) finish. A hot replica can lease at least ``pool − (N −
 finding its replica's lease full waits one round trip in the queue (or, in a tier
 without a queue, is refused while the lease grows for the next). Redis unreachable:
 the lease is used until its local deadline, then cut to ``floor(pool / the most
-replicas seen in the last ttl)`` until Redis answers.
+replicas seen in the last ttl Redis answered)`` (``Registry.most_seen``) until Redis answers.
 
 Redis back without the leases (restarted empty, or frozen past the ttl so that every
 member expired): each replica finds itself fenced, by an exchange (granted -1) or by
@@ -403,6 +403,7 @@ class SlotLeases:
             except Exception as exc:  # noqa: BLE001 - any store failure: keep the lease until it expires
                 self.errors += 1
                 self.failing = True
+                self.registry.down()
                 if now >= ls.expires:
                     n = max(1, self.registry.most_seen(now) or 1)
                     ls.slots, ls.kv = min(ls.slots, ps // n), min(ls.kv, pk // n)
