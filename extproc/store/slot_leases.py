@@ -18,7 +18,8 @@ grew nothing is not repeated by a wake before ``check_s``). One script
 (``SLOT_LEASE``) per pool and exchange, one exchange per pool in flight: it purges
 expired holders first, then grants ``min(want, pool − what the others hold)``, so the
 leases together never exceed the pool. Asking is absolute ("I want to hold s, k"),
-so a retried exchange is harmless.
+so a lost answer is harmless; an ask Redis runs late, after a newer one of the same
+replica, is ignored (a sequence number per ask, ``SlotLeases.exchange``).
 
 Fencing: the script grants nothing to a member that is not alive in the registry
 (expired or gone) and drops what it held; the replica sets its lease to 0 (it admits
@@ -97,10 +98,13 @@ log = logging.getLogger("sluice.store")
 
 # KEYS[1]: the pool's holders (sorted set, score: Redis-time deadline), KEYS[2]: their
 # amounts (hash member -> "slots kv"), KEYS[3]: the replica registry, KEYS[4]: the members
-# that reported on this pool (sorted set, score: Redis-time deadline; a holder of 0 too).
-# ARGV: member, want slots, want kv, pool slots, pool kv, ttl, now ('' = Redis TIME).
+# that reported on this pool (sorted set, score: Redis-time deadline; a holder of 0 too),
+# KEYS[5]: each member's last ask (hash member -> "token seq").
+# ARGV: member, want slots, want kv, pool slots, pool kv, ttl, now ('' = Redis TIME), the
+# ask's sequence number, the process's registry token.
 # Returns {granted slots, granted kv, slots the others hold, kv the others hold, registered
-# members that reported here within the ttl, registered members}; granted -1: fenced.
+# members that reported here within the ttl, registered members}; granted -1: fenced;
+# -2: an older ask than one already applied (from the same process), ignored.
 SLOT_LEASE = r"""
 local now
 if ARGV[7] ~= '' then now = tonumber(ARGV[7]) else
@@ -109,8 +113,20 @@ end
 local m = ARGV[1]
 local alive = redis.call('ZSCORE', KEYS[3], m)
 if not alive or tonumber(alive) < now then
-  redis.call('ZREM', KEYS[1], m); redis.call('HDEL', KEYS[2], m)
+  redis.call('ZREM', KEYS[1], m); redis.call('HDEL', KEYS[2], m); redis.call('HDEL', KEYS[5], m)
   return {-1, 0, 0, 0, 0, 0}
+end
+-- An ask run late (sent before a newer one that Redis ran first) must not overwrite it. The
+-- token: a member name handed out again by an epoch counter restarted from 0 is another's.
+local last = redis.call('HGET', KEYS[5], m)
+if last then
+  local tok, n = string.match(last, '(%S+) (%S+)')
+  if tok == ARGV[9] and tonumber(n) >= tonumber(ARGV[8]) then return {-2, 0, 0, 0, 0, 0} end
+end
+redis.call('HSET', KEYS[5], m, ARGV[9] .. ' ' .. ARGV[8])
+for _, o in ipairs(redis.call('HKEYS', KEYS[5])) do  -- forget the asks of members gone
+  local a = redis.call('ZSCORE', KEYS[3], o)
+  if not a or tonumber(a) < now then redis.call('HDEL', KEYS[5], o) end
 end
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. string.format('%.17g', now))
 for _, d in ipairs(dead) do redis.call('HDEL', KEYS[2], d) end
@@ -197,6 +213,7 @@ class SlotLeases:
         # lease name -> (slots, kv) refused for room since the last check (extproc.store.lease_plan)
         self.short: dict[str, tuple[int, int]] = {}
         self._script = client.register_script(SLOT_LEASE)
+        self.seq = 0  # the last ask's sequence number (the script ignores an ask older than one it ran)
         self._wake = asyncio.Event()
         self._woken = False  # the last check ran because of a wake
         self._grew = False  # ... and some lease grew in it
@@ -304,7 +321,11 @@ class SlotLeases:
 
     def keys(self, backend: str) -> list[str]:
         return [f"{self.prefix}:slots:{backend}", f"{self.prefix}:slots:{backend}:held", self.registry.keys[0],
-                f"{self.prefix}:slots:{backend}:reported"]
+                f"{self.prefix}:slots:{backend}:reported", f"{self.prefix}:slots:{backend}:seq"]
+
+    def _args(self, member: str, slots: int, kv: int, ls: PoolLease) -> list[Any]:
+        self.seq += 1
+        return [member, slots, kv, ls.pool_slots, ls.pool_kv, repr(self.ttl_s), "", self.seq, self.registry.token]
 
     def lease(self, backend: str, pool_slots: int, pool_kv: int) -> PoolLease:
         ls = self.leases.get(backend)
@@ -324,11 +345,18 @@ class SlotLeases:
         if not member:
             ls.slots, ls.kv = 0, 0
             return ls
+        # Asks are absolute, and one is in flight at a time, but one that timed out here may
+        # still run in Redis (sent, then its connection dropped; Redis frozen or slow) after
+        # the next, sent on another of the pool's connections: the order Redis takes two
+        # connections in is not the order they were written. Run late, an older ask would
+        # overwrite the newer record (holding 3 while this replica holds the 7 it was then
+        # granted: the others may be granted the 4). Each ask carries a sequence number and
+        # the script ignores one lower than the member's last.
         got = await asyncio.wait_for(
-            self._script(keys=self.keys(backend),
-                         args=[member, slots, kv, ls.pool_slots, ls.pool_kv, repr(self.ttl_s), ""]),
-            self.timeout_s)
+            self._script(keys=self.keys(backend), args=self._args(member, slots, kv, ls)), self.timeout_s)
         gs, gk, others, others_kv, reported, registered = (int(x) for x in got)
+        if gs == -2:  # never the ask awaited here (the newest): kept as is
+            return ls
         if gs < 0:
             self.fenced += 1
             self._recover(now)
@@ -433,8 +461,7 @@ class SlotLeases:
             c = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
             script = c.register_script(SLOT_LEASE)
             for name, ls in self.leases.items():
-                script(keys=self.keys(name), args=[self.registry.member, 0, 0, ls.pool_slots, ls.pool_kv,
-                                                   repr(self.ttl_s), ""])
+                script(keys=self.keys(name), args=self._args(self.registry.member, 0, 0, ls))
             c.close()
         except (redis.RedisError, OSError) as exc:
             log.warning("slot leases not returned at shutdown (%s); they expire in %.0fs", exc, self.ttl_s)
