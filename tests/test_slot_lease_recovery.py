@@ -1,6 +1,5 @@
 """Redis back without the slot leases (restarted empty): no replica takes room another
-still holds before that one has reported it (extproc/store/slot_leases.py, "Redis back
-without the leases"), on a real redis-server killed and started again on its port."""
+still holds before that one has reported it (extproc/store/lease_recovery.py), on a real redis-server killed and started again on its port."""
 
 from __future__ import annotations
 
@@ -306,7 +305,7 @@ def _recovery_schedule(f: Fleet, rng: random.Random) -> list[str]:
 
 @pytest.mark.parametrize("seed", range(40))
 def test_after_redis_loses_the_leases_the_slots_held_never_exceed_the_pool(server: RedisServer, seed: int) -> None:
-    """A random schedule per seed (extproc/store/slot_leases.py, "Why the pool is not
+    """A random schedule per seed (extproc/store/lease_recovery.py, "Why the pool is not
     exceeded"): nothing any replica holds or runs is granted to another, at any step."""
     f = Fleet(server, 3)
     try:

@@ -12,7 +12,7 @@ leases running low ahead of need, renews expiring ones and heartbeats the regist
 Redis unreachable (an error, or an exchange slower than ``admit_wait_s``): the store's
 breaker opens, ``sluice_state_store_up`` drops to 0, and admission continues from
 unexpired leases, then from a local share of the bucket (limit / the most replicas
-seen in the last registry ttl), or is refused (``fail_closed``). A probe every
+seen in the last registry ttl that Redis answered, ``Registry.most_seen``), or is refused (``fail_closed``). A probe every
 ``probe_s`` closes the breaker; every charge made meanwhile reaches Redis in the
 tenant's next exchange, before Redis admits anything beyond the local share.
 """
@@ -241,6 +241,7 @@ class RedisState(Exchanges):
 
     def _trip(self, why: str) -> None:
         self.breaker.trip(why)
+        self.registry.down()  # the replica counts seen do not age while it is down
         for ls in self._tenants.values():
             self._release(ls, [])
 

@@ -36,7 +36,12 @@ class Registry:
         self.fences = 0  # heartbeats that found this replica fenced (its member gone)
         self.fenced_at = -float("inf")  # local time of the last of them
         self.beat_at = -float("inf")  # local time of the last successful heartbeat
+        # (when, count) of every count seen, "when" on a clock that stops while the store is down
+        # (local time less the outages): counts age only while the store answers (most_seen)
         self._seen: deque[tuple[float, int]] = deque()
+        self._answer_at = -float("inf")  # local time of the last answer
+        self._down_at: float | None = None  # the last answer before the store was found down
+        self._paused = 0.0  # local time spent with the store down, up to the last answer
 
     def due(self, now: float) -> bool:
         return now - self.beat_at >= self.ttl_s / 3
@@ -64,18 +69,39 @@ class Registry:
         return bool(int(fenced))
 
     def observe(self, live: int, now: float) -> None:
-        """A live count that came back with an exchange."""
+        """A live count that came back with an exchange (or a heartbeat)."""
         self.live = max(1, live)
-        self._seen.append((now, self.live))
-        while self._seen and self._seen[0][0] < now - self.ttl_s:
+        if self._down_at is not None:  # the first answer after an outage: it did not age the counts
+            self._paused += max(0.0, now - self._down_at)
+            self._down_at = None
+        self._answer_at = max(self._answer_at, now)
+        up = self._answer_at - self._paused
+        self._seen.append((up, self.live))
+        while self._seen and self._seen[0][0] < up - self.ttl_s:
             self._seen.popleft()
 
+    def down(self) -> None:
+        """The store did not answer (its breaker tripped, or a lease exchange failed)."""
+        if self._down_at is None and self._seen:
+            self._down_at = self._answer_at
+
     def most_seen(self, now: float) -> int | None:
-        """The largest replica count seen in the last ttl (None before the first heartbeat)."""
+        """The largest replica count seen in the last ttl the store answered (None before the
+        first answer).
+
+        Not the last ttl of local time: Redis back without the registry's members (restarted
+        empty, or frozen past the ttl) counts the replicas as they register again, one by one
+        (the first back sees 1), and a store down again within a ttl of that must still
+        divide by the count from before the loss. While the store is down the window stands
+        still (its ttl up to the last answer); after the return the counts from before the
+        outage stay for what was left of their ttl. A replica truly gone leaves the count
+        once the store has answered for a ttl without it (its member expires within a ttl,
+        then the counts with it age out: two ttl of answers at most)."""
         if not self._seen:
             return None
-        recent = [n for t, n in self._seen if t >= now - self.ttl_s]
-        return max(recent) if recent else self._seen[-1][1]
+        up = (self._down_at if self._down_at is not None else max(now, self._answer_at)) - self._paused
+        recent = [n for t, n in self._seen if t >= up - self.ttl_s]
+        return max(recent) if recent else self._seen[-1][1]  # no answer for a ttl, none missed: the last
 
     async def beat(self, client: Any, script_now: str, now: float) -> bool:
         reply = await client.eval(HEARTBEAT, len(self.keys), *self.keys, *self.args(script_now))

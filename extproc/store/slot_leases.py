@@ -18,7 +18,8 @@ grew nothing is not repeated by a wake before ``check_s``). One script
 (``SLOT_LEASE``) per pool and exchange, one exchange per pool in flight: it purges
 expired holders first, then grants ``min(want, pool − what the others hold)``, so the
 leases together never exceed the pool. Asking is absolute ("I want to hold s, k"),
-so a retried exchange is harmless.
+so a lost answer is harmless; an ask Redis runs late, after a newer one of the same
+replica, is ignored (a sequence number per ask, ``SlotLeases.exchange``).
 
 Fencing: the script grants nothing to a member that is not alive in the registry
 (expired or gone) and drops what it held; the replica sets its lease to 0 (it admits
@@ -33,51 +34,12 @@ Redis) finish. A hot replica can lease at least ``pool − (N −
 finding its replica's lease full waits one round trip in the queue (or, in a tier
 without a queue, is refused while the lease grows for the next). Redis unreachable:
 the lease is used until its local deadline, then cut to ``floor(pool / the most
-replicas seen in the last ttl)`` until Redis answers.
+replicas seen in the last ttl Redis answered)`` (``Registry.most_seen``) until Redis answers.
 
 Redis back without the leases (restarted empty, or frozen past the ttl so that every
-member expired): each replica finds itself fenced, by an exchange (granted -1) or by
-its heartbeat (``Registry.fences``; an epoch counter restarted from 0 may hand out the
-same member name again, so the name is not what tells; the fence is looked for before
-each lease of a check). At the first sign it takes a *claim* per lease, what it holds
-then (before the fence zeroes it), and until the claim is lifted it asks for no more
-than that, or than what its requests in flight hold where that is more (a lease cut to
-the local share may have more running than it holds). A pool's claim is lifted when an
-exchange on it shows that every registered replica has reported on the pool
-(``KEYS[4]``, each member's last exchange, a grant of 0 included; an exchange that
-finds the replica fenced reports nothing) and that at least as many have as were
-registered before the loss (``Registry.steady``, the count at the last unfenced
-heartbeat, or more seen since; within a ttl of a fence it only rises, as the replicas
-register again one by one; a heartbeat whose answer the replica never got registers
-no second member for it, ``scripts.HEARTBEAT``); or when
-``recover_s`` (ttl/2) has passed: a replica seen before that has not registered again
-by then is taken as gone (a running replica that reaches Redis heartbeats every ttl/3,
-so it registers again within ttl/3 of the loss and reports at its next check,
-``check_s`` later). A capped lease that wants more exchanges every check, so the lift
-is seen within ``check_s``.
-
-Why the pool is not exceeded: call what a replica occupies on a pool the larger of its
-lease and what it has in use there. Before the loss, every local lease ≤ what Redis
-recorded for it (it shrinks locally before it is sent, grows only when Redis answers),
-what is in use ≤ the lease (a lease never shrinks below it), and Redis's records sum
-to ≤ the pool. While Redis cannot be reached a lease only shrinks (to the local share)
-and nothing is admitted beyond it, so what each replica occupies only shrinks. So the
-caps (claim or in use, whichever is more: at most what the replica occupied at the
-first sign) sum to ≤ the pool. Until every replica has reported, each asks for ≤ its
-cap and ≥ what it has in use (a lease is never asked below it), and Redis grants
-``min(ask, pool − the others' records)``, the others' records ≤ their caps: so ≥ what
-it has in use. The records then cover every request running and sum to ≤ the pool.
-Once every replica has reported, Redis's records cover every lease held and every
-request in flight, and the script's rule (grant ≤ pool − what the others hold) keeps
-the sum ≤ the pool as before. (Taking the claim from the lease alone, a replica whose
-requests outlived its cut lease, or that claimed again after a wrongly lifted claim,
-left room in Redis that its requests still used: 13 of 12 after a freeze through
-Envoy.) The exceptions: requests in flight beyond a lease fenced while the others
-reached Redis (they finish; the lease admits nothing new until in use is below it),
-and a replica that is alive but registers again only after ``recover_s``
-(paused, or cut off from Redis that long), which may find its room taken: it holds then
-what it was granted plus its requests in flight. Admission does not wait for the lift:
-a replica admits within its claim as soon as its own lease is granted again.
+member expired): each replica caps its leases at what it held when it found itself
+fenced until every replica has reported on the pool (``extproc.store.lease_recovery``,
+with why the pool is not exceeded meanwhile).
 """
 
 from __future__ import annotations
@@ -91,16 +53,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from extproc.store.lease_recovery import LeaseRecovery
 from extproc.store.registry import Registry
 
 log = logging.getLogger("sluice.store")
 
 # KEYS[1]: the pool's holders (sorted set, score: Redis-time deadline), KEYS[2]: their
 # amounts (hash member -> "slots kv"), KEYS[3]: the replica registry, KEYS[4]: the members
-# that reported on this pool (sorted set, score: Redis-time deadline; a holder of 0 too).
-# ARGV: member, want slots, want kv, pool slots, pool kv, ttl, now ('' = Redis TIME).
+# that reported on this pool (sorted set, score: Redis-time deadline; a holder of 0 too),
+# KEYS[5]: each member's last ask (hash member -> "token seq").
+# ARGV: member, want slots, want kv, pool slots, pool kv, ttl, now ('' = Redis TIME), the
+# ask's sequence number, the process's registry token.
 # Returns {granted slots, granted kv, slots the others hold, kv the others hold, registered
-# members that reported here within the ttl, registered members}; granted -1: fenced.
+# members that reported here within the ttl, registered members}; granted -1: fenced;
+# -2: an older ask than one already applied (from the same process), ignored.
 SLOT_LEASE = r"""
 local now
 if ARGV[7] ~= '' then now = tonumber(ARGV[7]) else
@@ -109,8 +75,20 @@ end
 local m = ARGV[1]
 local alive = redis.call('ZSCORE', KEYS[3], m)
 if not alive or tonumber(alive) < now then
-  redis.call('ZREM', KEYS[1], m); redis.call('HDEL', KEYS[2], m)
+  redis.call('ZREM', KEYS[1], m); redis.call('HDEL', KEYS[2], m); redis.call('HDEL', KEYS[5], m)
   return {-1, 0, 0, 0, 0, 0}
+end
+-- An ask run late (sent before a newer one that Redis ran first) must not overwrite it. The
+-- token: a member name handed out again by an epoch counter restarted from 0 is another's.
+local last = redis.call('HGET', KEYS[5], m)
+if last then
+  local tok, n = string.match(last, '(%S+) (%S+)')
+  if tok == ARGV[9] and tonumber(n) >= tonumber(ARGV[8]) then return {-2, 0, 0, 0, 0, 0} end
+end
+redis.call('HSET', KEYS[5], m, ARGV[9] .. ' ' .. ARGV[8])
+for _, o in ipairs(redis.call('HKEYS', KEYS[5])) do  -- forget the asks of members gone
+  local a = redis.call('ZSCORE', KEYS[3], o)
+  if not a or tonumber(a) < now then redis.call('HDEL', KEYS[5], o) end
 end
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. string.format('%.17g', now))
 for _, d in ipairs(dead) do redis.call('HDEL', KEYS[2], d) end
@@ -173,23 +151,16 @@ def want(pool: int, in_use: int, held: int, live: int) -> int | None:
     return None
 
 
-class SlotLeases:
-    """Every backend's pool lease of one replica; ``run`` keeps them (see the module docstring)."""
+class SlotLeases(LeaseRecovery):
+    """Every backend's pool lease of one replica; ``run`` keeps them (see the module docstring;
+    Redis back without the leases: the base class)."""
 
     def __init__(self, client: Any, registry: Registry, prefix: str = "sluice", *, ttl_s: float = 10.0,
                  check_s: float = 0.05, timeout_s: float = 0.1, recover_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.client, self.registry, self.prefix = client, registry, prefix
         self.ttl_s, self.check_s, self.timeout_s, self.clock = ttl_s, check_s, timeout_s, clock
-        # Redis back without the leases (see the module docstring): each lease capped at its
-        # claim (what it held when the loss was found) until every replica has reported on
-        # its pool, or recover_s (ttl/2) has passed.
-        self.recover_s = ttl_s / 2 if recover_s is None else recover_s
-        self.claims: dict[str, tuple[int, int]] = {}  # lease name -> (slots, kv) claim, while recovering
-        self.recover_n = 0  # replicas to wait for: the most registered before the loss
-        self.recover_until = -math.inf
-        self.recoveries = 0  # times this replica found its leases lost (fenced)
-        self._fences = 0  # the registry's fences already acted on (it counts from 0 too)
+        LeaseRecovery.__init__(self, ttl_s, recover_s)
         self.leases: dict[str, PoolLease] = {}
         self.fenced = 0  # times an exchange found this replica's member gone
         self.errors = 0
@@ -197,6 +168,7 @@ class SlotLeases:
         # lease name -> (slots, kv) refused for room since the last check (extproc.store.lease_plan)
         self.short: dict[str, tuple[int, int]] = {}
         self._script = client.register_script(SLOT_LEASE)
+        self.seq = 0  # the last ask's sequence number (the script ignores an ask older than one it ran)
         self._wake = asyncio.Event()
         self._woken = False  # the last check ran because of a wake
         self._grew = False  # ... and some lease grew in it
@@ -260,51 +232,13 @@ class SlotLeases:
                 keep.append((asked, fut))
         self._lease_waiters = keep
 
-    # -- Redis back without the leases ----------------------------------------------------
-    def _recover(self, now: float) -> None:
-        """This replica's leases are no longer in Redis (its member was fenced: Redis restarted
-        empty, or froze past the ttl): claim what it holds now, and re-assert it at once."""
-        for ls in self.leases.values():
-            ls.renew_at = -math.inf  # the next check re-asserts every lease under the new member
-        if self.claims and now < self.recover_until:
-            return  # already recovering: the claims taken at the first sign still bound the leases
-        self.claims = {name: (ls.slots, ls.kv) for name, ls in self.leases.items()}
-        self.recover_n = max(self.registry.steady, self.registry.most_seen(now) or 1)
-        self.recover_until = now + self.recover_s
-        self.recoveries += 1
-        log.warning("slot leases: Redis lost this replica's leases; holding at most %s until the %d replicas "
-                    "seen have reported (or %.1fs)", self.claims, self.recover_n, self.recover_s)
-
-    def _notice_fence(self, now: float) -> None:
-        """The heartbeat registered this replica again (Redis lost its member): so are its leases."""
-        if self.registry.fences != self._fences:
-            self._fences = self.registry.fences
-            self._recover(now)
-
-    def cap(self, name: str, now: float, in_use: tuple[int, int] = (0, 0)) -> tuple[int, int] | None:
-        """The most lease ``name`` may ask for while recovering (None: not recovering): its claim,
-        or what its requests in flight hold (``in_use``: slots, kv) where that is more."""
-        if not self.claims:
-            return None
-        if now >= self.recover_until:
-            log.info("slot leases: not every replica reported within %.1fs of Redis losing the leases; "
-                        "asking as usual", self.recover_s)
-            self.claims = {}
-            return None
-        s, k = self.claims.get(name, (0, 0))
-        return max(s, in_use[0]), max(k, in_use[1])
-
-    def _reported(self, name: str, ls: PoolLease) -> None:
-        """An exchange while recovering: every registered replica (and as many as before the
-        loss) has reported on this pool, so Redis knows all it must: the claim is lifted."""
-        if name in self.claims and ls.reported >= max(ls.registered, self.recover_n):
-            del self.claims[name]
-            if not self.claims:
-                log.info("slot leases: every replica reported again; asking as usual")
-
     def keys(self, backend: str) -> list[str]:
         return [f"{self.prefix}:slots:{backend}", f"{self.prefix}:slots:{backend}:held", self.registry.keys[0],
-                f"{self.prefix}:slots:{backend}:reported"]
+                f"{self.prefix}:slots:{backend}:reported", f"{self.prefix}:slots:{backend}:seq"]
+
+    def _args(self, member: str, slots: int, kv: int, ls: PoolLease) -> list[Any]:
+        self.seq += 1
+        return [member, slots, kv, ls.pool_slots, ls.pool_kv, repr(self.ttl_s), "", self.seq, self.registry.token]
 
     def lease(self, backend: str, pool_slots: int, pool_kv: int) -> PoolLease:
         ls = self.leases.get(backend)
@@ -324,11 +258,18 @@ class SlotLeases:
         if not member:
             ls.slots, ls.kv = 0, 0
             return ls
+        # Asks are absolute, and one is in flight at a time, but one that timed out here may
+        # still run in Redis (sent, then its connection dropped; Redis frozen or slow) after
+        # the next, sent on another of the pool's connections: the order Redis takes two
+        # connections in is not the order they were written. Run late, an older ask would
+        # overwrite the newer record (holding 3 while this replica holds the 7 it was then
+        # granted: the others may be granted the 4). Each ask carries a sequence number and
+        # the script ignores one lower than the member's last.
         got = await asyncio.wait_for(
-            self._script(keys=self.keys(backend),
-                         args=[member, slots, kv, ls.pool_slots, ls.pool_kv, repr(self.ttl_s), ""]),
-            self.timeout_s)
+            self._script(keys=self.keys(backend), args=self._args(member, slots, kv, ls)), self.timeout_s)
         gs, gk, others, others_kv, reported, registered = (int(x) for x in got)
+        if gs == -2:  # never the ask awaited here (the newest): kept as is
+            return ls
         if gs < 0:
             self.fenced += 1
             self._recover(now)
@@ -403,6 +344,7 @@ class SlotLeases:
             except Exception as exc:  # noqa: BLE001 - any store failure: keep the lease until it expires
                 self.errors += 1
                 self.failing = True
+                self.registry.down()
                 if now >= ls.expires:
                     n = max(1, self.registry.most_seen(now) or 1)
                     ls.slots, ls.kv = min(ls.slots, ps // n), min(ls.kv, pk // n)
@@ -432,8 +374,7 @@ class SlotLeases:
             c = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
             script = c.register_script(SLOT_LEASE)
             for name, ls in self.leases.items():
-                script(keys=self.keys(name), args=[self.registry.member, 0, 0, ls.pool_slots, ls.pool_kv,
-                                                   repr(self.ttl_s), ""])
+                script(keys=self.keys(name), args=self._args(self.registry.member, 0, 0, ls))
             c.close()
         except (redis.RedisError, OSError) as exc:
             log.warning("slot leases not returned at shutdown (%s); they expire in %.0fs", exc, self.ttl_s)
