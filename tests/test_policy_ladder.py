@@ -6,7 +6,6 @@ breakers say, the way ``Admission.route`` does.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -174,7 +173,7 @@ def test_a_lower_scale_never_degrades_less(a: float, b: float, d: Degrade, compl
     """At a lower scale: refused, or a completion no larger and a fallback not undone."""
     lo, hi = sorted((a, b))
     i = inp(hi, completion, fallback=fallback, degrade=d, shadow=shadow)
-    at_hi, at_lo = run(i), run(replace(i, scale=lo))
+    at_hi, at_lo = run(i), run(i._replace(scale=lo))
     if isinstance(at_lo, Refuse):
         return
     assert isinstance(at_hi, Proceed)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from extproc.policy.breaker import BreakerVerdict
 from extproc.policy.model import Degrade
@@ -38,8 +39,9 @@ BREAKER_RETRY_S = 30.0  # Retry-After when a refusing breaker gives none
 SHED_RETRY_S = 5.0
 
 
-@dataclass(frozen=True, slots=True)
-class LadderInput:
+class LadderInput(NamedTuple):
+    """What the ladder decides on (a tuple, like ``SlotRequest``: built once per request)."""
+
     tier: str
     backend: str
     model: str
@@ -53,9 +55,9 @@ class LadderInput:
     shadowed: Collection[str] = ()  # the rules of ``RULES`` in shadow mode for this tier
 
 
-@dataclass(frozen=True, slots=True)
-class Proceed:
-    """Send the request (to the fallback model if ``fallback``), reserving ``completion``."""
+class Proceed(NamedTuple):
+    """Send the request (to the fallback model if ``fallback``), reserving ``completion``.
+    (A tuple: the usual answer, allocated once per request.)"""
 
     completion: int
     degraded: tuple[str, ...] = ()  # "fallback", "max_tokens", in the order applied
@@ -93,7 +95,7 @@ def asks_tenant(breaker: BreakerVerdict, has_fallback: bool, shadowed: Collectio
 
 
 def decide(inp: LadderInput) -> Decision:
-    hits: list[str] = []
+    hits: tuple[str, ...] = ()
     v = inp.breaker
     if not v.allowed:
         if inp.fallback_window is not None:
@@ -102,19 +104,21 @@ def decide(inp: LadderInput) -> Decision:
             what = f"Model {inp.model!r} on backend {inp.backend!r}" if inp.route_refused else f"Backend {inp.backend!r}"
             return Refuse("breaker_open", f"{what} is unavailable ({v.reason}); retry later.", "service_unavailable",
                           _retry(v), ())
-        hits.append(BREAKER)
-    refused = _tenant(inp.tenant, inp.backend, inp.shadowed, hits)
-    if refused is not None:
-        return refused
+        hits = (BREAKER,)
+    t = inp.tenant
+    if t is not None and not t.allowed:
+        if BREAKER not in inp.shadowed:
+            return _tenant_refused(t, inp.backend, hits)
+        hits = (*hits, BREAKER)
     d, scale = inp.degrade, inp.scale
     if d.shed_below_scale and scale < d.shed_below_scale:
         if SHED not in inp.shadowed:
             return Refuse("overloaded", f"The backend is under memory pressure; the {inp.tier!r} tier is "
-                          "shed first. Retry later.", "overloaded", SHED_RETRY_S, tuple(hits))
-        hits.append(SHED)
+                          "shed first. Retry later.", "overloaded", SHED_RETRY_S, hits)
+        hits = (*hits, SHED)
     if d.fallback_below_scale and scale < d.fallback_below_scale:
         if DEGRADE in inp.shadowed:
-            hits.append(DEGRADE)
+            hits = (*hits, DEGRADE)
         elif inp.fallback_window is not None:
             return _fallback(inp, True, hits)
     return _clamp(inp, inp.completion, (), False, hits)
@@ -123,43 +127,39 @@ def decide(inp: LadderInput) -> Decision:
 def land(step: Fallback, backend: str, breaker: BreakerVerdict, tenant: BreakerVerdict | None) -> Proceed | Refuse:
     """Finish a ``Fallback`` on what the fallback ``backend``'s breaker and (when it allowed)
     the tenant's breaker there said."""
-    hits = list(step.shadowed)
+    hits = step.shadowed
     if not breaker.allowed:
         return Refuse("breaker_open", "The model and its fallback are unavailable; retry later.",
-                      "service_unavailable", breaker.retry_after_s or BREAKER_RETRY_S, tuple(hits))
-    refused = _tenant(tenant, backend, step.inp.shadowed, hits)
-    if refused is not None:
-        return refused
+                      "service_unavailable", breaker.retry_after_s or BREAKER_RETRY_S, hits)
+    if tenant is not None and not tenant.allowed:
+        if BREAKER not in step.inp.shadowed:
+            return _tenant_refused(tenant, backend, hits)
+        hits = (*hits, BREAKER)
     if not step.for_pressure:
-        return Proceed(step.completion, ("fallback",), True, tuple(hits))
+        return Proceed(step.completion, ("fallback",), True, hits)
     return _clamp(step.inp, step.completion, ("fallback",), True, hits)
 
 
-def _fallback(inp: LadderInput, for_pressure: bool, hits: list[str]) -> Fallback:
+def _fallback(inp: LadderInput, for_pressure: bool, hits: tuple[str, ...]) -> Fallback:
     assert inp.fallback_window is not None
-    return Fallback(inp, min(inp.completion, max(1, inp.fallback_window // 2)), for_pressure, tuple(hits))
+    return Fallback(inp, min(inp.completion, max(1, inp.fallback_window // 2)), for_pressure, hits)
 
 
-def _tenant(v: BreakerVerdict | None, backend: str, shadowed: Collection[str], hits: list[str]) -> Refuse | None:
-    if v is None or v.allowed:
-        return None
-    if BREAKER in shadowed:
-        hits.append(BREAKER)
-        return None
+def _tenant_refused(v: BreakerVerdict, backend: str, hits: tuple[str, ...]) -> Refuse:
     return Refuse(REASON_TENANT_OPEN, f"Requests with this key are failing on backend {backend!r} "
                   f"while other tenants' requests succeed; the key is refused there for now ({v.reason}). "
-                  "Retry later.", "service_unavailable", _retry(v), tuple(hits))
+                  "Retry later.", "service_unavailable", _retry(v), hits)
 
 
 def _clamp(inp: LadderInput, completion: int, degraded: tuple[str, ...], fallback: bool,
-           hits: list[str]) -> Proceed:
+           hits: tuple[str, ...]) -> Proceed:
     d = inp.degrade
     if d.clamp_max_tokens and inp.scale < d.clamp_below_scale and completion > d.clamp_max_tokens:
         if DEGRADE in inp.shadowed:
-            hits.append(DEGRADE)
+            hits = (*hits, DEGRADE)
         else:
             completion, degraded = d.clamp_max_tokens, (*degraded, "max_tokens")
-    return Proceed(completion, degraded, fallback, tuple(hits))
+    return Proceed(completion, degraded, fallback, hits)
 
 
 def _retry(v: BreakerVerdict) -> float:
