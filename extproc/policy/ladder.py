@@ -7,8 +7,8 @@ place, which the adapter gives back when the request will not be sent). In order
 1. breaker: the backend's, then the model route's. Refused: the model's fallback if
    it has one whose breaker is not open (``Fallback``, no other rung applies), else
    ``breaker_open`` (Retry-After from the breaker, 30 s without one).
-2. tenant: the tenant's own breaker on that backend (``tenant_open``; no fallback, its
-   requests are what fails).
+2. tenant: the tenant's own breaker on that backend (``tenant_breaker_open``; no
+   fallback: its requests are what fails).
 3. shed below ``shed_below_scale`` (``overloaded``, Retry-After 5 s).
 4. fallback below ``fallback_below_scale``, when the model has one (``Fallback``).
 5. clamp ``max_tokens`` below ``clamp_below_scale``, when the completion is above it.
@@ -16,7 +16,8 @@ place, which the adapter gives back when the request will not be sent). In order
 A ``Fallback`` is finished by ``land`` once the fallback backend's breaker (and then the
 tenant's there) have been asked: refused, or on to the clamp rung (after a fallback for
 pressure only). A rule in shadow mode (``breaker``, ``shed``, ``degrade``) does not act:
-the rule is listed in ``shadowed`` each time it would have, for its metric.
+the rule is listed in ``shadowed`` each time it would have, for its metric (a shadowed
+``degrade`` at the fallback rung counts whether or not the model has a fallback).
 
 Pure: no I/O, no clock (the pressure scale is computed by the caller at ``now``).
 """
@@ -31,7 +32,7 @@ from extproc.policy.breaker import BreakerVerdict
 from extproc.policy.model import Degrade
 from extproc.policy.tenant_breakers import REASON_TENANT_OPEN
 
-__all__ = ["RULES", "Fallback", "LadderInput", "Proceed", "Refuse", "asks_tenant", "decide", "land"]
+__all__ = ["RULES", "Decision", "Fallback", "LadderInput", "Proceed", "Refuse", "asks_tenant", "decide", "land"]
 
 BREAKER, SHED, DEGRADE = "breaker", "shed", "degrade"
 RULES = (BREAKER, SHED, DEGRADE)  # the shadowable rules the ladder reads
