@@ -27,7 +27,6 @@ from extproc.policy.admit import SlotRequest
 from extproc.policy.breaker import BreakerVerdict, Outcome
 from extproc.policy.gate import Verdict
 from extproc.policy.schema import Backend, Limits, Model, Policy, Tenant
-from extproc.policy.tenant_breakers import REASON_TENANT_OPEN
 from extproc.runtime import Runtime
 
 LEASE_WAIT_HINT_S = 2.0  # Envoy's message timeout while the lease check runs (bounded at 0.5 s, runtime)
@@ -141,8 +140,7 @@ class Admission:
         for rule in got.shadowed:
             self.rt.metrics.shadowed(rule, tier.name)
         if isinstance(got, ladder.Refuse):
-            if got.reason == REASON_TENANT_OPEN:
-                ticket.report_outcome(Outcome.CANCELLED, None, now)  # a half-open probe's place goes back
+            ticket.report_outcome(Outcome.CANCELLED, None, now)  # a half-open probe's place goes back
             raise Reject(got.reason, got.message, code=got.code, headers=retry_after_headers(got.retry_after_s))
         ticket.completion = got.completion
         ticket.degraded.extend(got.degraded)

@@ -127,3 +127,20 @@ def test_a_shadowed_open_breaker_lets_the_request_through_with_nothing_to_report
     assert isinstance(m, RecordingMetrics)
     assert [e.args["rule"] for e in m.events if e.name == "shadowed"] == ["breaker"]
     rt.close()
+
+
+def test_a_shed_request_gives_its_half_open_probe_back() -> None:
+    p = build_policy({
+        "backends": [{"name": "b", "address": "127.0.0.1:1", "max_concurrency": 8, "breaker": BREAKER,
+                      "models": [{"name": "m", "context_window": 4096}]}],
+        "tiers": {"t": {"tpm": 10**6, "rpm": 1000, "degrade": {"shed_below_scale": 0.9}}},
+        "tenants": [{"name": "a", "tier": "t", "keys": [hash_key("ka")]}],
+    })
+    rt = Runtime(p, clock=lambda: 0.0, metrics=RecordingMetrics())
+    trip(rt, "b", 0.0)
+    pressure(rt, 30.0)  # half-open at 30: the shed request's allow takes the probe place
+    with pytest.raises(Reject) as e:
+        routed(rt, 30.0)
+    assert e.value.reason == "overloaded"
+    assert rt.backends["b"].breaker.allow(30.0).allowed, "the shed request's probe place went back"
+    rt.close()
