@@ -120,7 +120,7 @@ class Admission:
             if not route_verdict.allowed:
                 ticket.report_outcome(Outcome.CANCELLED, None, now)  # a half-open probe's place goes back
                 ticket.breaker_verdict, verdict, route_refused = None, route_verdict, True
-        fb = self._fallback(model, now)
+        fb = self._fallback(model, now) if model.fallback_model is not None else None
         tier = self.tier
         shadowed = [r for r in ladder.RULES if self.policy.shadowed(tier.name, r)] \
             if tier.shadow or self.policy.gateway.shadow else ()
@@ -142,7 +142,8 @@ class Admission:
         if isinstance(got, ladder.Refuse):
             ticket.report_outcome(Outcome.CANCELLED, None, now)  # a half-open probe's place goes back
             raise Reject(got.reason, got.message, code=got.code, headers=retry_after_headers(got.retry_after_s))
-        ticket.completion = got.completion
+        if got.completion is not None:
+            ticket.completion = got.completion
         ticket.degraded.extend(got.degraded)
         return ticket
 

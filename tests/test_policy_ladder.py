@@ -39,9 +39,9 @@ def run(i: LadderInput, fb_breaker: BreakerVerdict = OK, fb_tenant: BreakerVerdi
     return got
 
 
-def summary(d: Proceed | Refuse) -> tuple[Any, ...]:
+def summary(d: Proceed | Refuse, asked: int) -> tuple[Any, ...]:
     if isinstance(d, Proceed):
-        return ("proceed", d.completion, d.degraded, d.fallback, d.shadowed)
+        return ("proceed", asked if d.completion is None else d.completion, d.degraded, d.fallback, d.shadowed)
     return ("refuse", d.reason, d.retry_after_s, d.shadowed)
 
 
@@ -112,7 +112,7 @@ CASES: list[tuple[str, LadderInput, dict[str, BreakerVerdict], tuple[Any, ...]]]
 
 @pytest.mark.parametrize(("name", "i", "fb", "want"), CASES, ids=[c[0] for c in CASES])
 def test_ladder(name: str, i: LadderInput, fb: dict[str, BreakerVerdict], want: tuple[Any, ...]) -> None:
-    assert summary(run(i, **fb)) == want
+    assert summary(run(i, **fb), i.completion) == want
 
 
 def test_messages_name_what_refused() -> None:
@@ -128,6 +128,12 @@ def test_messages_name_what_refused() -> None:
     assert isinstance(tenant, Refuse) and "on backend 'fb'" in tenant.message and "(tenant_failures)" in tenant.message
     both = run(inp(breaker=OPEN, tenant=None, fallback=FB), fb_breaker=OPEN)
     assert isinstance(both, Refuse) and both.message == "The model and its fallback are unavailable; retry later."
+
+
+def test_the_usual_answer_allocates_nothing() -> None:
+    assert decide(inp()) is ladder.AS_ASKED
+    assert decide(inp(0.85, 200)) is ladder.AS_ASKED  # a clamp that is not due
+    assert decide(inp(0.85)) == Proceed(256, ("max_tokens",))
 
 
 def test_the_breaker_rung_ends_at_a_fallback_and_the_pressure_rung_goes_on_to_clamp() -> None:
@@ -177,7 +183,8 @@ def test_a_lower_scale_never_degrades_less(a: float, b: float, d: Degrade, compl
     if isinstance(at_lo, Refuse):
         return
     assert isinstance(at_hi, Proceed)
-    assert at_lo.completion <= at_hi.completion <= completion
+    lo_c, hi_c = (completion if c is None else c for c in (at_lo.completion, at_hi.completion))
+    assert lo_c <= hi_c <= completion
     assert at_lo.fallback >= at_hi.fallback
 
 
@@ -188,6 +195,6 @@ def test_a_fully_shadowed_ladder_sends_the_request_as_asked(scale: float, d: Deg
                                                            tenant: BreakerVerdict) -> None:
     got = run(inp(scale, completion, breaker=breaker, tenant=tenant, degrade=d, shadow=ladder.RULES))
     assert isinstance(got, Proceed)
-    assert (got.completion, got.degraded, got.fallback) == (completion, (), False)
+    assert (got.completion, got.degraded, got.fallback) == (None, (), False)  # as asked
     would_have = [r for r in got.shadowed if r != "breaker"]
     assert len(got.shadowed) - len(would_have) == (not breaker.allowed) + (not tenant.allowed)

@@ -32,7 +32,7 @@ from extproc.policy.breaker import BreakerVerdict
 from extproc.policy.model import Degrade
 from extproc.policy.tenant_breakers import REASON_TENANT_OPEN
 
-__all__ = ["RULES", "Decision", "Fallback", "LadderInput", "Proceed", "Refuse", "asks_tenant", "decide", "land"]
+__all__ = ["AS_ASKED", "RULES", "Decision", "Fallback", "LadderInput", "Proceed", "Refuse", "asks_tenant", "decide", "land"]
 
 BREAKER, SHED, DEGRADE = "breaker", "shed", "degrade"
 RULES = (BREAKER, SHED, DEGRADE)  # the shadowable rules the ladder reads
@@ -56,14 +56,19 @@ class LadderInput(NamedTuple):
     shadowed: Collection[str] = ()  # the rules of ``RULES`` in shadow mode for this tier
 
 
-class Proceed(NamedTuple):
-    """Send the request (to the fallback model if ``fallback``), reserving ``completion``.
-    (A tuple: the usual answer, allocated once per request.)"""
+@dataclass(frozen=True, slots=True)
+class Proceed:
+    """Send the request (to the fallback model if ``fallback``), reserving ``completion``
+    (None: as asked). Undegraded and unshadowed it is ``AS_ASKED``: the usual answer
+    allocates nothing on the hot path."""
 
-    completion: int
+    completion: int | None = None
     degraded: tuple[str, ...] = ()  # "fallback", "max_tokens", in the order applied
     fallback: bool = False
     shadowed: tuple[str, ...] = ()  # shadowed rules that would have acted, once per rung
+
+
+AS_ASKED = Proceed()
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +127,9 @@ def decide(inp: LadderInput) -> Decision:
             hits = (*hits, DEGRADE)
         elif inp.fallback_window is not None:
             return _fallback(inp, True, hits)
-    return _clamp(inp, inp.completion, (), False, hits)
+    if not d.clamp_max_tokens and not hits:
+        return AS_ASKED  # the usual answer, without the clamp rung's call
+    return _clamp(inp, None, (), False, hits)
 
 
 def land(step: Fallback, backend: str, breaker: BreakerVerdict, tenant: BreakerVerdict | None) -> Proceed | Refuse:
@@ -152,14 +159,18 @@ def _tenant_refused(v: BreakerVerdict, backend: str, hits: tuple[str, ...]) -> R
                   "Retry later.", "service_unavailable", _retry(v), hits)
 
 
-def _clamp(inp: LadderInput, completion: int, degraded: tuple[str, ...], fallback: bool,
+def _clamp(inp: LadderInput, completion: int | None, degraded: tuple[str, ...], fallback: bool,
            hits: tuple[str, ...]) -> Proceed:
+    """The last rung; ``completion`` None: as asked (then nothing was degraded yet)."""
     d = inp.degrade
-    if d.clamp_max_tokens and inp.scale < d.clamp_below_scale and completion > d.clamp_max_tokens:
+    if d.clamp_max_tokens and inp.scale < d.clamp_below_scale \
+            and (inp.completion if completion is None else completion) > d.clamp_max_tokens:
         if DEGRADE in inp.shadowed:
             hits = (*hits, DEGRADE)
         else:
             completion, degraded = d.clamp_max_tokens, (*degraded, "max_tokens")
+    if completion is None and not hits:
+        return AS_ASKED
     return Proceed(completion, degraded, fallback, hits)
 
 
