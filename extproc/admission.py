@@ -133,6 +133,8 @@ class Admission:
             tier.name, backend.name, model.name, verdict, route_refused, tenant_verdict,
             None if fb is None else fb[1].context_window, kvmath.pressure_scale(be, tier.name, now), tier.degrade,
             completion, shadowed))
+        if got is ladder.AS_ASKED:
+            return ticket
         if isinstance(got, ladder.Fallback):
             ticket.report_outcome(Outcome.CANCELLED, None, now)  # a half-open probe's place goes back
             assert fb is not None
