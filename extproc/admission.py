@@ -3,7 +3,10 @@
 breaker -> degradation ladder -> RPM/TPM pre-charge -> concurrency slot (or a wait in
 the fair queue). Each step either passes, degrades the request, or raises
 ``Reject``. A rule in shadow mode runs, records what it would have done, and lets
-the request through.
+the request through. The decisions are the pure core's (``extproc.policy.ladder``
+for breakers and degradation, ``extproc.policy.admit`` for the slot); this module
+asks the breakers and the backend, and maps what the core decided to tickets,
+``Reject`` and messages.
 """
 
 from __future__ import annotations
@@ -18,13 +21,12 @@ from extproc import messages as msg
 from extproc.backends import BackendState, Expired, Hold, Waiter
 from extproc.errors import retry_after_headers
 from extproc.peer import PeerStream
-from extproc.policy import decision
+from extproc.policy import decision, ladder
 from extproc.policy import kv as kvmath
 from extproc.policy.admit import SlotRequest
 from extproc.policy.breaker import BreakerVerdict, Outcome
 from extproc.policy.gate import Verdict
 from extproc.policy.schema import Backend, Limits, Model, Policy, Tenant
-from extproc.policy.tenant_breakers import REASON_TENANT_OPEN
 from extproc.runtime import Runtime
 
 LEASE_WAIT_HINT_S = 2.0  # Envoy's message timeout while the lease check runs (bounded at 0.5 s, runtime)
@@ -106,42 +108,45 @@ class Admission:
 
     # -- breaker and degradation: pick where the request goes ------------------------
     def route(self, backend: Backend, model: Model, completion: int, now: float) -> Ticket:
+        """Ask the breakers, let the ladder decide (``extproc.policy.ladder``), and build the
+        ticket it says; a probe place asked for a request that will not be sent goes back."""
         be = self.rt.backends[backend.name]
         verdict = be.breaker.allow(now)
         ticket = Ticket(backend, model, be, completion, breaker_verdict=verdict, tenant=self.tenant.name)
-        what = f"Backend {backend.name!r}"
+        route_refused = False
         route_breaker = be.route_breakers.get(model.name)
         if verdict.allowed and route_breaker is not None:
             ticket.route_verdict = route_verdict = route_breaker.allow(now)
             if not route_verdict.allowed:
                 ticket.report_outcome(Outcome.CANCELLED, None, now)  # a half-open probe's place goes back
-                ticket.breaker_verdict, verdict = None, route_verdict
-                what = f"Model {model.name!r} on backend {backend.name!r}"
-        if not verdict.allowed:
-            fb = self._fallback(model, now)
-            if fb is not None:
-                return self._to_fallback(ticket, fb, now)
-            if not self._shadow("breaker"):
-                wait = verdict.retry_after_s if verdict.retry_after_s is not None else 30.0
-                raise Reject("breaker_open", f"{what} is unavailable ({verdict.reason}); retry later.",
-                             code="service_unavailable", headers=retry_after_headers(wait))
-            # Shadowed: nothing to report back to the breakers.
-            ticket.breaker_verdict = ticket.route_verdict = None
-        self._check_tenant(ticket, now)
-        d = self.tier.degrade
-        scale = kvmath.pressure_scale(be, self.tier.name, now)
-        if d.shed_below_scale and scale < d.shed_below_scale and not self._shadow("shed"):
-            raise Reject("overloaded", f"The backend is under memory pressure; the {self.tier.name!r} tier is "
-                         "shed first. Retry later.", code="overloaded", headers=retry_after_headers(5))
-        if d.fallback_below_scale and scale < d.fallback_below_scale and not self._shadow("degrade"):
-            fb = self._fallback(model, now)
-            if fb is not None:
-                ticket.report_outcome(Outcome.CANCELLED, None, now)  # a half-open probe's place goes back
-                ticket = self._to_fallback(ticket, fb, now)
-        if d.clamp_max_tokens and scale < d.clamp_below_scale and ticket.completion > d.clamp_max_tokens \
-                and not self._shadow("degrade"):
-            ticket.completion = d.clamp_max_tokens
-            ticket.degraded.append("max_tokens")
+                ticket.breaker_verdict, verdict, route_refused = None, route_verdict, True
+        fb = self._fallback(model, now) if model.fallback_model is not None else None
+        tier = self.tier
+        shadowed = [r for r in ladder.RULES if self.policy.shadowed(tier.name, r)] \
+            if tier.shadow or self.policy.gateway.shadow else ()
+        tenant_verdict = None
+        if ladder.asks_tenant(verdict, fb is not None, shadowed):
+            if not verdict.allowed:  # shadowed: nothing to report back to the breakers
+                ticket.breaker_verdict = ticket.route_verdict = None
+            ticket.tenant_verdict = tenant_verdict = be.tenants_for(model.name).allow(ticket.tenant, now)
+        got = ladder.decide(ladder.LadderInput(
+            tier.name, backend.name, model.name, verdict, route_refused, tenant_verdict,
+            None if fb is None else fb[1].context_window, kvmath.pressure_scale(be, tier.name, now), tier.degrade,
+            completion, shadowed))
+        if got is ladder.AS_ASKED:
+            return ticket
+        if isinstance(got, ladder.Fallback):
+            ticket.report_outcome(Outcome.CANCELLED, None, now)  # a half-open probe's place goes back
+            assert fb is not None
+            ticket, got = self._to_fallback(ticket, fb, got, now)
+        for rule in got.shadowed:
+            self.rt.metrics.shadowed(rule, tier.name)
+        if isinstance(got, ladder.Refuse):
+            ticket.report_outcome(Outcome.CANCELLED, None, now)  # a half-open probe's place goes back
+            raise Reject(got.reason, got.message, code=got.code, headers=retry_after_headers(got.retry_after_s))
+        if got.completion is not None:
+            ticket.completion = got.completion
+        ticket.degraded.extend(got.degraded)
         return ticket
 
     def _fallback(self, model: Model, now: float) -> tuple[Backend, Model] | None:
@@ -153,30 +158,17 @@ class Admission:
         be = self.rt.backends[found[0].name]
         return found if be.breaker.state(now).value != "open" else None
 
-    def _to_fallback(self, ticket: Ticket, fb: tuple[Backend, Model], now: float) -> Ticket:
+    def _to_fallback(self, ticket: Ticket, fb: tuple[Backend, Model], step: ladder.Fallback,
+                     now: float) -> tuple[Ticket, ladder.Proceed | ladder.Refuse]:
+        """The fallback's ticket, and the ladder's last word once its breakers were asked."""
         backend, model = fb
         be = self.rt.backends[backend.name]
         verdict = be.breaker.allow(now)
         if not verdict.allowed:
-            raise Reject("breaker_open", "The model and its fallback are unavailable; retry later.",
-                         code="service_unavailable", headers=retry_after_headers(verdict.retry_after_s or 30.0))
-        completion = min(ticket.completion, max(1, model.context_window // 2))
-        fb = Ticket(backend, model, be, completion, [*ticket.degraded, "fallback"], breaker_verdict=verdict,
-                    tenant=ticket.tenant)
-        self._check_tenant(fb, now)
-        return fb
-
-    def _check_tenant(self, ticket: Ticket, now: float) -> None:
-        """Refuse a tenant whose own failures tripped its breaker on this backend (no fallback:
-        its requests are what fails)."""
-        ticket.tenant_verdict = verdict = ticket.runtime.tenants_for(ticket.model.name).allow(ticket.tenant, now)
-        if verdict.allowed or self._shadow("breaker"):
-            return
-        ticket.report_outcome(Outcome.CANCELLED, None, now)  # a half-open probe's place goes back
-        wait = verdict.retry_after_s if verdict.retry_after_s is not None else 30.0
-        raise Reject(REASON_TENANT_OPEN, f"Requests with this key are failing on backend {ticket.backend.name!r} "
-                     f"while other tenants' requests succeed; the key is refused there for now ({verdict.reason}). "
-                     "Retry later.", code="service_unavailable", headers=retry_after_headers(wait))
+            return ticket, ladder.land(step, backend.name, verdict, None)
+        ticket = Ticket(backend, model, be, step.completion, breaker_verdict=verdict, tenant=ticket.tenant)
+        ticket.tenant_verdict = be.tenants_for(model.name).allow(ticket.tenant, now)
+        return ticket, ladder.land(step, backend.name, verdict, ticket.tenant_verdict)
 
     # -- budgets -------------------------------------------------------------------
     def precheck(self, now: float) -> Verdict | None:
