@@ -141,7 +141,7 @@ class StreamProcessor(Settlement):
         if phase == "request_headers":
             return self.on_request_headers(request.request_headers)
         if phase == "response_headers":
-            return self.on_response_headers(request.response_headers, request)
+            return self.on_response_headers(request)
         if phase == "response_trailers":
             return self.on_response_trailers(request)
         if phase.endswith("trailers"):
@@ -372,9 +372,7 @@ class StreamProcessor(Settlement):
             code = msg.attribute(request, "response.code")
             self.status = int(code) if isinstance(code, (int, float)) else 200
             self.first_byte_s = self.rt.clock()
-            served = msg.attribute(request, UPSTREAM_ATTRIBUTE)
-            if isinstance(served, str) and self.ticket is not None:
-                served_elsewhere(self.ticket, served, self.rt.metrics, self.first_byte_s)
+            self._follow_served(request, self.first_byte_s)
         assert self.req is not None
         responses = self.req.kind == "responses"
         if self.req.stream and self.status < 400:
@@ -383,9 +381,17 @@ class StreamProcessor(Settlement):
         else:
             self.tracker = JSONTracker(responses=responses)
 
-    def on_response_headers(self, h: pb.HttpHeaders,
-                            request: pb.ProcessingRequest | None = None) -> pb.ProcessingResponse:
+    def _follow_served(self, request: pb.ProcessingRequest, now: float) -> None:
+        """The first response message names who served (``upstream.address``): after Envoy
+        re-picked on a connect failure the hold follows (extproc.repick). A settled request
+        holds nothing any more, so there is nothing to move."""
+        served = msg.attribute(request, UPSTREAM_ATTRIBUTE)
+        if isinstance(served, str) and self.ticket is not None:
+            served_elsewhere(self.ticket, served, self.rt.metrics, now)
+
+    def on_response_headers(self, request: pb.ProcessingRequest) -> pb.ProcessingResponse:
         """response_processing usage_trailers: status and first byte; the body bypasses us."""
+        h = request.response_headers
         headers = msg.header_map(h, RESPONSE_HEADERS)
         try:
             self.status = int(headers.get(":status", "0"))
@@ -393,10 +399,7 @@ class StreamProcessor(Settlement):
             self.status = 0
         self.first_byte_s = self.rt.clock()
         self.sse = "text/event-stream" in headers.get("content-type", "")
-        served = None if request is None else msg.attribute(request, UPSTREAM_ATTRIBUTE)
-        if isinstance(served, str) and self.ticket is not None and not self.settled:
-            # Envoy re-picked after a connect failure: the hold follows (before any settle below).
-            served_elsewhere(self.ticket, served, self.rt.metrics, self.first_byte_s)
+        self._follow_served(request, self.first_byte_s)  # before any settle below
         # Envoy synthesizes trailers only for a successful response it read the usage
         # of: an error response has nothing to bill and its end is not waited for.
         if self.admitted and (h.end_of_stream or self.status >= 400):
