@@ -237,9 +237,6 @@ class BackendState(BackendQueue):
     def kv_budget(self, now: float) -> float:
         return kvmath.kv_budget(self, now)
 
-    def kv_fits(self, kv_tokens: int, now: float, tier: str | None = None) -> bool:
-        return kvmath.kv_fits(self, kv_tokens, now, tier)
-
     # -- acquisition ----------------------------------------------------------------
     def acquire(self, req: admit.SlotRequest, now: float, prefix: tuple[int, ...] = ()) -> Hold | Queue | Reject:
         """What ``extproc.policy.admit.decide`` says, applied: a ``Hold``, or wait, or refuse.

@@ -114,14 +114,11 @@ class Settlement:
             t.runtime.release(hold, now)
 
     def _actual_usage(self, how: str) -> int:
-        tr = self.tracker
-        if tr is not None and tr.usage is not None:
-            self._learn_rate(tr.usage.completion_tokens)
-            return tr.usage.total
-        eu = self.envoy_usage
-        if eu is not None and eu.input_tokens is not None and eu.output_tokens is not None:
-            self._learn_rate(eu.output_tokens)
-            return eu.input_tokens + eu.output_tokens
+        reported = self._reported_usage()
+        if reported is not None:
+            self._learn_rate(reported.completion_tokens)
+            return reported.total
+        tr, eu = self.tracker, self.envoy_usage
         if eu is not None and eu.total_tokens is not None:
             return eu.total_tokens  # embeddings: prompt_tokens and total_tokens only
         if how == "end_of_stream" and self.status >= 400:
