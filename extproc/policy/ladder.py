@@ -64,8 +64,11 @@ class Proceed:
 
     completion: int | None = None
     degraded: tuple[str, ...] = ()  # "fallback", "max_tokens", in the order applied
-    fallback: bool = False
     shadowed: tuple[str, ...] = ()  # shadowed rules that would have acted, once per rung
+
+    @property
+    def fallback(self) -> bool:
+        return "fallback" in self.degraded
 
 
 AS_ASKED = Proceed()
@@ -129,7 +132,7 @@ def decide(inp: LadderInput) -> Decision:
             return _fallback(inp, True, hits)
     if not d.clamp_max_tokens and not hits:
         return AS_ASKED  # the usual answer, without the clamp rung's call
-    return _clamp(inp, None, (), False, hits)
+    return _clamp(inp, None, (), hits)
 
 
 def land(step: Fallback, backend: str, breaker: BreakerVerdict, tenant: BreakerVerdict | None) -> Proceed | Refuse:
@@ -144,8 +147,8 @@ def land(step: Fallback, backend: str, breaker: BreakerVerdict, tenant: BreakerV
             return _tenant_refused(tenant, backend, hits)
         hits = (*hits, BREAKER)
     if not step.for_pressure:
-        return Proceed(step.completion, ("fallback",), True, hits)
-    return _clamp(step.inp, step.completion, ("fallback",), True, hits)
+        return Proceed(step.completion, ("fallback",), hits)
+    return _clamp(step.inp, step.completion, ("fallback",), hits)
 
 
 def _fallback(inp: LadderInput, for_pressure: bool, hits: tuple[str, ...]) -> Fallback:
@@ -159,8 +162,7 @@ def _tenant_refused(v: BreakerVerdict, backend: str, hits: tuple[str, ...]) -> R
                   "Retry later.", "service_unavailable", _retry(v), hits)
 
 
-def _clamp(inp: LadderInput, completion: int | None, degraded: tuple[str, ...], fallback: bool,
-           hits: tuple[str, ...]) -> Proceed:
+def _clamp(inp: LadderInput, completion: int | None, degraded: tuple[str, ...], hits: tuple[str, ...]) -> Proceed:
     """The last rung; ``completion`` None: as asked (then nothing was degraded yet)."""
     d = inp.degrade
     if d.clamp_max_tokens and inp.scale < d.clamp_below_scale \
@@ -171,7 +173,7 @@ def _clamp(inp: LadderInput, completion: int | None, degraded: tuple[str, ...], 
             completion, degraded = d.clamp_max_tokens, (*degraded, "max_tokens")
     if completion is None and not hits:
         return AS_ASKED
-    return Proceed(completion, degraded, fallback, hits)
+    return Proceed(completion, degraded, hits)
 
 
 def _retry(v: BreakerVerdict) -> float:
