@@ -26,6 +26,9 @@ def _hostport(value: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+EDS_DIR_ENV = "SLUICE_EDS_DIR"  # serve's --eds-dir when the option is not given
+
+
 async def _serve(args: argparse.Namespace) -> int:
     from extproc.admin import start_admin
     from extproc.health import Health
@@ -65,7 +68,7 @@ async def _serve(args: argparse.Namespace) -> int:
         # A replica admits from its leased part of each backend's pool: lease before serving.
         await runtime.first_leases()
         leases = asyncio.create_task(runtime.run_leases())
-    eds_writer = _eds_writer(runtime, args.eds_dir or os.environ.get("SLUICE_EDS_DIR"))
+    eds_writer = _eds_writer(runtime, args.eds_dir)
     ghost, gport = _hostport(args.grpc)
     ahost, aport = _hostport(args.admin)
     health = Health()
@@ -105,11 +108,12 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def _eds_writer(runtime: Runtime, directory: str | None) -> EdsWriter | None:
-    """``--eds-dir``: Envoy's pool endpoint files, written now (before the replica reports
-    healthy) and again after every policy swap (extproc.envoy_eds)."""
+    """``--eds-dir`` (or ``$SLUICE_EDS_DIR``): Envoy's pool endpoint files, written now
+    (before the replica reports healthy) and again after every policy swap (extproc.envoy_eds)."""
+    directory = directory or os.environ.get(EDS_DIR_ENV)
     if not directory:
         return None
-    from extproc.envoy_eds import EdsWriter
+    from extproc.envoy_eds import EdsWriter  # not imported (nor envoy_data_plane) without it
 
     writer = EdsWriter(directory)
     writer.sync(runtime.backends)
@@ -193,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                    "$SLUICE_REDIS_URL) and gives each worker floor(limit / N) of the slots, KV and "
                    "concurrency caps")
     s.add_argument("--eds-dir", help="write each pool's endpoint set for Envoy's EDS cluster to "
-                   "DIR/<pool>.eds.yaml on every reload (or $SLUICE_EDS_DIR); without it nothing is "
+                   f"DIR/<pool>.eds.yaml on every reload (or ${EDS_DIR_ENV}); without it nothing is "
                    "written and Envoy's endpoint set must come from elsewhere")
     s.add_argument("--worker-index", type=int, help="set by --workers for each child: bind with SO_REUSEPORT, serve as worker i of N")
     v = sub.add_parser("validate", help="check policy files; prints file:line: message per problem")

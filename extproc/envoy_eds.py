@@ -45,10 +45,9 @@ from extproc.policy.model import Backend, Policy
 if TYPE_CHECKING:
     from extproc.backends import BackendState
 
-__all__ = ["ENV_DIR", "EdsWriter", "destinations", "policy_destinations", "render", "write_if_changed",
+__all__ = ["EdsWriter", "destinations", "policy_destinations", "render", "write_if_changed",
            "write_policy"]
 
-ENV_DIR = "SLUICE_EDS_DIR"  # serve's --eds-dir when the option is not given
 log = logging.getLogger("sluice.eds")
 
 

@@ -26,7 +26,7 @@ from envoy_data_plane.google.protobuf import Any
 from extproc import envoy_usage
 from extproc.envoy_options import EnvoyOptions, ms
 from extproc.messages import METADATA_NAMESPACE
-from extproc.repick import ENVOY_MUTABLE
+from extproc.repick import ENVOY_MUTABLE, UPSTREAM_ATTRIBUTE
 
 __all__ = [
     "EXTPROC_CLUSTER",
@@ -49,7 +49,7 @@ EXTPROC_FILTER = "envoy.filters.http.ext_proc"
 RESPONSE_ATTRIBUTES = ("response.code",)
 # With a pool, the address that served (extproc.repick): on the response-headers message
 # under usage_trailers, on the first response-body message when streamed (observed, 1.40).
-POOL_RESPONSE_ATTRIBUTES = ("upstream.address",)
+POOL_RESPONSE_ATTRIBUTES = (UPSTREAM_ATTRIBUTE,)
 RESPONSE_PROCESSING = ("usage_trailers", "streamed")
 
 

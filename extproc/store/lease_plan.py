@@ -60,7 +60,7 @@ def usage(spec: Backend, be: BackendState, leases: SlotLeases,
     oc = spec.kv_overcommit
     if be.endpoints is None:
         def one() -> tuple[int, ...]:
-            waiting = [w.kv for w in be.waiters.values() if not w.future.done()]
+            waiting = [kv for _, kv in be.waiting()]
             s, k = leases.short.pop(spec.name, (0, 0))
             busy = be.pool.in_use().total
             return (spec.max_concurrency, kv_pool(spec.kv_capacity_tokens, oc),
@@ -77,7 +77,7 @@ def usage(spec: Backend, be: BackendState, leases: SlotLeases,
             pool_s, pool_k = st.spec.max_concurrency, kv_pool(st.spec.kv_capacity_tokens, oc)
             if st.draining:  # leaving the pool: keep what its requests in flight hold, no more
                 return (pool_s, pool_k, st.in_flight, st.kv_in_use, 1, st.in_flight, st.kv_in_use)
-            waiting = [w.kv for w in be.waiters.values() if not w.future.done()]
+            waiting = [kv for _, kv in be.waiting()]
             ps, pk = eps.plan(waiting, clock()).get(key, (0, 0)) if waiting else (0, 0)
             return (pool_s, pool_k, st.in_flight + max(s, ps), st.kv_in_use + max(k, pk), 0, st.in_flight,
                     st.kv_in_use)
