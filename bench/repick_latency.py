@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import betterproto2
-import yaml
 
-from bench.procs import Proc, envoy_binary, free_port, wait_http
+from bench.metrics import pct
+from bench.procs import ProcGroup, free_port, http_ok
 from extproc.envoy_clusters import ENDPOINT_HEADER, pool_cluster
 from extproc.envoy_eds import render, write_if_changed
 
@@ -67,11 +67,6 @@ def config(eds_dir: Path, listen: int, admin: int) -> dict[str, Any]:
                 "clusters": [odst, eds]}}
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=200, help="per case")
@@ -82,14 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         write_if_changed(d / "eds.eds.yaml", render("eds", [live, dead]))
-        (d / "envoy.yaml").write_text(yaml.safe_dump(config(d, listen, admin)))
-        procs = [Proc("fastbackend", [sys.executable, "-m", "bench.fastbackend", "--port", str(backend)],
-                      d / "backend.log").start(),
-                 Proc("envoy", [envoy_binary(), "-c", str(d / "envoy.yaml"), "--disable-hot-restart", "-l", "warning",
-                                "--concurrency", "1"], d / "envoy.log").start()]
+        group = ProcGroup(d)
         try:
-            wait_http(f"http://{live}/health", proc=procs[0].popen)
-            wait_http(f"http://127.0.0.1:{admin}/ready", proc=procs[1].popen)
+            group.start_proc("backend", [sys.executable, "-m", "bench.fastbackend", "--port", str(backend)],
+                             lambda: http_ok(f"http://{live}/health"))
+            group.start_envoy("envoy", config(d, listen, admin), admin, 1)
             conn = http.client.HTTPConnection("127.0.0.1", listen, timeout=10)
             times: dict[str, list[float]] = {c: [] for c in CASES}
             body = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
@@ -110,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             stats.request("GET", "/stats?filter=cluster.eds.upstream_(rq_retry|cx_connect_fail)$")
             counters = stats.getresponse().read().decode().strip().replace("\n", ", ")
         finally:
-            for p in reversed(procs):
-                p.stop()
+            group.stop()
     print(f"{args.requests} sequential requests per case, interleaved; ms")
     print("| case | p50 | p90 | p99 | mean |")
     print("| --- | --- | --- | --- | --- |")
