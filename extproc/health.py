@@ -1,6 +1,6 @@
 """The standard gRPC health service (``grpc.health.v1.Health/Check``) on extproc's server.
 
-Envoy's ext_proc cluster checks it (``envoy_clusters.extproc_health_checks``): a replica
+Envoy's ext_proc cluster checks it (``envoy_clusters.extproc_health``): a replica
 that stops answering SERVING is taken out of the balancing within
 ``interval × unhealthy_threshold``, and one that dies is ejected at its first failed
 streams by outlier detection. On SIGTERM the replica answers NOT_SERVING first and
