@@ -2,7 +2,7 @@
 
 Envoy replying before the body is read closes with unread data and the kernel's RST
 destroys the 413; so the generated config routes a content-length over the cap to the
-drain (extproc/drain.py), which reads and discards the body and answers 413 after it.
+drain (extproc/service/drain.py), which reads and discards the body and answers 413 after it.
 """
 
 from __future__ import annotations
@@ -190,7 +190,10 @@ def _raw_upload(stack: Stack, length: int, first: int, trickle_s: float | None, 
                 chunk = sock.recv(65536)
             except TimeoutError:
                 if trickle_s is not None:
-                    sock.sendall(b"a")
+                    try:
+                        sock.sendall(b"a")
+                    except (ConnectionResetError, BrokenPipeError):
+                        break  # the bound cut the connection between two reads
                 continue
             except ConnectionResetError:
                 break

@@ -1,0 +1,1 @@
+"""Per-backend and per-endpoint live state: slots, KV, the wait queue, engine scraping."""

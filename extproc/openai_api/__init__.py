@@ -1,0 +1,1 @@
+"""Reading OpenAI request bodies and responses; OpenAI-shaped errors; the models list."""

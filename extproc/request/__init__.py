@@ -1,0 +1,1 @@
+"""One HTTP stream's life: the ext_proc adapter, admission, settle."""

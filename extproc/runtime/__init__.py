@@ -1,0 +1,1 @@
+"""What outlives a stream: the policy snapshot, the backends' state, the store, metrics."""

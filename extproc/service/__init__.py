@@ -1,0 +1,1 @@
+"""The process: the gRPC server, admin port, background loops, reload, console client, workers."""

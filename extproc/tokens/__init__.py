@@ -1,0 +1,1 @@
+"""Counting tokens: offline tiktoken encodings, bounded-cost counting, the fair scheduler."""
