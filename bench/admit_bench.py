@@ -17,10 +17,10 @@ from collections.abc import AsyncIterator
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.admission import Admission
-from extproc.peer import PeerStream
 from extproc.policy.schema import Policy, build_policy, hash_key
-from extproc.runtime import Runtime
+from extproc.request.admission import Admission
+from extproc.runtime.runtime import Runtime
+from extproc.wire.peer import PeerStream
 
 
 def policy() -> Policy:

@@ -58,7 +58,7 @@ MIN_PROMPT = MESSAGE + 1 + REPLY  # one user message of one word
 @functools.cache
 def vocabulary() -> tuple[str, ...]:
     """Words (with their leading space) that are one token in cl100k and in o200k."""
-    from extproc import tokens
+    from extproc.tokens import encodings as tokens
 
     cl, o2 = tokens.get_encoding("cl100k_base"), tokens.get_encoding("o200k_base")
     out: list[str] = []

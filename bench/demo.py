@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # REPLICAS > 1: replica i (from 0) serves gRPC on 50051 + i and admin on 9100 + i; they
 # share a redis-server on 6380 (not 6379, where a system Redis may already run).
 GRPC_PORT, ADMIN_PORT, REDIS_PORT = 50051, 9100, 6380
-EDS_DIR = "var/eds"  # the pool's endpoint set for Envoy (extproc.envoy_eds), relative to ROOT
+EDS_DIR = "var/eds"  # the pool's endpoint set for Envoy (extproc.envoy.eds), relative to ROOT
 # The simulated engines, by port: the sim-llama-8b pool's two (the second with half the
 # KV cache of the first) model vLLM's prefix cache, which the policy's prefix_affinity
 # steers to; 8001 serves sim-llama-1b, the fallback.

@@ -52,7 +52,7 @@ from bench.trace import (
     mean_kv_tokens,
     sample_mix,
 )
-from extproc.envoyconfig import BackendRoute
+from extproc.envoy.bootstrap import BackendRoute
 
 NAMES = {"a": "(a) Envoy, no limiter", "b": "(b) Envoy local_ratelimit", "c": "(c) LiteLLM proxy",
          "d": "(d) Envoy + Sluice", "e": "(e) Sluice, learned KV", "f": "(f) Sluice, learned KV + SLO"}

@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.redis_server import RedisServer
-from extproc.backends import Hold
+from extproc.backends.hold import Hold
 from extproc.policy import decision
 from extproc.policy.admit import SlotRequest
 from extproc.policy.schema import build_policy, hash_key
-from extproc.runtime import Runtime
+from extproc.runtime.runtime import Runtime
 
 POOL = 12
 REPLICAS = 3

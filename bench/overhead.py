@@ -6,7 +6,7 @@ pass-through ext_proc, plus betterproto2 vs upb protobuf costs.
 Three gateways run side by side on random loopback ports, all in front of the same
 constant backend (``bench.fastbackend``), each Envoy with ``--concurrency 1``:
 
-    (a) Envoy alone: the bootstrap from ``extproc.envoyconfig.render_bootstrap`` with the
+    (a) Envoy alone: the bootstrap from ``extproc.envoy.bootstrap.render_bootstrap`` with the
         ``envoy.filters.http.ext_proc`` entry removed from the HCM's ``http_filters`` and the
         ``sluice_extproc`` cluster removed (``strip_ext_proc``); everything else identical
     (b) Envoy + ``bench.passthrough_extproc`` (same bootstrap, an ext_proc that changes nothing)
@@ -80,7 +80,7 @@ def envoy_binary() -> str:
 
 def strip_ext_proc(cfg: dict[str, Any]) -> dict[str, Any]:
     """Config (a): drop the ext_proc HTTP filter and its cluster from a rendered bootstrap."""
-    from extproc.envoyconfig import EXTPROC_CLUSTER, EXTPROC_FILTER
+    from extproc.envoy.bootstrap import EXTPROC_CLUSTER, EXTPROC_FILTER
 
     removed = 0
     for listener in cfg["static_resources"]["listeners"]:
@@ -125,7 +125,7 @@ class Stack(ProcGroup):
         self.envoy_admin = {c: free_port() for c in CONFIGS}
 
     def start(self) -> None:
-        from extproc.envoyconfig import BackendRoute, EnvoyOptions, render_bootstrap
+        from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, render_bootstrap
 
         envoy_binary()  # without Envoy, stop the whole run here (SystemExit), not mid-stack
         py = sys.executable

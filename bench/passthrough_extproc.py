@@ -3,7 +3,7 @@
 It answers every ProcessingRequest with an empty response of the matching kind
 (CONTINUE, no mutations), using the same grpc.aio server and upb protobuf classes
 from ``xds-protos`` as Sluice. The processing mode is Envoy's side of the contract
-(``extproc.envoyconfig``'s, for the chosen ``response_processing``), so Envoy sends this
+(``extproc.envoy.bootstrap``'s, for the chosen ``response_processing``), so Envoy sends this
 server exactly the messages it sends Sluice, and (Envoy + Sluice) − (Envoy + this) is
 Sluice's policy work.
 
@@ -22,7 +22,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from extproc.server import start_server
+from extproc.service.server import start_server
 
 # One prebuilt answer per message kind; gRPC serializes it on each send.
 ANSWERS: dict[str, pb.ProcessingResponse] = {
@@ -46,7 +46,7 @@ class PassThrough(pb_grpc.ExternalProcessorServicer):
 
 
 async def serve(host: str, port: int) -> None:
-    # The same server as Sluice's (extproc.server.start_server), so only the handler differs.
+    # The same server as Sluice's (extproc.service.server.start_server), so only the handler differs.
     server = await start_server(PassThrough(), host, port)
     print(f"pass-through ext_proc listening on {host}:{port}", flush=True)
     stop = asyncio.Event()

@@ -73,8 +73,8 @@ from bench.trace import (
     sample_mix,
 )
 from bench.trace_window import burst_schedule, densest_window, mean_between, ratio
-from extproc.envoy_eds import write_policy
-from extproc.envoyconfig import BackendRoute, EnvoyOptions, gateway_options, render_bootstrap
+from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, gateway_options, render_bootstrap
+from extproc.envoy.eds import write_policy
 from extproc.policy.schema import build_policy, hash_key
 
 BLOCK = 16

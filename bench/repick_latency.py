@@ -4,7 +4,7 @@ One Envoy with the router only (no ext_proc: the client sets ``x-sluice-endpoint
 so only the cluster differs), three routes chosen by a header:
 
 - ``odst``: the ORIGINAL_DST cluster pools used before (``use_http_header``),
-- ``eds``: the pool cluster of ``extproc.envoy_clusters.pool_cluster`` (EDS file +
+- ``eds``: the pool cluster of ``extproc.envoy.clusters.pool_cluster`` (EDS file +
   override_host), its route with the re-pick retry policy; header ``live,closed``,
 - ``repick``: the same, header ``closed,live``: every request is refused by a port on
   loopback first and retried on the live one.
@@ -31,8 +31,9 @@ import betterproto2
 
 from bench.metrics import pct
 from bench.procs import ProcGroup, free_port, http_ok
-from extproc.envoy_clusters import ENDPOINT_HEADER, pool_cluster
-from extproc.envoy_eds import render, write_if_changed
+from extproc.envoy.clusters import pool_cluster
+from extproc.envoy.eds import render, write_if_changed
+from extproc.envoy.headers import ENDPOINT_HEADER
 
 CASES = ("odst", "eds", "repick")
 

@@ -122,7 +122,7 @@ class Bench(ProcGroup):
 
     def start(self) -> None:
         from bench.overhead import strip_ext_proc
-        from extproc.envoyconfig import BackendRoute, EnvoyOptions, render_bootstrap
+        from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, render_bootstrap
 
         py = sys.executable
         self.start_proc("backend", [py, "-m", "bench.pacedbackend", "--port", str(self.backend_port)],

@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if "tokenizer" in parts:
         def tokenizer_part() -> str:
             from bench import tokenizer
-            from extproc.tokenizer import Counter
+            from extproc.tokens.counter import Counter
             return tokenizer.markdown(tokenizer.run(reps=2 if args.quick else 3), Counter("cl100k_base").backend)
         timed("tokenizer", tokenizer_part)
     total = time.monotonic() - started

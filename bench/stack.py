@@ -1,7 +1,7 @@
 """The processes a benchmark runs, on random loopback ports: simulated backends, extproc,
 Envoy (three shapes of one rendered bootstrap), and what /proc says about them.
 
-Envoy shapes, all from ``extproc.envoyconfig.render_bootstrap``:
+Envoy shapes, all from ``extproc.envoy.bootstrap.render_bootstrap``:
   ``none``       the ext_proc filter and its cluster removed: Envoy straight to the backend
   ``ratelimit``  as ``none``, plus ``envoy.filters.http.local_ratelimit`` (one token bucket
                  for the whole listener) in front of the router
@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from bench.procs import ROOT, Proc, envoy_binary, free_port, tails, wait_http
-from extproc.envoyconfig import (
+from extproc.envoy.bootstrap import (
     EXTPROC_CLUSTER,
     EXTPROC_FILTER,
     BackendRoute,

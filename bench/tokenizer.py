@@ -19,8 +19,8 @@ from pathlib import Path
 from tiktoken import Encoding
 
 from bench.report import table
-from extproc import tokens
-from extproc.tokenizer import Count, Counter
+from extproc.tokens import encodings as tokens
+from extproc.tokens.counter import Count, Counter
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {"128 KiB": 128 * 1024, "1 MiB": 1024 * 1024}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -13,31 +12,12 @@ from werkzeug.exceptions import HTTPException
 
 from console import security
 from console.config import ConsoleConfig
+from console.context import Sluice
 from console.policystate import PolicyState
 from console.store import Store
 from console.throttle import Hashing, Throttle
 
 SESSION_LIFETIME = timedelta(hours=12)
-
-
-@dataclass
-class Sluice:
-    """Everything a request handler needs, at ``current_app.extensions["sluice"]``."""
-
-    config: ConsoleConfig
-    store: Store
-    state: PolicyState
-    api_token: str
-    clock: Any
-    throttle: Throttle = field(default_factory=Throttle)
-    hashing: Hashing = field(default_factory=lambda: Hashing(1))
-    last_prune: float = field(default=float("-inf"))
-
-    def now(self) -> float:
-        return float(self.clock())
-
-    def close(self) -> None:
-        self.store.close()
 
 
 def create_app(config: ConsoleConfig) -> Flask:

@@ -17,8 +17,8 @@ from extproc.policy.schema import PolicyError, hash_key
 from extproc.policyfile import load_policy
 
 if TYPE_CHECKING:
-    from extproc.envoy_eds import EdsWriter
-    from extproc.runtime import Runtime
+    from extproc.envoy.eds import EdsWriter
+    from extproc.runtime.runtime import Runtime
 
 
 def _hostport(value: str) -> tuple[str, int]:
@@ -30,27 +30,27 @@ EDS_DIR_ENV = "SLUICE_EDS_DIR"  # serve's --eds-dir when the option is not given
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from extproc.admin import start_admin
-    from extproc.health import Health
-    from extproc.monitor import run_monitor
-    from extproc.reloader import watch_policy_dir
-    from extproc.runtime import Runtime
-    from extproc.server import serve
-    from extproc.ticker import run_ticker
+    from extproc.runtime.runtime import Runtime
+    from extproc.service.admin import start_admin
+    from extproc.service.monitor import run_monitor
+    from extproc.service.reloader import watch_policy_dir
+    from extproc.service.server import serve
+    from extproc.service.ticker import run_ticker
+    from extproc.wire.health import Health
 
     policy = load_policy(args.policy)
     worker = args.worker_index is not None
     replica_id = f"{args.replica_id}-{args.worker_index}" if worker else args.replica_id
     runtime = Runtime(policy, replica_id=replica_id, share=args.workers if worker else 1)
     if worker and args.workers > 1 and not runtime.shared_state:
-        from extproc.workers import refusal
+        from extproc.service.workers import refusal
 
         print(refusal(args.workers, shared_state=False), file=sys.stderr)
         runtime.close()
         return 2
     client = None
     if args.console_url:
-        from extproc.console_client import ConsoleClient
+        from extproc.service.console_client import ConsoleClient
 
         token = args.console_token or os.environ.get("SLUICE_CONSOLE_TOKEN", "")
         token_file = args.console_token_file or os.environ.get("SLUICE_CONSOLE_TOKEN_FILE")
@@ -109,11 +109,11 @@ async def _serve(args: argparse.Namespace) -> int:
 
 def _eds_writer(runtime: Runtime, directory: str | None) -> EdsWriter | None:
     """``--eds-dir`` (or ``$SLUICE_EDS_DIR``): Envoy's pool endpoint files, written now
-    (before the replica reports healthy) and again after every policy swap (extproc.envoy_eds)."""
+    (before the replica reports healthy) and again after every policy swap (extproc.envoy.eds)."""
     directory = directory or os.environ.get(EDS_DIR_ENV)
     if not directory:
         return None
-    from extproc.envoy_eds import EdsWriter  # not imported (nor envoy_data_plane) without it
+    from extproc.envoy.eds import EdsWriter  # not imported (nor envoy_data_plane) without it
 
     writer = EdsWriter(directory)
     writer.sync(runtime.backends)
@@ -154,13 +154,13 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
-    from extproc.envoyconfig import BackendRoute, EnvoyOptions, gateway_options, write_config
+    from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, gateway_options, write_config
 
     policy = load_policy(args.policy)
     lhost, lport = _hostport(args.listen)
     (ehost, eport), *more = [_hostport(a) for a in args.extproc.split(",")]
     dhost, dport = _hostport(args.extproc_admin)
-    from extproc.envoy_eds import write_policy
+    from extproc.envoy.eds import write_policy
 
     eds_dir = args.eds_dir or str(Path(args.output).parent)
     opts = EnvoyOptions(listen_host=lhost, listen_port=lport, admin_port=args.admin_port,
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("key")
     args = ap.parse_args(argv)
     if args.cmd == "serve" and args.workers != 1 and args.worker_index is None:
-        from extproc.workers import refusal, supervise
+        from extproc.service.workers import refusal, supervise
 
         why = refusal(args.workers, shared_state=_shared_store(args.policy))
         if why:

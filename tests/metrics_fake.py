@@ -1,4 +1,4 @@
-"""A recording ``Metrics``: every intent call (``extproc.metrics.INTENTS``) is kept as an
+"""A recording ``Metrics``: every intent call (``extproc.runtime.metrics.INTENTS``) is kept as an
 ``Event`` with its arguments by name, so a test asserts "one rejection with reason X"
 without scraping Prometheus. It still counts into its registry, so a runtime built with
 it (``Runtime(policy, metrics=RecordingMetrics())``) behaves and renders as usual.
@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.metrics import INTENTS, Metrics
+from extproc.runtime.metrics import INTENTS, Metrics
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class RecordingMetrics(Metrics):
     # -- assertion helpers ---------------------------------------------------------
     def calls(self, name: str, **want: Any) -> list[Event]:
         """The ``name`` events whose arguments include ``want``."""
-        assert name in INTENTS, f"{name!r} is not an intent of extproc.metrics"
+        assert name in INTENTS, f"{name!r} is not an intent of extproc.runtime.metrics"
         return [e for e in self.events if e.matches(name, want)]
 
     def count(self, name: str, **want: Any) -> int:

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.admission import Admission, Reject, Ticket
-from extproc.peer import PeerStream
 from extproc.policy import kv
 from extproc.policy.breaker import BreakerState
 from extproc.policy.schema import Policy, build_policy, hash_key
-from extproc.runtime import Runtime
+from extproc.request.admission import Admission, Reject, Ticket
+from extproc.runtime.runtime import Runtime
+from extproc.wire.peer import PeerStream
 from tests.metrics_fake import RecordingMetrics
 
 BREAKER = {"consecutive_failures": 2, "min_requests": 100, "cooldown_s": 10, "max_cooldown_s": 10,

@@ -14,12 +14,14 @@ from typing import Any
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc import ticker
-from extproc.admission import Admission, Reject
-from extproc.backends import BackendState, Expired, Hold, Waiter
-from extproc.peer import PeerStream
+from extproc.backends.hold import Hold
+from extproc.backends.queue import Expired, Waiter
+from extproc.backends.state import BackendState
 from extproc.policy.schema import build_policy, hash_key
-from extproc.runtime import Runtime
+from extproc.request.admission import Admission, Reject
+from extproc.runtime.runtime import Runtime
+from extproc.service import ticker
+from extproc.wire.peer import PeerStream
 
 
 def policy(wait_ms: int = 60_000, depth: int = 4) -> Any:

@@ -8,7 +8,9 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.backends import BackendState, Hold, Waiter
+from extproc.backends.hold import Hold
+from extproc.backends.queue import Waiter
+from extproc.backends.state import BackendState
 from extproc.policy.schema import build_policy, hash_key
 from extproc.policy.slots import Denied
 

@@ -196,7 +196,7 @@ def _schedule(n: int = 400, gap: float = 0.25, seed: int = 3) -> list[Request]:
 
 def _tokens(body: bytes) -> int:
     from bench.simbackend.parse import count_prompt, parse_chat
-    from extproc import tokens
+    from extproc.tokens import encodings as tokens
 
     return count_prompt(parse_chat(json.loads(body)), tokens.get_encoding("cl100k_base"))
 
@@ -262,7 +262,7 @@ def test_conversations_grow_by_repeating_the_previous_turn() -> None:
 
 
 def test_the_words_are_one_token_each_in_both_encodings() -> None:
-    from extproc import tokens
+    from extproc.tokens import encodings as tokens
 
     vocab = conversations.vocabulary()
     assert len(vocab) == conversations.VOCAB and len(set(vocab)) == len(vocab)

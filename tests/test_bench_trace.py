@@ -30,7 +30,7 @@ from bench.trace import (
     load_trace,
     sample_mix,
 )
-from extproc.envoyconfig import EXTPROC_CLUSTER, EXTPROC_FILTER, BackendRoute, EnvoyOptions
+from extproc.envoy.bootstrap import EXTPROC_CLUSTER, EXTPROC_FILTER, BackendRoute, EnvoyOptions
 
 ROWS = [TraceRow(i * 0.5 + (0.2 if i % 3 == 0 else 0.0), 200 + 37 * (i % 50), 10 + 7 * (i % 40))
         for i in range(400)]

@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.admission import Admission, Ticket
-from extproc.peer import PeerStream
 from extproc.policy.breaker import BreakerState, Outcome, outcome_at_settle
 from extproc.policy.schema import Policy, build_policy, hash_key
-from extproc.runtime import Runtime
+from extproc.request.admission import Admission, Ticket
+from extproc.runtime.runtime import Runtime
+from extproc.wire.peer import PeerStream
 
 OPEN, CLOSED = BreakerState.OPEN, BreakerState.CLOSED
 

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from extproc.envoy_eds import render as render_eds
+from extproc.envoy.eds import render as render_eds
 from extproc.policyfile import load_policy
 from tests.e2e.harness import envoy_binary
 

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
+from extproc.openai_api.redact import CREDENTIAL_PARAMS, redact_query
 from extproc.policy.schema import PolicyError, build_policy, hash_key
-from extproc.redact import CREDENTIAL_PARAMS, redact_query
-from extproc.runtime import Runtime
+from extproc.runtime.runtime import Runtime
 from tests.test_stream import exchange, headers
 
 

@@ -7,12 +7,13 @@ from typing import Any
 
 import pytest
 
-from extproc.backends import BackendState, Hold
-from extproc.endpoints import pool_status
-from extproc.monitor import refresh
+from extproc.backends.endpoints import pool_status
+from extproc.backends.hold import Hold
+from extproc.backends.state import BackendState
 from extproc.policy.breaker import BreakerState, Outcome
 from extproc.policy.schema import PolicyError, build_policy
-from extproc.runtime import Runtime
+from extproc.runtime.runtime import Runtime
+from extproc.service.monitor import refresh
 from tests.test_pool import TWO, doc
 
 A, B = "127.0.0.1:7001", "127.0.0.1:7002"

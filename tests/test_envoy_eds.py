@@ -1,4 +1,4 @@
-"""The pools' endpoint files for Envoy's EDS clusters (extproc/envoy_eds.py)."""
+"""The pools' endpoint files for Envoy's EDS clusters (extproc/envoy/eds.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 import yaml
 
 from extproc.__main__ import main
-from extproc.backends import BackendState
-from extproc.envoy_eds import (
+from extproc.backends.state import BackendState
+from extproc.envoy.eds import (
     EdsWriter,
     destinations,
     policy_destinations,

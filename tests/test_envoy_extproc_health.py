@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from bench.procs import envoy_binary
-from extproc.envoyconfig import (
+from extproc.envoy.bootstrap import (
     EXTPROC_CLUSTER,
     BackendRoute,
     EnvoyOptions,

@@ -1,4 +1,4 @@
-"""The alpha Envoy API behind extproc/envoy_usage.py, checked against the binary itself.
+"""The alpha Envoy API behind extproc/envoy/usage_record.py, checked against the binary itself.
 
 If an Envoy upgrade renames or renumbers a TokenUsage or AiProtocolManager field, or
 stops accepting the config, these fail: the fix belongs in envoy_usage.py alone.
@@ -18,8 +18,8 @@ from google.protobuf import descriptor_pb2
 from google.protobuf.internal.decoder import _DecodeVarint
 
 from bench.procs import envoy_binary
-from extproc import envoy_usage
-from extproc.envoyconfig import BackendRoute, EnvoyOptions, render_bootstrap
+from extproc.envoy import usage_record as envoy_usage
+from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, render_bootstrap
 
 
 def _real_binary() -> Path:

@@ -24,14 +24,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
-from extproc import messages as msg
-from extproc import repick
-from extproc.drain import DRAIN_PATH, LIMIT_HEADER
-from extproc.envoy_clusters import ENDPOINT_HEADER
-from extproc.envoy_eds import render as render_eds
-from extproc.envoy_eds import write_if_changed
-from extproc.envoy_replies import ENVOY_REPLIES
-from extproc.envoyconfig import (
+from extproc.envoy.bootstrap import (
     ACCESS_LOG_FORMAT,
     BACKEND_HEADER,
     DRAIN_CLUSTER,
@@ -46,7 +39,12 @@ from extproc.envoyconfig import (
     render_yaml,
     write_config,
 )
-from extproc.openai_body import ENDPOINTS
+from extproc.envoy.eds import render as render_eds
+from extproc.envoy.eds import write_if_changed
+from extproc.envoy.headers import DRAIN_PATH, ENDPOINT_HEADER, LIMIT_HEADER, UPSTREAM_ATTRIBUTE
+from extproc.envoy.replies import ENVOY_REPLIES
+from extproc.openai_api.body import ENDPOINTS
+from extproc.wire import messages as msg
 from tests.waiting import eventually
 
 BACKENDS = (
@@ -633,7 +631,7 @@ def test_only_pool_routes_retry_and_only_on_a_refused_connection() -> None:
         assert "retry_policy" not in vhost["routes"][0]["route"]  # the drain
     for mode in ("usage_trailers", "streamed"):
         cfg = ext_proc(render_bootstrap(backends, EnvoyOptions(response_processing=mode)))
-        assert repick.UPSTREAM_ATTRIBUTE in cfg["response_attributes"], mode
+        assert UPSTREAM_ATTRIBUTE in cfg["response_attributes"], mode
 
 
 def test_ext_proc_may_set_x_envoy_max_retries_and_no_other_envoy_header_but_the_retry_ones() -> None:
@@ -671,7 +669,7 @@ class PickProcessor(ext_grpc.ExternalProcessorServicer):
             elif phase == "request_body":
                 yield ext_pb.ProcessingResponse(request_body=ext_pb.BodyResponse())
             elif phase == "response_headers":
-                served = msg.attribute(request, repick.UPSTREAM_ATTRIBUTE) or "none"
+                served = msg.attribute(request, UPSTREAM_ATTRIBUTE) or "none"
                 common = ext_pb.CommonResponse(header_mutation=ext_pb.HeaderMutation(
                     set_headers=[_set("x-test-served", str(served))]))
                 yield ext_pb.ProcessingResponse(response_headers=ext_pb.HeadersResponse(response=common))

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.errors import (
+from extproc.openai_api.errors import (
     JITTER_MAX_S,
     REASONS,
     error_body,

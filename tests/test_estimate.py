@@ -1,10 +1,10 @@
-"""The usage estimate for responses whose usage never arrives (extproc/estimate.py)."""
+"""The usage estimate for responses whose usage never arrives (extproc/policy/decode_rate.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from extproc.estimate import DecodeRates, completion_estimate
+from extproc.policy.decode_rate import DecodeRates, completion_estimate
 
 
 def test_rate_is_learned_from_completed_streams_and_ignores_tiny_ones() -> None:

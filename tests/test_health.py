@@ -1,4 +1,4 @@
-"""extproc/health.py: grpc.health.v1 on the real grpc.aio server, and the drain's wait."""
+"""extproc/wire/health.py: grpc.health.v1 on the real grpc.aio server, and the drain's wait."""
 
 from __future__ import annotations
 
@@ -10,8 +10,14 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from bench.procs import free_port
-from extproc.health import NOT_SERVING, SERVING, Health, HealthCheckRequest, HealthCheckResponse
-from extproc.server import start_server
+from extproc.service.server import start_server
+from extproc.wire.health import (
+    NOT_SERVING,
+    SERVING,
+    Health,
+    HealthCheckRequest,
+    HealthCheckResponse,
+)
 
 CHECK = "/grpc.health.v1.Health/Check"
 

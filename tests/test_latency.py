@@ -10,8 +10,8 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.policy.schema import PolicyError, build_policy, hash_key
-from extproc.runtime import Runtime
-from extproc.stream import StreamProcessor
+from extproc.request.stream import StreamProcessor
+from extproc.runtime.runtime import Runtime
 from tests.test_stream import Clock, headers
 
 

@@ -1,4 +1,4 @@
-"""The request path counts through extproc.metrics' intent methods, each event in one place;
+"""The request path counts through extproc.runtime.metrics' intent methods, each event in one place;
 the recording fake (tests.metrics_fake) sees them, and Prometheus says the same."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 
-from extproc.metrics import INTENTS, NO_TENANT, Metrics
-from extproc.runtime import Runtime
+from extproc.runtime.metrics import INTENTS, NO_TENANT, Metrics
+from extproc.runtime.runtime import Runtime
 from tests.metrics_fake import RecordingMetrics
 from tests.test_stream import Clock, body, exchange, headers, policy, response
 
@@ -38,7 +38,7 @@ def test_a_rejection_is_counted_once_with_its_reason() -> None:
     e = rec.one("rejected")
     assert e.args == {"reason": "tpm_request_too_large", "status": 429, "tenant": "a"}
     assert rec.count("admitted") == 0 and rec.count("settled") == 0 and rec.count("released") == 0
-    # Its counted prompt is charged as spent (extproc.settle), once.
+    # Its counted prompt is charged as spent (extproc.request.settle), once.
     assert rec.one("charged_refused", tenant="a", reason="tpm_request_too_large").args["tokens"] > 0
     # Prometheus and /debug/state say the same, from that one call.
     assert value(rec, "sluice_rejections_total", reason="tpm_request_too_large", status="429") == 1

@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 
-from extproc.backends import BackendState, Hold
-from extproc.metrics import Metrics
-from extproc.monitor import apply_endpoint_sample, apply_sample, report_change
+from extproc.backends.hold import Hold
+from extproc.backends.scrape import Sample, kv_source
+from extproc.backends.state import BackendState
 from extproc.policy.schema import build_policy, hash_key
-from extproc.scrape import Sample, kv_source
+from extproc.runtime.metrics import Metrics
+from extproc.service.monitor import apply_endpoint_sample, apply_sample, report_change
 
 URL = "http://127.0.0.1:1/metrics"
 PROBLEM = Sample(ok=False, state="problem", problem="http_404", error="HTTP 404",

@@ -13,13 +13,14 @@ import pytest
 from aiohttp import web
 
 from bench.procs import free_port
-from extproc.backends import BackendState, Hold
-from extproc.metrics import Metrics
-from extproc.monitor import apply_sample, metric_names, report_change, run_monitor
+from extproc.backends.hold import Hold
+from extproc.backends.scrape import Sample, classify_answer, parse_sample
+from extproc.backends.state import BackendState
 from extproc.policy.reader import PolicyError
 from extproc.policy.schema import build_policy, hash_key
-from extproc.runtime import Runtime
-from extproc.scrape import Sample, classify_answer, parse_sample
+from extproc.runtime.metrics import Metrics
+from extproc.runtime.runtime import Runtime
+from extproc.service.monitor import apply_sample, metric_names, report_change, run_monitor
 from tests.waiting import eventually_async
 
 FIXTURES = Path(__file__).parent / "fixtures" / "metrics"

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from extproc.openai_body import (
+from extproc.openai_api.body import (
     MAX_N,
     REPLY_PRIMING,
     TOKENS_PER_MESSAGE,

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.backends import BackendState, Hold
+from extproc.backends.hold import Hold
+from extproc.backends.state import BackendState
 from extproc.policy.admit import SlotRequest, can_admit, decide
 from extproc.policy.context import completion_budget
 from extproc.policy.decision import Admit, Cause, Queue, Reason, Reject

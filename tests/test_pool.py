@@ -1,4 +1,4 @@
-"""A pool: one backend, several endpoints (extproc.endpoints), parsed, placed, reloaded."""
+"""A pool: one backend, several endpoints (extproc.backends.endpoints), parsed, placed, reloaded."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.backends import BackendState, Hold
+from extproc.backends.hold import Hold
+from extproc.backends.state import BackendState
 from extproc.policy.breaker import Outcome
 from extproc.policy.schema import PolicyError, build_policy, hash_key
 from extproc.policy.slots import Denied
@@ -168,7 +169,7 @@ def test_one_failing_endpoint_opens_its_breaker_not_the_pools() -> None:
 
 
 def test_a_leased_endpoint_takes_only_what_this_replica_leases_there() -> None:
-    """A shared store (extproc/store/lease_plan.py): per-endpoint leases, the others' holdings in the score."""
+    """A shared store (extproc/runtime/leases.py): per-endpoint leases, the others' holdings in the score."""
     be = runtime()
     assert be.endpoints is not None
     small, big = be.endpoints.by_key["127.0.0.1:7001"], be.endpoints.by_key["127.0.0.1:7002"]
@@ -213,7 +214,7 @@ def test_a_premium_head_that_fits_no_endpoint_is_owed_one_and_placed_there() -> 
     and the free tier goes to the other one meanwhile."""
     import asyncio
 
-    from extproc.backends import Waiter
+    from extproc.backends.queue import Waiter
 
     async def run() -> None:
         be = two_tiers([{"address": "127.0.0.1:7001", "kv_capacity_tokens": 1000},
@@ -260,7 +261,7 @@ def test_look_ahead_lets_smaller_premium_requests_pass_a_head_that_fits_nowhere(
     not owed to the head goes first; the head keeps its endpoint and is placed there."""
     import asyncio
 
-    from extproc.backends import Waiter
+    from extproc.backends.queue import Waiter
 
     async def run() -> None:
         be = two_tiers([{"address": "127.0.0.1:7001", "kv_capacity_tokens": 1000},
@@ -305,7 +306,7 @@ def test_premium_waiters_are_placed_while_free_traffic_keeps_coming(
     endpoint ever holds more than its cache."""
     import asyncio
 
-    from extproc.backends import Waiter
+    from extproc.backends.queue import Waiter
 
     caps = {"127.0.0.1:7001": 800, "127.0.0.1:7002": 1600, "127.0.0.1:7003": 3200}
 

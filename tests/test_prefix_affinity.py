@@ -1,5 +1,5 @@
-"""Prefix affinity: the key (extproc.prefix_key), the map (extproc.policy.affinity), the rule
-(extproc.policy.placement) and the pool state (extproc.endpoints), without I/O."""
+"""Prefix affinity: the key (extproc.openai_api.prefix_key), the map (extproc.policy.affinity), the rule
+(extproc.policy.placement) and the pool state (extproc.backends.endpoints), without I/O."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ from typing import Any
 
 import pytest
 
-from extproc.backends import BackendState, Hold
-from extproc.openai_body import parse_request
+from extproc.backends.hold import Hold
+from extproc.backends.state import BackendState
+from extproc.openai_api.body import parse_request
+from extproc.openai_api.prefix_key import prefix_keys
 from extproc.policy.affinity import PrefixAffinity
 from extproc.policy.placement import Candidate, pick
 from extproc.policy.schema import PolicyError, build_policy, hash_key
 from extproc.policy.slots import Denied
-from extproc.prefix_key import prefix_keys
 
 SYSTEM = "You are the support assistant of a large shop. " * 60  # ~2.9 kB
 

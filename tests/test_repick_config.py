@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import re
 
-from extproc.envoyconfig import BackendRoute, EnvoyOptions, render_bootstrap
-from extproc.repick import CLIENT_RETRY_HEADERS, ENVOY_MUTABLE, UPSTREAM_ATTRIBUTE
+from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, render_bootstrap
+from extproc.envoy.headers import CLIENT_RETRY_HEADERS, ENVOY_MUTABLE, UPSTREAM_ATTRIBUTE
 from tests.test_envoyconfig import ext_proc
 
 ONE = (BackendRoute("sim", "127.0.0.1", 8000),)

@@ -15,13 +15,13 @@ from typing import Any
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.endpoints import endpoint_status
+from extproc.backends.endpoints import endpoint_status
+from extproc.envoy.headers import CLIENT_RETRY_HEADERS, ENDPOINT_HEADER, MAX_RETRIES_HEADER
 from extproc.policy.breaker import BreakerState
 from extproc.policy.schema import build_policy, hash_key
-from extproc.repick import CLIENT_RETRY_HEADERS, MAX_RETRIES_HEADER
-from extproc.runtime import Runtime
-from extproc.store import lease_plan
-from extproc.stream import ENDPOINT_HEADER, StreamProcessor
+from extproc.request.stream import StreamProcessor
+from extproc.runtime import leases as lease_plan
+from extproc.runtime.runtime import Runtime
 from tests.test_stream import Clock, headers, stream_body, trailers
 
 A, B, C = "127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"
@@ -248,7 +248,7 @@ def test_both_connections_failed_envoys_503_settles_on_the_pick() -> None:
 
 def test_a_move_keeps_the_per_endpoint_lease_plan_consistent() -> None:
     """With a shared store each endpoint's lease follows st.in_flight / st.kv_in_use
-    (extproc.store.lease_plan): after a move the served endpoint asks for the request it
+    (extproc.runtime.leases): after a move the served endpoint asks for the request it
     runs, the pick for nothing, and nothing goes negative, even over the served one's lease."""
     rt, clock = runtime(policy((A, B)))
     be = rt.backends["pool"]
@@ -273,7 +273,7 @@ def test_a_move_keeps_the_per_endpoint_lease_plan_consistent() -> None:
 
 
 def test_a_drained_endpoints_repick_series_leave_metrics() -> None:
-    from extproc.series import owned, prune
+    from extproc.service.series import owned, prune
 
     rt, clock = runtime(policy((A, B)))
     sp, _ = request(rt)

@@ -11,8 +11,7 @@ import pytest
 from aiohttp import web
 
 from bench.procs import free_port
-from extproc.policy.engine_metrics import PRESETS, Selector, engine_metrics, parse_selector
-from extproc.scrape import (
+from extproc.backends.scrape import (
     Sample,
     classify_answer,
     kv_fraction,
@@ -20,6 +19,7 @@ from extproc.scrape import (
     parse_sample,
     scrape_once,
 )
+from extproc.policy.engine_metrics import PRESETS, Selector, engine_metrics, parse_selector
 
 FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
 

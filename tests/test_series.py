@@ -1,15 +1,15 @@
-"""The Prometheus series of a drained endpoint and of a removed backend go (extproc.series)."""
+"""The Prometheus series of a drained endpoint and of a removed backend go (extproc.service.series)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from extproc.backends import Hold
-from extproc.monitor import apply_endpoint_sample, apply_sample, refresh
+from extproc.backends.hold import Hold
+from extproc.backends.scrape import Sample
 from extproc.policy.schema import build_policy, hash_key
-from extproc.runtime import Runtime
-from extproc.scrape import Sample
-from extproc.series import SeriesPruner, owned, prune
+from extproc.runtime.runtime import Runtime
+from extproc.service.monitor import apply_endpoint_sample, apply_sample, refresh
+from extproc.service.series import SeriesPruner, owned, prune
 
 A, B = "127.0.0.1:7001", "127.0.0.1:7002"
 

@@ -10,10 +10,10 @@ import pytest
 
 from bench.procs import free_port
 from bench.redis_server import RedisServer
-from extproc.backends import Hold
+from extproc.backends.hold import Hold
 from extproc.policy.breaker import Breaker, BreakerConfig, BreakerState, Outcome
 from extproc.policy.schema import build_policy
-from extproc.runtime import Runtime
+from extproc.runtime.runtime import Runtime
 from extproc.store import ENV_URL
 from extproc.store.redis_state import connect
 from extproc.store.shared_breakers import SharedBreakers

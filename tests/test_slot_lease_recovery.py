@@ -15,10 +15,11 @@ import pytest
 import redis
 
 from bench.redis_server import RedisServer
+from extproc.store.pool_lease import PoolLease
 from extproc.store.redis_state import connect
 from extproc.store.registry import Registry
 from extproc.store.scripts import HEARTBEAT
-from extproc.store.slot_leases import PoolLease, SlotLeases
+from extproc.store.slot_leases import SlotLeases
 
 POOL = 12
 TTL = 10.0
@@ -74,7 +75,7 @@ class Fleet:
             r.admit()
             self.samples.append(self.held())
 
-        # (pool, pool kv, wanted, wanted kv, exact, in use, kv in use), as extproc.store.lease_plan
+        # (pool, pool kv, wanted, wanted kv, exact, in use, kv in use), as extproc.runtime.leases
         self.run(r.leases.tick({"b": lambda: (POOL, 0, r.in_use + r.waiting, 0, 0, r.in_use, 0)}, apply))
         r.admit()
         self.samples.append(self.held())

@@ -18,9 +18,10 @@ import pytest
 
 from bench.procs import ROOT
 from bench.redis_server import RedisServer
-from extproc.backends import BackendState, Hold
+from extproc.backends.hold import Hold
+from extproc.backends.state import BackendState
 from extproc.policy.schema import build_policy, hash_key
-from extproc.runtime import Runtime
+from extproc.runtime.runtime import Runtime
 from extproc.store import ENV_URL
 from extproc.store.redis_state import connect
 from extproc.store.registry import Registry
@@ -260,7 +261,7 @@ def test_redis_gone_the_lease_holds_until_its_deadline_then_a_local_share(
         loop.close()
 
 
-# -- a replica's Runtime on the shared pools (extproc/store/lease_plan.py) ----------------------
+# -- a replica's Runtime on the shared pools (extproc/runtime/leases.py) ----------------------
 
 def _doc(url: str, backend: dict[str, Any]) -> dict[str, Any]:
     return {"gateway": {"state": url},

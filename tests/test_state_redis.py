@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from bench.redis_server import RedisServer
 from extproc.policy.gate import LocalState, Verdict
 from extproc.policy.schema import Limits, PolicyError, build_policy
-from extproc.runtime import Runtime
+from extproc.runtime.runtime import Runtime
 from extproc.store import ENV_URL
 from extproc.store.redis_state import RedisState, connect
 from tests.redis_server import redis_server_fixture  # noqa: F401 - the redis_server fixture

@@ -11,8 +11,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.policy.breaker import BreakerState
 from extproc.policy.schema import build_policy, hash_key
-from extproc.runtime import Runtime
-from extproc.stream import StreamProcessor
+from extproc.request.stream import StreamProcessor
+from extproc.runtime.runtime import Runtime
 
 
 def policy(tpm: int = 100_000) -> Any:
@@ -260,7 +260,7 @@ def response_headers(status: int, ctype: str = "text/event-stream") -> pb.Proces
 
 
 def trailers(input_tokens: int | None, output_tokens: int | None) -> pb.ProcessingRequest:
-    from extproc import envoy_usage
+    from extproc.envoy import usage_record as envoy_usage
 
     req = pb.ProcessingRequest(response_trailers=pb.HttpTrailers())
     u = envoy_usage.TokenUsage()

@@ -11,7 +11,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.policy.schema import build_policy, hash_key
-from extproc.runtime import Runtime
+from extproc.runtime.runtime import Runtime
 from tests.test_stream import Clock, exchange, headers
 
 WINDOW = 4096

@@ -10,7 +10,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.policy.breaker import BreakerState
 from extproc.policy.schema import build_policy, hash_key
-from extproc.runtime import Runtime
+from extproc.runtime.runtime import Runtime
 from tests.test_stream import Clock, body, exchange, headers, response
 
 

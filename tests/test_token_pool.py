@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from extproc.token_pool import FairQueue, TokenPool
-from extproc.tokenizer import SLICE_CHARS, Counter, CountJob, TokenizerFailed
+from extproc.tokens.counter import SLICE_CHARS, Counter, CountJob, TokenizerFailed
+from extproc.tokens.pool import FairQueue, TokenPool
 
 
 def drain(q: FairQueue[list[str]], slices_left: dict[int, int]) -> list[str]:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from extproc import tokenizer, tokens
-from extproc.tokenizer import SLICE_CHARS, Counter, TokenizerFailed, slices
+from extproc.tokens import counter as tokenizer
+from extproc.tokens import encodings as tokens
+from extproc.tokens.counter import SLICE_CHARS, Counter, TokenizerFailed, slices
 
 ROOT = Path(__file__).resolve().parents[1]
 ENCODINGS = ("cl100k_base", "o200k_base")

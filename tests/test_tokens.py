@@ -13,7 +13,7 @@ import tiktoken
 import tiktoken.load
 import tiktoken.registry
 
-from extproc import tokens
+from extproc.tokens import encodings as tokens
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.usage import MAX_JSON_BODY, JSONTracker, SSETracker, Usage, usage_from
+from extproc.openai_api.usage import MAX_JSON_BODY, JSONTracker, SSETracker, Usage, usage_from
 
 
 def event(obj: Any, sep: bytes = b"\n\n") -> bytes:

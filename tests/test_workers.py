@@ -15,8 +15,8 @@ from bench.procs import ROOT, free_port, http_ok, tcp_open
 from bench.redis_server import RedisServer
 from extproc.policy.share import local_share
 from extproc.policyfile import load_policy
+from extproc.service.workers import refusal, worker_argv
 from extproc.store import ENV_URL
-from extproc.workers import refusal, worker_argv
 from tests.redis_server import redis_server_fixture  # noqa: F401 - the redis_server fixture
 from tests.waiting import eventually
 
@@ -105,7 +105,7 @@ def test_workers_with_redis_share_one_grpc_port_and_stop_together(redis_server: 
             st = _state(admin_port + i)
             assert st["store"]["kind"] == "redis" and st["store"]["member"].startswith(f"host-a-{i}#"), st["store"]
             # Each worker admits from its leases in Redis (extproc/store/slot_leases.py): one per endpoint of
-            # the pool (extproc/store/lease_plan.py), summed into the backend's slots.
+            # the pool (extproc/runtime/leases.py), summed into the backend's slots.
             pools = st["store"]["slot_leases"]["pools"]
             mine = [pools[f"{full.name}@{e.key}"] for e in full.endpoints]
             assert [p["pool"] for p in mine] == [e.max_concurrency for e in full.endpoints], mine

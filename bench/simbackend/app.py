@@ -13,7 +13,7 @@ from typing import Any
 import tiktoken
 from aiohttp import web
 
-from extproc import tokens
+from extproc.tokens import encodings as tokens
 
 from . import openai_fmt as fmt
 from .config import LiveConfig, SimConfig, parse_live_update

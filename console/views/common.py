@@ -6,7 +6,7 @@ from typing import Any
 
 from flask import Blueprint, current_app, g, render_template, request
 
-from console.app import Sluice
+from console.context import Sluice
 from console.policystate import NoPolicy, Snapshot
 from console.security import is_htmx
 

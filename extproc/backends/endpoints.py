@@ -5,7 +5,7 @@ the burst pool hold per pool); an ``EndpointSet`` places what it admits
 (``extproc.policy.placement``) and tracks what each endpoint holds.
 
 With a shared store each endpoint's slots and KV are leased separately
-(``extproc.store.lease_plan``): an endpoint then carries this replica's lease on it
+(``extproc.runtime.leases``): an endpoint then carries this replica's lease on it
 and what the other replicas hold there. A request is placed only where this
 replica's own lease has room (the slot and the footprint); the score sees the
 endpoint as a whole (this replica's reservations plus what the others hold), so two
@@ -25,6 +25,7 @@ import socket
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
+from extproc.backends import build
 from extproc.policy.affinity import PrefixAffinity
 from extproc.policy.breaker import Breaker, BreakerState, Outcome
 from extproc.policy.owed import owed_endpoints
@@ -153,7 +154,6 @@ class EndpointSet:
     def sync(self, spec: Backend, now: float) -> None:
         """Follow the policy's list: new endpoints join, changed ones are updated in place
         (their reservations stay), missing ones drain."""
-        from extproc.backends import breaker_config, watermark_controller  # one place builds both
 
         wanted = {e.key: e for e in spec.endpoints}
         new_breakers = self.breaker_settings is not None and spec.breaker != self.breaker_settings
@@ -166,17 +166,17 @@ class EndpointSet:
         for key, e in wanted.items():
             st = self.by_key.get(key)
             if st is None:
-                self.by_key[key] = EndpointState(e, resolve(e.host), watermark_controller(spec),
-                                                 Breaker(breaker_config(spec.breaker), now))
+                self.by_key[key] = EndpointState(e, resolve(e.host), build.watermark_controller(spec),
+                                                 build.breaker(spec.breaker, now))
                 continue
             st.draining = False
             if st.spec != e:
                 st.spec = e
             if st.ip is None:
                 st.ip = resolve(e.host)
-            st.wm = st.wm if _same_watermark(st, spec) else watermark_controller(spec)
+            st.wm = st.wm if _same_watermark(st, spec) else build.watermark_controller(spec)
             if new_breakers:
-                st.breaker = Breaker(breaker_config(spec.breaker), now)
+                st.breaker = build.breaker(spec.breaker, now)
                 st.override = None  # the new breaker gets the manual state again (apply_overrides)
         for st in self.by_key.values():
             st.overcommit = spec.kv_overcommit
@@ -227,7 +227,7 @@ class EndpointSet:
 
     def place(self, kv: int, now: float, prefix: tuple[int, ...] = (),
               exclude: Collection[str] = ()) -> Placement | None:
-        """Pick an endpoint and reserve on it; ``prefix`` (extproc.prefix_key) steers the
+        """Pick an endpoint and reserve on it; ``prefix`` (extproc.openai_api.prefix_key) steers the
         pick to the endpoint that last served the longest known part of it, and records
         where it went; ``exclude`` (owed endpoints) is not picked. The placement names a
         second choice too (``placement.second_choice``), where nothing is reserved."""
@@ -255,7 +255,7 @@ class EndpointSet:
 
     def plan(self, kvs: list[int], now: float) -> dict[str, tuple[int, int]]:
         """Where requests of footprints ``kvs`` would go if this replica's leases could grow:
-        endpoint key -> (slots, kv) more to ask for (``extproc.store.lease_plan``)."""
+        endpoint key -> (slots, kv) more to ask for (``extproc.runtime.leases``)."""
         extra: dict[str, tuple[int, int]] = {}
         for kv in kvs:
             got = pick([st.candidate(now, kv, extra.get(k, (0, 0)), lease=False) for k, st in self.by_key.items()],
@@ -333,7 +333,9 @@ def _same_watermark(st: EndpointState, spec: Backend) -> bool:
 
 def endpoint_status(st: EndpointState, now: float) -> dict[str, object]:
     """One endpoint in the status report (and so in the console's Overview)."""
-    from extproc.scrape import scrape_status  # scrape imports aiohttp; keep this module light
+    from extproc.backends.scrape import (
+        scrape_status,  # scrape imports aiohttp; keep this module light
+    )
 
     snap = st.breaker.snapshot(now)
     return {

@@ -4,7 +4,7 @@
 ``now``); this part of ``BackendState`` parks an asyncio future per waiter, hands freed
 capacity to waiters (``pump``, with the pool's look-ahead), and expires waiters whose
 deadline (the time they were queued + the tier's ``max_queue_wait_ms``, both on the
-runtime's clock) has passed, on the periodic ``tick`` (``extproc.ticker``). A future
+runtime's clock) has passed, on the periodic ``tick`` (``extproc.service.ticker``). A future
 ends with a ``Hold`` (admitted), a ``Denied`` (refused while waiting) or ``Expired``.
 """
 
@@ -24,8 +24,8 @@ from extproc.policy.schema import Policy
 from extproc.policy.slots import Denied, PoolName
 
 if TYPE_CHECKING:
-    from extproc.backends import Hold
-    from extproc.endpoints import EndpointSet
+    from extproc.backends.endpoints import EndpointSet
+    from extproc.backends.hold import Hold
     from extproc.policy.view import BackendView
 
 _ids = itertools.count(1)
@@ -46,7 +46,7 @@ class Waiter:
     tenant_cap: int | None
     kv: int
     future: asyncio.Future[Hold | Denied | Expired]
-    prefix: tuple[int, ...] = ()  # prompt prefix keys for placement (extproc.prefix_key)
+    prefix: tuple[int, ...] = ()  # prompt prefix keys for placement (extproc.openai_api.prefix_key)
     queued_at: float = 0.0  # on the runtime's clock; the deadline is this + the tier's max wait
 
 
@@ -61,14 +61,14 @@ def _held(got: Hold | Denied | Expired) -> bool:
 
 
 class BackendQueue:
-    """The queue methods of ``extproc.backends.BackendState`` (a mixin: it keeps the fields)."""
+    """The queue methods of ``extproc.backends.state.BackendState`` (a mixin: it keeps the fields)."""
 
     queue: AdmissionQueue[int]
     waiters: dict[int, Waiter]
     configs: dict[str, TierQueueConfig]
     priorities: dict[str, int]
     endpoints: EndpointSet | None
-    on_enqueue: Callable[[], None] | None = None  # wakes an idle ticker (extproc.ticker)
+    on_enqueue: Callable[[], None] | None = None  # wakes an idle ticker (extproc.service.ticker)
 
     if TYPE_CHECKING:
         def slot_scale(self, now: float) -> float: ...
@@ -187,7 +187,7 @@ class BackendQueue:
         return gone
 
     def tick(self, now: float) -> int:
-        """The periodic step (``extproc.ticker``): expire the waits past their deadline, then
+        """The periodic step (``extproc.service.ticker``): expire the waits past their deadline, then
         hand capacity that came back over time (a watermark recovering, a latency limit
         rising) to the waiting requests. Returns how many were handed a slot."""
         if not self.queue.depth():

@@ -4,7 +4,7 @@ The pure pieces live in ``extproc.policy``: ``BackendState`` is the ``BackendVie
 that ``extproc.policy.admit.decide`` reads, and applies what it decides. This module
 owns the acquisition, the ``status`` report, and keeps the pieces in step with the
 policy; the asyncio side of the queue (a future per waiting request, the pump, the
-deadlines, the periodic ``tick``) is ``extproc.backend_queue``.
+deadlines, the periodic ``tick``) is ``extproc.backends.queue``.
 """
 
 from __future__ import annotations
@@ -14,48 +14,21 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from extproc.backend_queue import BackendQueue, Expired, Waiter, queue_configs
-from extproc.endpoints import EndpointSet, affinity_status, pool_status
-from extproc.latency import adaptive_config
+from extproc.backends import build
+from extproc.backends.endpoints import EndpointSet, affinity_status, pool_status
+from extproc.backends.hold import Hold
+from extproc.backends.queue import BackendQueue, Waiter, queue_configs
+from extproc.backends.scrape import scrape_status
 from extproc.policy import admit
 from extproc.policy import kv as kvmath
 from extproc.policy.admission_queue import AdmissionQueue, TierQueueConfig
-from extproc.policy.breaker import Breaker, BreakerConfig
+from extproc.policy.breaker import Breaker
 from extproc.policy.concurrency import AdaptiveLimit
 from extproc.policy.decision import ROOM_CAUSES, Admit, Queue, Reject
 from extproc.policy.schema import Backend, BreakerOverride, BreakerSettings, Policy
-from extproc.policy.slots import Denied, PoolName, SlotGrant, SlotPool
+from extproc.policy.slots import Denied, PoolName, SlotPool
 from extproc.policy.tenant_breakers import TenantBreakers
 from extproc.policy.watermark import WatermarkController
-from extproc.scrape import scrape_status
-
-__all__ = ["BackendState", "Expired", "Hold", "Waiter"]
-
-
-def breaker_config(s: BreakerSettings) -> BreakerConfig:
-    return s.config()
-
-
-def tenant_breakers(s: BreakerSettings, now: float) -> TenantBreakers:
-    return TenantBreakers(breaker_config(s), s.min_failing_tenants, s.max_tenant_breakers, now)
-
-
-def watermark_controller(b: Backend) -> WatermarkController:
-    w = b.watermark
-    return WatermarkController(high=w.high, low=w.low, floor=w.floor, alpha=w.smoothing,
-                               recover_per_s=w.recover_per_s, stale_after_s=w.stale_after_s,
-                               waiting_threshold=w.waiting_threshold)
-
-
-@dataclass(frozen=True)
-class Hold:
-    """What an admitted request holds on a backend: a slot and its KV footprint."""
-
-    grant: SlotGrant
-    kv: int
-    endpoint: str | None = None  # the pool endpoint it was placed on (host:port)
-    affinity: str | None = None  # prefix affinity's part in that: hit | spill | miss (None: off)
-    second: str | None = None  # where Envoy retries if ``endpoint`` refuses the connection; nothing held there
 
 
 @dataclass
@@ -78,7 +51,7 @@ class BackendState(BackendQueue):
     kv_in_use: int = 0
     priorities: dict[str, int] = field(default_factory=dict)
     latency: AdaptiveLimit | None = None  # the SLO-driven concurrency limit, if a tier sets an SLO
-    endpoints: EndpointSet | None = None  # a pool's replicas (extproc.endpoints); None for one address
+    endpoints: EndpointSet | None = None  # a pool's replicas (extproc.backends.endpoints); None for one address
     kv_lease: int | None = None  # KV tokens leased from a pool shared by replicas (extproc.store.slot_leases)
     # Plain copies of the spec's values for the core's reads (BackendView), kept by _sync_view.
     name: str = field(init=False, default="")
@@ -88,7 +61,7 @@ class BackendState(BackendQueue):
     floor: float = field(init=False, default=0.0)
     has_slo: bool = field(init=False, default=False)  # a latency controller exists: slo_at_risk may say yes
     # Called when an acquire is denied for room (not a tenant cap): a shared store's
-    # lease task is woken to grow the lease (extproc.store.lease_plan.on_short).
+    # lease task is woken to grow the lease (extproc.runtime.leases.on_short).
     on_short: Callable[[BackendState, int, float], None] | None = None
     # Until the lease check that on_short asked for has ended (a shared store; None: no leases).
     lease_wait: Callable[[], Awaitable[None]] | None = None
@@ -100,8 +73,8 @@ class BackendState(BackendQueue):
         rt = cls(spec=spec,
                  pool=SlotPool(spec.max_concurrency, {t: policy.tiers[t].guaranteed_slots for t in order}, order,
                                _burst_caps(policy)),
-                 wm=watermark_controller(spec), breaker=Breaker(breaker_config(spec.breaker), now),
-                 tenant_breakers=tenant_breakers(spec.breaker, now),
+                 wm=build.watermark_controller(spec), breaker=build.breaker(spec.breaker, now),
+                 tenant_breakers=build.tenant_breakers(spec.breaker, now),
                  queue=AdmissionQueue(configs), configs=configs, has_metrics=spec.metrics_url is not None)
         rt.priorities = {name: t.priority for name, t in policy.tiers.items()}
         rt.endpoints = EndpointSet.create(spec, now) if spec.is_pool else None
@@ -120,8 +93,8 @@ class BackendState(BackendQueue):
         for name, settings in wanted.items():
             current = self.route_settings.get(name)
             if name not in self.route_breakers or current != settings:
-                self.route_breakers[name] = Breaker(breaker_config(settings), now)
-                self.route_tenant_breakers[name] = tenant_breakers(settings, now)
+                self.route_breakers[name] = build.breaker(settings, now)
+                self.route_tenant_breakers[name] = build.tenant_breakers(settings, now)
                 self.route_settings[name] = settings
 
     def tenants_for(self, model: str) -> TenantBreakers:
@@ -130,7 +103,7 @@ class BackendState(BackendQueue):
 
     def _sync_latency(self, spec: Backend, policy: Policy, now: float) -> None:
         """The latency controller keeps its learned limit across reloads."""
-        cfg = adaptive_config(spec, policy)
+        cfg = build.adaptive_config(spec, policy)
         if cfg is None:
             self.latency = None
         elif self.latency is None:
@@ -148,10 +121,10 @@ class BackendState(BackendQueue):
         self.pool.reconfigure(spec.max_concurrency, {t: policy.tiers[t].guaranteed_slots for t in order}, order,
                               _burst_caps(policy))
         if spec.watermark != self.spec.watermark:
-            self.wm = watermark_controller(spec)
+            self.wm = build.watermark_controller(spec)
         if spec.breaker != self.spec.breaker:
-            self.breaker = Breaker(breaker_config(spec.breaker), now)
-            self.tenant_breakers = tenant_breakers(spec.breaker, now)
+            self.breaker = build.breaker(spec.breaker, now)
+            self.tenant_breakers = build.tenant_breakers(spec.breaker, now)
         self._sync_route_breakers(spec, now)
         self._sync_latency(spec, policy, now)
         if queue_configs(policy) != self.configs:

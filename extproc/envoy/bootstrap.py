@@ -76,23 +76,23 @@ from envoy_data_plane.envoy.extensions.resource_monitors.downstream_connections.
 )
 from envoy_data_plane.google.protobuf import Any, Struct
 
-from extproc import envoy_usage
-from extproc.envoy_clusters import (
+from extproc.envoy import usage_record as envoy_usage
+from extproc.envoy.clusters import (
     DRAIN_CLUSTER,
     backend_cluster,
     extproc_cluster,
     pool_cluster,
     socket_address,
 )
-from extproc.envoy_extproc import (
+from extproc.envoy.extproc_filter import (
     EXTPROC_CLUSTER,
     EXTPROC_FILTER,
     RESPONSE_PROCESSING,
     ext_proc_filter,
 )
-from extproc.envoy_options import BackendRoute, EnvoyOptions, gateway_options, ms, seconds
-from extproc.envoy_replies import local_reply_config
-from extproc.envoy_routes import BACKEND_HEADER, LONG_IDLE, route_config
+from extproc.envoy.options import BackendRoute, EnvoyOptions, gateway_options, ms, seconds
+from extproc.envoy.replies import local_reply_config
+from extproc.envoy.routes import BACKEND_HEADER, LONG_IDLE, route_config
 
 __all__ = [
     "BACKEND_HEADER",
@@ -277,7 +277,7 @@ def write_config(path: str | Path, backends: Sequence[BackendRoute], opts: Envoy
     """Write the rendered YAML to ``path`` (parent directories created) and return it.
 
     Pools read their endpoints from ``opts.eds_dir``, by default ``path``'s directory;
-    the directory is created, the files are ``extproc.envoy_eds``'s job."""
+    the directory is created, the files are ``extproc.envoy.eds``'s job."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if any(b.pool for b in backends):

@@ -1,9 +1,9 @@
 """The clusters of the Envoy bootstrap: the ext_proc server (HTTP/2) and one HTTP/1.1
 cluster per backend, each with one endpoint and circuit-breaker thresholds; a pool's
-cluster takes its endpoints from a file (EDS, written by ``extproc.envoy_eds``).
+cluster takes its endpoints from a file (EDS, written by ``extproc.envoy.eds``).
 
-Takes plain values rather than ``EnvoyOptions`` (``extproc.envoy_options``);
-``extproc.envoyconfig``, which assembles the bootstrap, passes them.
+Takes plain values rather than ``EnvoyOptions`` (``extproc.envoy.options``);
+``extproc.envoy.bootstrap``, which assembles the bootstrap, passes them.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from envoy_data_plane.google.protobuf import Any
 
 # ENDPOINT_HEADER: ip:port of the pool endpoint Sluice picked, then (comma-separated) its
 # second choice; defined beside the rest of that contract.
-from extproc.repick import ENDPOINT_HEADER
+from extproc.envoy.headers import ENDPOINT_HEADER
 
 __all__ = ["DRAIN_CLUSTER", "ENDPOINT_HEADER", "backend_cluster", "eds_path",
            "extproc_cluster", "extproc_health", "pool_cluster", "socket_address"]
@@ -119,7 +119,7 @@ def _cluster(
 def extproc_health(interval_s: float, unhealthy_threshold: int) -> tuple[HealthCheck, OutlierDetection]:
     """How Envoy stops sending ext_proc streams to a replica that is dead, frozen or draining.
 
-    Active gRPC health checks (``grpc.health.v1``, served by extproc/health.py) every
+    Active gRPC health checks (``grpc.health.v1``, served by extproc/wire/health.py) every
     ``interval_s``, also while the cluster has no traffic yet (Envoy's default would be
     60 s, so a replica started after Envoy would wait that long): ``unhealthy_threshold``
     failed or timed-out checks, or one NOT_SERVING answer (a draining replica), take a
@@ -212,7 +212,7 @@ def pool_cluster(name: str, connect_timeout: datetime.timedelta, eds_dir: str) -
     ``x-envoy-max-retries: 0`` when it has no second choice.
 
     The set is read from ``<eds_dir>/<name>.eds.yaml`` (a DiscoveryResponse that
-    ``extproc.envoy_eds`` writes on every policy reload; Envoy re-reads it when a file is
+    ``extproc.envoy.eds`` writes on every policy reload; Envoy re-reads it when a file is
     moved into ``eds_dir``), so the endpoints change with the policy without re-rendering
     Envoy's config. The ORIGINAL_DST cluster used before connected to whatever the header
     named, one host per request: a retry went to the same dead address, never elsewhere.

@@ -23,10 +23,10 @@ from envoy_data_plane.envoy.type.matcher.v3 import RegexMatcher
 from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
 from envoy_data_plane.google.protobuf import Any
 
-from extproc import envoy_usage
-from extproc.envoy_options import EnvoyOptions, ms
-from extproc.messages import METADATA_NAMESPACE
-from extproc.repick import ENVOY_MUTABLE, UPSTREAM_ATTRIBUTE
+from extproc.envoy import usage_record as envoy_usage
+from extproc.envoy.headers import ENVOY_MUTABLE, UPSTREAM_ATTRIBUTE
+from extproc.envoy.options import EnvoyOptions, ms
+from extproc.wire.messages import METADATA_NAMESPACE
 
 __all__ = [
     "EXTPROC_CLUSTER",
@@ -47,7 +47,7 @@ EXTPROC_FILTER = "envoy.filters.http.ext_proc"
 # With response headers skipped, the status arrives as an attribute of the first
 # response-body message.
 RESPONSE_ATTRIBUTES = ("response.code",)
-# With a pool, the address that served (extproc.repick): on the response-headers message
+# With a pool, the address that served (extproc.request.repick): on the response-headers message
 # under usage_trailers, on the first response-body message when streamed (observed, 1.40).
 POOL_RESPONSE_ATTRIBUTES = (UPSTREAM_ATTRIBUTE,)
 RESPONSE_PROCESSING = ("usage_trailers", "streamed")
@@ -97,7 +97,7 @@ def ext_proc_filter(opts: EnvoyOptions, pools: bool = False) -> HttpFilter:
         # (authorization, x-api-key, content-length, x-sluice-*) except host,
         # :authority, :scheme, :method and x-envoy-*; a disallowed mutation is
         # ignored and counted in ext_proc's rejected_header_mutations. The router's retry
-        # and timeout headers are the exception (extproc.repick.ENVOY_MUTABLE): Sluice sets
+        # and timeout headers are the exception (extproc.envoy.headers.ENVOY_MUTABLE): Sluice sets
         # x-envoy-max-retries: 0 on a pool request without a second choice, and removes a
         # client's copies of all of them (Envoy strips them at the edge too, envoyconfig._edge_options).
         mutation_rules=HeaderMutationRules(allow_all_routing=False, allow_envoy=False,

@@ -1,6 +1,6 @@
 """What Envoy's bootstrap is rendered from: the backends as routes and clusters
 (``BackendRoute``) and the deployment's settings (``EnvoyOptions``, partly from the
-policy's gateway section, ``gateway_options``). Public through ``extproc.envoyconfig``;
+policy's gateway section, ``gateway_options``). Public through ``extproc.envoy.bootstrap``;
 here so the modules that render the parts (``envoy_extproc``, ``envoy_routes``) take the
 options without importing the module that assembles them.
 """
@@ -43,7 +43,7 @@ class EnvoyOptions:
     extproc_max_requests: int = 100000
     access_log: bool = True
     backend_connect_timeout_ms: int = 2000
-    # Where oversized uploads are drained: extproc's admin port (extproc/drain.py).
+    # Where oversized uploads are drained: extproc's admin port (extproc/service/drain.py).
     drain_host: str = "127.0.0.1"
     drain_port: int = 9100
     drain_timeout_s: float = 30.0
@@ -58,7 +58,7 @@ class EnvoyOptions:
     # the policy's gateway.response_processing: "usage_trailers" (Envoy reads the usage,
     # extproc gets one message per response) or "streamed" (every body chunk to extproc)
     response_processing: str = "usage_trailers"
-    # Where the pools' endpoint files are (<eds_dir>/<pool>.eds.yaml, extproc.envoy_eds);
+    # Where the pools' endpoint files are (<eds_dir>/<pool>.eds.yaml, extproc.envoy.eds);
     # "" in write_config: the rendered config's directory.
     eds_dir: str = ""
     # A pool route's wait before it re-picks after a refused connection (Envoy's back-off

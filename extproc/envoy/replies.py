@@ -24,7 +24,7 @@ from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v
 )
 from envoy_data_plane.google.protobuf import Any, Struct
 
-from extproc.envoy_clusters import DRAIN_CLUSTER
+from extproc.envoy.clusters import DRAIN_CLUSTER
 
 __all__ = ["ENVOY_REPLIES", "EnvoyReply", "local_reply_config"]
 
@@ -77,7 +77,7 @@ def _header(key: str, value: str) -> HeaderValueOption:
 def local_reply_config() -> LocalReplyConfig:
     mappers = []
     for reply in ENVOY_REPLIES:
-        # The same four keys as every other error body (extproc.errors.error_body).
+        # The same four keys as every other error body (extproc.openai_api.errors.error_body).
         error = {"message": reply.message, "type": reply.kind, "param": None, "code": reply.reason}
         mapper = ResponseMapper(
             filter=AccessLogFilter(

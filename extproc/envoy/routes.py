@@ -35,11 +35,11 @@ from envoy_data_plane.envoy.type.matcher.v3 import (
 from envoy_data_plane.envoy.type.v3 import Int64Range
 from envoy_data_plane.google.protobuf import Any
 
-from extproc.drain import DRAIN_PATH, LIMIT_HEADER
-from extproc.envoy_clusters import DRAIN_CLUSTER
-from extproc.envoy_options import BackendRoute, EnvoyOptions, ms, seconds
-from extproc.messages import METADATA_NAMESPACE, RESPONSE_HEADERS_FROM_METADATA
-from extproc.openai_body import ENDPOINTS
+from extproc.envoy.clusters import DRAIN_CLUSTER
+from extproc.envoy.headers import DRAIN_PATH, LIMIT_HEADER
+from extproc.envoy.options import BackendRoute, EnvoyOptions, ms, seconds
+from extproc.openai_api.body import ENDPOINTS
+from extproc.wire.messages import METADATA_NAMESPACE, RESPONSE_HEADERS_FROM_METADATA
 
 __all__ = ["BACKEND_HEADER", "LONG_IDLE", "REPICK_ON", "route_config"]
 
@@ -73,7 +73,7 @@ def _repick(opts: EnvoyOptions) -> RetryPolicy:
 
 def _route(b: BackendRoute, headers: list[HeaderMatcher], opts: EnvoyOptions) -> Route:
     """A backend's route; a pool's re-picks once on a refused connection (who served comes to
-    extproc as the ``upstream.address`` attribute, extproc.repick)."""
+    extproc as the ``upstream.address`` attribute, extproc.request.repick)."""
     return Route(
         match=RouteMatch(prefix="/", headers=headers),
         route=RouteAction(
@@ -89,7 +89,7 @@ def _drain_route(opts: EnvoyOptions, filters: Sequence[str]) -> Route:
     """Uploads declaring a body over the cap go to the drain, past every filter but the router.
 
     Envoy answering them itself (or ext_proc answering at request headers) closes the
-    connection with the body unread, and the RST destroys the 413 (see extproc/drain.py).
+    connection with the body unread, and the RST destroys the 413 (see extproc/service/drain.py).
     Here Envoy streams the body to the drain, which discards it and answers 413 once the
     request is complete. A request ext_proc has rerouted (x-sluice-backend set, route
     re-matched after a body rewrite) never lands here. Only the endpoints Sluice reads

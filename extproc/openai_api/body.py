@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from extproc import responses_api
+from extproc.openai_api import responses as responses_api
 
 ENDPOINTS = {
     "/v1/chat/completions": "chat",

@@ -25,7 +25,7 @@ that differ only there share keys, which costs at most a cache miss. Embeddings 
 
 from __future__ import annotations
 
-from extproc.openai_body import ParsedRequest
+from extproc.openai_api.body import ParsedRequest
 
 SEPARATOR = b"\x1f"  # between texts (role, content, ...): "ab"+"c" and "a"+"bc" differ
 

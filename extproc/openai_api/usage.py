@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from extproc import responses_api
+from extproc.openai_api import responses as responses_api
 
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 MAX_JSON_BODY = 8 << 20

@@ -1,6 +1,6 @@
 """Which endpoint last served a prompt prefix: a bounded LRU map with expiry. Pure.
 
-Keys are the chained block keys of ``extproc.prefix_key`` (a key names the whole
+Keys are the chained block keys of ``extproc.openai_api.prefix_key`` (a key names the whole
 prefix before it). ``record`` maps every key of a placed request to its endpoint;
 ``lookup`` answers the endpoint of the *longest* key still known, so a request is led
 to where most of its prefix was last computed. An entry lives ``ttl_s`` after it was

@@ -92,7 +92,7 @@ def outcome_for_status(status: int) -> Outcome:
 
 
 def outcome_at_settle(how: str, status: int) -> Outcome:
-    """What a request that settles ``how`` (extproc.settle) tells its breakers.
+    """What a request that settles ``how`` (extproc.request.settle) tells its breakers.
 
     A response that ended gives its status' outcome; an upstream error (reset, timeout) is
     a failure; anything else (refused, client gone, the stream reset before an answer)

@@ -1,6 +1,6 @@
 """What the core decides about one request's slot and KV room: ``Admit | Queue | Reject``.
 
-Frozen values with the reason in them, so the adapter (``extproc.admission``) only
+Frozen values with the reason in them, so the adapter (``extproc.request.admission``) only
 maps a decision to ext_proc messages and the core is tested as a table of cases.
 """
 
@@ -63,7 +63,7 @@ class Reject:
 
 Decision = Admit | Queue | Reject
 # No room now: the causes a bigger share of the pool can cure (a shared store's lease
-# grows for them, extproc.store.lease_plan); a tenant cap, a footprint over the whole
+# grows for them, extproc.runtime.leases); a tenant cap, a footprint over the whole
 # cache or the context window cannot be cured that way.
 ROOM_CAUSES = frozenset({Cause.KV_EXHAUSTED, Cause.SLOTS_EXHAUSTED})
 ADMIT: dict[PoolName, Admit] = {"guaranteed": Admit("guaranteed"), "shared": Admit("shared")}

@@ -1,7 +1,7 @@
 """The degradation ladder for one request: where it goes and how degraded, or why not.
 
 ``decide(LadderInput) -> Proceed | Fallback | Refuse``, on what the breakers said
-(``extproc.admission.Admission.route`` asks them: asking takes a half-open probe's
+(``extproc.request.admission.Admission.route`` asks them: asking takes a half-open probe's
 place, which the adapter gives back when the request will not be sent). In order:
 
 1. breaker: the backend's, then the model route's. Refused: the model's fallback if

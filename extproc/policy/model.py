@@ -231,7 +231,7 @@ class Backend:
     # with "max_tokens" (the default): "learned" charges the excess at settle instead.
     tpm_precharge: str = "max_tokens"
     adaptive_concurrency: AdaptiveSettings = field(default_factory=AdaptiveSettings)
-    # A pool: the engine replicas serving this backend's models (extproc.endpoints). Empty
+    # A pool: the engine replicas serving this backend's models (extproc.backends.endpoints). Empty
     # for the simple case (one ``address``). With endpoints, ``max_concurrency`` and
     # ``kv_capacity_tokens`` above are the pool's sums: the admission budget.
     endpoints: tuple[Endpoint, ...] = ()

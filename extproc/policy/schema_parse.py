@@ -130,7 +130,7 @@ def _endpoints(r: Reader, m: Mapping[str, Any], path: Path, max_concurrency: int
     """A pool's endpoints, each with its budgets resolved (its own, else the backend's).
 
     The list is the policy's today; a discovery source (DNS A records of a headless
-    service) would produce the same tuple and hand it to ``extproc.endpoints``."""
+    service) would produce the same tuple and hand it to ``extproc.backends.endpoints``."""
     raw = m.get("endpoints")
     if raw is None:
         return ()

@@ -12,7 +12,7 @@ an awaitable otherwise (the request waits for one Redis round trip); callers awa
 anything that is not a ``Verdict``. A ``force``d charge never waits. It lives outside
 this package (it does I/O), so the suite runs it besides this list.
 
-Slot, KV and breaker state are still held per process by ``extproc.backends``; moving
+Slot, KV and breaker state are still held per process by ``extproc.backends.state``; moving
 them behind this seam is the next step toward many replicas.
 """
 

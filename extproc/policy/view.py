@@ -1,6 +1,6 @@
 """What the admission core reads about one backend (or pool): ``BackendView``.
 
-A read-only protocol of plain-value accessors. The live ``extproc.backends.BackendState``
+A read-only protocol of plain-value accessors. The live ``extproc.backends.state.BackendState``
 implements it (nothing is copied on the hot path); ``BackendSnapshot`` is a frozen
 implementation for tests and reports. Accessors that take ``now`` are pure in it:
 the same state and the same ``now`` give the same answer.

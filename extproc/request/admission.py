@@ -17,17 +17,19 @@ from dataclasses import dataclass, field
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc import messages as msg
-from extproc.backends import BackendState, Expired, Hold, Waiter
-from extproc.errors import retry_after_headers
-from extproc.peer import PeerStream
+from extproc.backends.hold import Hold
+from extproc.backends.queue import Expired, Waiter
+from extproc.backends.state import BackendState
+from extproc.openai_api.errors import retry_after_headers
 from extproc.policy import decision, ladder
 from extproc.policy import kv as kvmath
 from extproc.policy.admit import SlotRequest
 from extproc.policy.breaker import BreakerVerdict, Outcome
 from extproc.policy.gate import Verdict
 from extproc.policy.schema import Backend, Limits, Model, Policy, Tenant
-from extproc.runtime import Runtime
+from extproc.runtime.runtime import Runtime
+from extproc.wire import messages as msg
+from extproc.wire.peer import PeerStream
 
 LEASE_WAIT_HINT_S = 2.0  # Envoy's message timeout while the lease check runs (bounded at 0.5 s, runtime)
 BACKSTOP_S = 1.0  # past a queue deadline, a wait ends by itself if no tick ended it (_await_grant)
@@ -66,12 +68,12 @@ class Ticket:
     tenant: str = ""
     tenant_verdict: BreakerVerdict | None = None  # the tenant's breaker on this backend
     lease_short: SlotRequest | None = None  # refused for room in a shared lease: retried after one lease check
-    prefix: tuple[int, ...] = ()  # prompt prefix keys when the pool has prefix affinity (extproc.prefix_key)
+    prefix: tuple[int, ...] = ()  # prompt prefix keys when the pool has prefix affinity (extproc.openai_api.prefix_key)
 
     def report_outcome(self, outcome: Outcome, latency_s: float | None, now: float) -> None:
         """Tell each breaker that let this request through how it ended; once. The one place
         an outcome reaches the breakers: admission gives a probe back with ``CANCELLED``,
-        settle reports ``outcome_at_settle`` (extproc.settle).
+        settle reports ``outcome_at_settle`` (extproc.request.settle).
 
         The tenant's breakers hear first and decide who a failure is blamed on: a
         failure of this tenant alone reaches the backend's breakers as
@@ -84,7 +86,7 @@ class Ticket:
             shared = be.tenants_for(self.model.name).record(self.tenant, outcome, now,
                                                             admitted=self.tenant_verdict.allowed)
         if self.hold is not None and self.hold.endpoint is not None and be.endpoints is not None:
-            # The endpoint's own breaker ejects it from picking (extproc.endpoints); a failure
+            # The endpoint's own breaker ejects it from picking (extproc.backends.endpoints); a failure
             # of one endpoint while others are usable is not the pool's.
             shared = be.endpoints.record(self.hold.endpoint, shared, latency_s, now)
         if self.breaker_verdict is not None and self.breaker_verdict.allowed:
@@ -278,7 +280,7 @@ class Admission:
         max_wait = self.tier.max_queue_wait_ms / 1000
         closed = self.peer.closed_signal()
         try:
-            # The timeout is only a backstop, should the tick loop (extproc.ticker) have died:
+            # The timeout is only a backstop, should the tick loop (extproc.service.ticker) have died:
             # the wait still ends, as a queue_timeout, before Envoy's message timeout
             # (_wait_hint: max wait + 2 s) answers 504. Normally the tick ends it at the deadline.
             done, _ = await asyncio.wait({w.future, closed}, timeout=max_wait + BACKSTOP_S,

@@ -24,24 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from extproc.policy.concurrency import AdaptiveConfig
-from extproc.policy.schema import Backend, Policy, Tier
+from extproc.policy.schema import Tier
 
 if TYPE_CHECKING:
-    from extproc.admission import Ticket
-    from extproc.runtime import Runtime
-    from extproc.usage import Usage
-
-
-def adaptive_config(spec: Backend, policy: Policy) -> AdaptiveConfig | None:
-    """The controller's settings for a backend, or None where no tier sets an SLO."""
-    a = spec.adaptive_concurrency
-    if not a.enabled or not any(t.ttft_p99_ms or t.itl_p99_ms for t in policy.tiers.values()):
-        return None
-    return AdaptiveConfig(ceiling=spec.max_concurrency, floor=min(a.floor, spec.max_concurrency),
-                          window_s=a.window_s, min_samples=a.min_samples, quantile=a.quantile,
-                          tolerance=a.tolerance, smoothing=a.smoothing, min_gradient=a.min_gradient,
-                          risk_hold_s=a.risk_hold_s)
+    from extproc.openai_api.usage import Usage
+    from extproc.request.admission import Ticket
+    from extproc.runtime.runtime import Runtime
 
 
 @dataclass(frozen=True)

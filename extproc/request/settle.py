@@ -1,6 +1,6 @@
 """How a stream settles: the one exit that gives back what a request held, exactly once.
 
-``settle()`` runs on every way a stream ends (``extproc.stream``): it charges the
+``settle()`` runs on every way a stream ends (``extproc.request.stream``): it charges the
 tenant what the request used (the usage the backend reported, Envoy's usage record,
 or an estimate) and refunds the rest of its pre-charge, releases its slot and KV,
 reports the outcome to the breakers that let it through, and feeds the latency
@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import logging
 
-from extproc import latency
-from extproc.admission import Ticket
-from extproc.envoy_usage import EnvoyUsage
-from extproc.estimate import completion_estimate
-from extproc.openai_body import ParsedRequest
+from extproc.envoy.usage_record import EnvoyUsage
+from extproc.openai_api.body import ParsedRequest
+from extproc.openai_api.usage import JSONTracker, SSETracker, Usage
 from extproc.policy.breaker import outcome_at_settle
+from extproc.policy.decode_rate import completion_estimate
 from extproc.policy.schema import Limits, Policy, Tenant
-from extproc.runtime import Runtime
-from extproc.usage import JSONTracker, SSETracker, Usage
+from extproc.request import observe as latency
+from extproc.request.admission import Ticket
+from extproc.runtime.runtime import Runtime
 
 log = logging.getLogger("sluice.stream")
 
@@ -31,7 +31,7 @@ CHARGED_REFUSALS = frozenset({"context_length", "too_large_for_backend", "tpm_re
 
 
 class Settlement:
-    """The settle side of ``extproc.stream.StreamProcessor``, which sets these attributes."""
+    """The settle side of ``extproc.request.stream.StreamProcessor``, which sets these attributes."""
 
     rt: Runtime
     policy: Policy

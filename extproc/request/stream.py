@@ -3,7 +3,7 @@
 headers -> body (verdict, pre-charge, slot) -> response headers -> streamed body -> settle.
 Every way a stream can end (end of stream, upstream error, client disconnect, Envoy
 resetting the ext_proc stream, a message timeout, a rejection after admission)
-reaches ``settle()`` (``extproc.settle``), which gives back what the request held exactly once.
+reaches ``settle()`` (``extproc.request.settle``), which gives back what the request held exactly once.
 """
 
 from __future__ import annotations
@@ -15,31 +15,39 @@ from collections.abc import AsyncIterator
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc import envoy_usage, latency, models_list
-from extproc import messages as msg
-from extproc.admission import Admission, Reject, Ticket
-from extproc.envoy_usage import EnvoyUsage
-from extproc.errors import REASONS, error_body, format_duration, retry_after_headers
-from extproc.metrics import NO_TENANT
-from extproc.openai_body import BadRequest, ParsedRequest, parse_request, path_kind, upstream_body
-from extproc.peer import PeerStream
-from extproc.policy import decision
-from extproc.policy.context import completion_budget
-from extproc.policy.gate import RateView, Verdict
-from extproc.policy.schema import Limits, Model, Tenant
-from extproc.prefix_key import prefix_keys
-from extproc.redact import redact_query
-from extproc.repick import (
+from extproc.envoy import usage_record as envoy_usage
+from extproc.envoy.headers import (
     ENDPOINT_HEADER,
     UPSTREAM_ATTRIBUTE,
     client_retry_removals,
     endpoint_headers,
-    served_elsewhere,
 )
-from extproc.runtime import Runtime
-from extproc.settle import Settlement
-from extproc.tokenizer import TokenizerFailed, estimate
-from extproc.usage import JSONTracker, SSETracker
+from extproc.envoy.usage_record import EnvoyUsage
+from extproc.openai_api import models_list
+from extproc.openai_api.body import (
+    BadRequest,
+    ParsedRequest,
+    parse_request,
+    path_kind,
+    upstream_body,
+)
+from extproc.openai_api.errors import REASONS, error_body, format_duration, retry_after_headers
+from extproc.openai_api.prefix_key import prefix_keys
+from extproc.openai_api.redact import redact_query
+from extproc.openai_api.usage import JSONTracker, SSETracker
+from extproc.policy import decision
+from extproc.policy.context import completion_budget
+from extproc.policy.gate import RateView, Verdict
+from extproc.policy.schema import Limits, Model, Tenant
+from extproc.request import observe as latency
+from extproc.request.admission import Admission, Reject, Ticket
+from extproc.request.repick import served_elsewhere
+from extproc.request.settle import Settlement
+from extproc.runtime.metrics import NO_TENANT
+from extproc.runtime.runtime import Runtime
+from extproc.tokens.counter import TokenizerFailed, estimate
+from extproc.wire import messages as msg
+from extproc.wire.peer import PeerStream
 
 log = logging.getLogger("sluice.stream")
 
@@ -177,7 +185,7 @@ class StreamProcessor(Settlement):
         if served is not None:
             return self._serve_models(served, headers.get(":method", "GET"))
         self.kind = path_kind(path)
-        # A key in the query string never goes upstream (extproc/redact.py).
+        # A key in the query string never goes upstream (extproc/openai_api/redact.py).
         clean = redact_query(path)
         new_path = {":path": clean} if clean != path else {}
         if self.kind is None:
@@ -283,7 +291,7 @@ class StreamProcessor(Settlement):
         set_headers = {**self._identity_headers(), "x-sluice-backend": ticket.backend.name}
         dest = self._destination(ticket)
         if dest is not None:
-            set_headers.update(dest)  # where the pool cluster connects, and retries once (extproc.repick)
+            set_headers.update(dest)  # where the pool cluster connects, and retries once (extproc.request.repick)
         if new_body is not None:
             set_headers["content-length"] = str(len(new_body))
         remove = (*(KEY_HEADERS if gw.strip_api_key else ()), *client_retry_removals(set_headers))
@@ -299,7 +307,7 @@ class StreamProcessor(Settlement):
 
     def _destination(self, ticket: Ticket) -> dict[str, str] | None:
         """A pool's ``x-sluice-endpoint`` (the pick, and the second choice) and, without a
-        second choice, ``x-envoy-max-retries: 0`` (extproc.repick); None for one address."""
+        second choice, ``x-envoy-max-retries: 0`` (extproc.request.repick); None for one address."""
         hold, eps = ticket.hold, ticket.runtime.endpoints
         if eps is not None and hold is not None and hold.endpoint is not None:
             self.rt.metrics.placed(ticket.backend.name, hold.endpoint, hold.affinity)
@@ -383,7 +391,7 @@ class StreamProcessor(Settlement):
 
     def _follow_served(self, request: pb.ProcessingRequest, now: float) -> None:
         """The first response message names who served (``upstream.address``): after Envoy
-        re-picked on a connect failure the hold follows (extproc.repick). A settled request
+        re-picked on a connect failure the hold follows (extproc.request.repick). A settled request
         holds nothing any more, so there is nothing to move."""
         served = msg.attribute(request, UPSTREAM_ATTRIBUTE)
         if isinstance(served, str) and self.ticket is not None:

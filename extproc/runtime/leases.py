@@ -5,7 +5,7 @@ A backend with one address is one leased pool, named after the backend: its
 backend with ``endpoints:`` is one pool per endpoint, named ``<backend>@<host:port>``,
 with that endpoint's slots and KV: the replicas together never hold more than an
 engine's own cache, and this replica's backend admits from the sum of its endpoint
-leases while placement (``extproc.endpoints``) puts each request on an endpoint where
+leases while placement (``extproc.backends.endpoints``) puts each request on an endpoint where
 this replica's own lease has room.
 
 What a lease is kept at is what is in use plus what waits for room, plus a block:
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from extproc.policy.schema import Backend
 
 if TYPE_CHECKING:
-    from extproc.backends import BackendState
+    from extproc.backends.state import BackendState
     from extproc.store.slot_leases import SlotLeases
 
 

@@ -100,13 +100,13 @@ class Metrics:
                                 registry=r)
         self.shadow = Counter("sluice_shadow_decisions", "Rejections a shadowed rule would have made.",
                               ["rule", "tier"], registry=r)
-        # Oversized uploads read and discarded so the client sees its 413 (extproc/drain.py)
+        # Oversized uploads read and discarded so the client sees its 413 (extproc/service/drain.py)
         self.drained = Counter("sluice_drained_uploads", "Oversized uploads answered 413 by the drain, by outcome.",
                                ["outcome"], registry=r)
         self.drained_bytes = Counter("sluice_drained_bytes", "Bytes of oversized uploads read and discarded.",
                                      registry=r)
 
-        # Latency, per backend and tier (observed at settle, see extproc/latency.py)
+        # Latency, per backend and tier (observed at settle, see extproc/request/observe.py)
         self.ttft = Histogram("sluice_ttft_seconds", "Time to first token, from admission (slot granted) to the "
                               "first response byte.", ["backend", "tier"], buckets=TTFT_BUCKETS, registry=r)
         self.ttft_arrival = Histogram("sluice_ttft_from_arrival_seconds", "Time to first token from the "
@@ -123,7 +123,7 @@ class Metrics:
                                        registry=r)
         self.completion_estimate = Gauge("sluice_completion_estimate_tokens", "The learned completion length "
                                          "reserved per choice, by tier and model.", ["tier", "model"], registry=r)
-        # A pool's endpoints (extproc.endpoints): where requests were placed and what each holds.
+        # A pool's endpoints (extproc.backends.endpoints): where requests were placed and what each holds.
         self.endpoint_picks = Counter("sluice_endpoint_picks", "Requests placed on a pool endpoint.",
                                       ["backend", "endpoint"], registry=r)
         self.endpoint_repicks = Counter("sluice_endpoint_repicks", "Pool requests Envoy sent to another endpoint "
@@ -186,7 +186,7 @@ class Metrics:
         self.in_flight.dec()
 
     def charged_refused(self, tenant: str, reason: str, tokens: int) -> None:
-        """A prompt refused after it was counted, charged as spent (extproc.settle)."""
+        """A prompt refused after it was counted, charged as spent (extproc.request.settle)."""
         self.child(self.tokens_refused, tenant, reason).inc(tokens)
 
     def shadowed(self, rule: str, tier: str) -> None:
@@ -207,7 +207,7 @@ class Metrics:
             self.child(self.prefix_affinity, backend, affinity).inc()
 
     def repicked(self, backend: str, from_endpoint: str, to_endpoint: str) -> None:
-        """Envoy served a pool request elsewhere than the pick (extproc.repick)."""
+        """Envoy served a pool request elsewhere than the pick (extproc.request.repick)."""
         self.child(self.endpoint_repicks, backend, from_endpoint, to_endpoint).inc()
 
     def tokenized(self, tenant: str, seconds: float) -> None:
@@ -215,7 +215,7 @@ class Metrics:
 
     def latency(self, backend: str, tier: str, ttft: float, from_arrival: float, duration: float | None = None,
                 itl: float | None = None) -> None:
-        """A forwarded request's latencies (extproc.latency); duration and ITL only when it ended normally."""
+        """A forwarded request's latencies (extproc.request.observe); duration and ITL only when it ended normally."""
         c = self.child
         c(self.ttft, backend, tier).observe(ttft)
         c(self.ttft_arrival, backend, tier).observe(from_arrival)
@@ -228,7 +228,7 @@ class Metrics:
         self.child(self.completion_estimate, tier, model).set(tokens)
 
     def drained_upload(self, outcome: str, read: int = 0) -> None:
-        """An oversized upload the drain answered (extproc.drain), ``read`` bytes discarded."""
+        """An oversized upload the drain answered (extproc.service.drain), ``read`` bytes discarded."""
         if read:
             self.drained_bytes.inc(read)
         self.child(self.drained, outcome).inc()

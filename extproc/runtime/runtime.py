@@ -16,21 +16,23 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from extproc import tokenizer
-from extproc.backends import BackendState
-from extproc.estimate import DecodeRates
-from extproc.metrics import Metrics
+from extproc.backends.state import BackendState
 from extproc.policy.breaker import Breaker
 from extproc.policy.completions import CompletionEstimator
+from extproc.policy.decode_rate import DecodeRates
 from extproc.policy.schema import Backend, Policy
 from extproc.policy.share import leased_view, local_share, zero_shares
 from extproc.policy.state import TokenState
-from extproc.store import lease_plan, open_state, state_url
+from extproc.runtime import leases as lease_plan
+from extproc.runtime.metrics import Metrics
+from extproc.runtime.ttft_counts import BOUNDS_MS as TTFT_BOUNDS_MS
+from extproc.runtime.ttft_counts import TtftCounts
+from extproc.store import open_state, state_url
+from extproc.store.pool_lease import PoolLease
 from extproc.store.shared_breakers import SharedBreakers
-from extproc.store.slot_leases import PoolLease, SlotLeases
-from extproc.token_pool import TokenPool
-from extproc.ttft_counts import BOUNDS_MS as TTFT_BOUNDS_MS
-from extproc.ttft_counts import TtftCounts
+from extproc.store.slot_leases import SlotLeases
+from extproc.tokens import counter as tokenizer
+from extproc.tokens.pool import TokenPool
 
 log = logging.getLogger("sluice.runtime")
 
@@ -80,7 +82,7 @@ class Runtime:
         self._sync_backends(policy)
         self.metrics.policy_ok.set(1)
         # Called after every swap, with no await in between (serve --eds-dir writes Envoy's
-        # endpoint files there, extproc.envoy_eds).
+        # endpoint files there, extproc.envoy.eds).
         self.on_swap: list[Callable[[], None]] = []
 
     def _load_encodings(self, policy: Policy) -> None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from extproc.drain import DRAIN_PATH, drain_handler
-from extproc.runtime import Runtime
+from extproc.envoy.headers import DRAIN_PATH
+from extproc.runtime.runtime import Runtime
+from extproc.service.drain import drain_handler
 
 
 def admin_app(runtime: Runtime) -> web.Application:
@@ -24,7 +25,7 @@ def admin_app(runtime: Runtime) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/debug/state", state)
-    # Envoy sends oversized uploads here (the drain route); see extproc/drain.py.
+    # Envoy sends oversized uploads here (the drain route); see extproc/service/drain.py.
     app.router.add_route("*", DRAIN_PATH, drain_handler(runtime))
     return app
 

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 
 from extproc.policy.schema import PolicyError, build_policy
-from extproc.runtime import Runtime
+from extproc.runtime.runtime import Runtime
 
 log = logging.getLogger("sluice.console")
 LONG_POLL_S = 25

@@ -22,16 +22,12 @@ from typing import TYPE_CHECKING
 from aiohttp import ClientPayloadError, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from extproc.errors import error_body
+from extproc.envoy.headers import LIMIT_HEADER
+from extproc.openai_api.errors import error_body
 
-if TYPE_CHECKING:  # the Envoy config generator imports the names above, not the runtime
-    from extproc.runtime import Runtime
+if TYPE_CHECKING:
+    from extproc.runtime.runtime import Runtime
 
-__all__ = ["DRAIN_PATH", "LIMIT_HEADER", "drain_handler"]
-
-DRAIN_PATH = "/drain"
-# Set by the drain route: the body cap Envoy's route enforced when it sent the request here.
-LIMIT_HEADER = "x-sluice-body-limit"
 REASON = "body_too_large"
 _CHUNK = 256 * 1024
 

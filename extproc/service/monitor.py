@@ -3,7 +3,7 @@
 The scrape feeds the watermark controller (capacity scale) and the breaker
 (preemption counter). A short refresh keeps the gauges current and turns breaker
 transitions into metrics and log lines. The admission queues have their own tick
-(``extproc.ticker``).
+(``extproc.service.ticker``).
 """
 
 from __future__ import annotations
@@ -14,15 +14,21 @@ import logging
 
 import aiohttp
 
-from extproc.backends import BackendState
-from extproc.endpoints import EndpointState, resolve_later
-from extproc.metrics import Metrics
+from extproc.backends.endpoints import EndpointState, resolve_later
+from extproc.backends.scrape import (
+    Sample,
+    engine_metrics,
+    kv_source,
+    reserved_fraction,
+    scrape_once,
+)
+from extproc.backends.state import BackendState
 from extproc.policy.breaker import Breaker
 from extproc.policy.engine_metrics import EngineMetrics
 from extproc.policy.watermark import WatermarkController
-from extproc.runtime import Runtime
-from extproc.scrape import Sample, engine_metrics, kv_source, reserved_fraction, scrape_once
-from extproc.series import SeriesPruner
+from extproc.runtime.metrics import Metrics
+from extproc.runtime.runtime import Runtime
+from extproc.service.series import SeriesPruner
 
 log = logging.getLogger("sluice.monitor")
 TICK_S = 0.1

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from extproc.policy.schema import PolicyError
 from extproc.policyfile import fingerprint, load_policy
-from extproc.runtime import Runtime
+from extproc.runtime.runtime import Runtime
 
 log = logging.getLogger("sluice.reload")
 

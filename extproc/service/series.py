@@ -18,7 +18,7 @@ from typing import Any
 
 from prometheus_client.metrics import MetricWrapperBase
 
-from extproc.metrics import Metrics
+from extproc.runtime.metrics import Metrics
 
 PRUNE_S = 2.0
 

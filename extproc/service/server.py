@@ -16,10 +16,10 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from extproc.health import Health
-from extproc.peer import PeerStream
-from extproc.runtime import Runtime
-from extproc.stream import StreamProcessor
+from extproc.request.stream import StreamProcessor
+from extproc.runtime.runtime import Runtime
+from extproc.wire.health import Health
+from extproc.wire.peer import PeerStream
 
 log = logging.getLogger("sluice.server")
 
@@ -74,7 +74,7 @@ async def start_server(servicer: pb_grpc.ExternalProcessorServicer, host: str, p
     # server on a taken port would silently share it instead of failing to bind).
     server = grpc.aio.server(options=[*SERVER_OPTIONS, ("grpc.so_reuseport", int(reuse_port))])
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
-    # grpc.health.v1, which Envoy's ext_proc cluster checks (extproc/health.py)
+    # grpc.health.v1, which Envoy's ext_proc cluster checks (extproc/wire/health.py)
     server.add_generic_rpc_handlers([(health or Health()).handler()])
     if server.add_insecure_port(f"{host}:{port}") == 0:
         raise OSError(f"cannot bind ext_proc gRPC on {host}:{port}")

@@ -1,6 +1,6 @@
 """The admission tick: ends queue waits at their deadline and pumps the queues.
 
-While any request waits, each backend's ``tick`` (``extproc.backend_queue``) runs every
+While any request waits, each backend's ``tick`` (``extproc.backends.queue``) runs every
 ``TICK_S`` with the runtime's clock: waiters whose deadline (queued at + the tier's
 ``max_queue_wait_ms``) has passed get their 503 ``queue_timeout``, and capacity that
 came back over time (a watermark recovering, a latency limit rising) goes to the
@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 
-from extproc.runtime import Runtime
+from extproc.runtime.runtime import Runtime
 
 log = logging.getLogger("sluice.ticker")
 TICK_S = 0.025

@@ -52,8 +52,8 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from extproc.store.pool_lease import PoolLease
     from extproc.store.registry import Registry
-    from extproc.store.slot_leases import PoolLease
 
 log = logging.getLogger("sluice.store")
 

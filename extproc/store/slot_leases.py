@@ -4,7 +4,7 @@ Each replica holds a lease on a part of each pool: ``s`` slots and ``k`` KV toke
 one sorted-set entry per holder (the replica's registry member, ``<id>#<epoch>``)
 scored by a Redis-time deadline (``ttl_s``, default 10 s), its amounts in a hash
 beside it. A pool is a backend's, or one endpoint's of a pool backend
-(``extproc.store.lease_plan`` names them and wires them into the backends). The
+(``extproc.runtime.leases`` names them and wires them into the backends). The
 replica admits from its lease locally, with the pure slot pool and KV rule unchanged
 (its ``BackendState`` is configured with the leased amounts as its
 ``max_concurrency`` and ``kv_capacity_tokens``), so a request costs no round trip.
@@ -50,10 +50,10 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from extproc.store.lease_recovery import LeaseRecovery
+from extproc.store.pool_lease import PoolLease
 from extproc.store.registry import Registry
 
 log = logging.getLogger("sluice.store")
@@ -121,22 +121,6 @@ return {gs, gk, os_, ok_, reported, redis.call('ZCOUNT', KEYS[3], nows, '+inf')}
 """
 
 
-@dataclass
-class PoolLease:
-    """This replica's lease on one backend's pool."""
-
-    pool_slots: int
-    pool_kv: int  # 0: the backend has no KV budget
-    slots: int = 0
-    kv: int = 0
-    renew_at: float = -math.inf  # local time of the next renewal
-    expires: float = -math.inf  # local deadline of the lease (Redis's is never earlier)
-    others: int = 0  # slots the other replicas hold, as of the last exchange
-    others_kv: int = 0
-    reported: int = 0  # registered members that had reported on this pool, as of the last exchange
-    registered: int = 0  # registered members then
-
-
 def block(pool: int, live: int) -> int:
     """The lease's headroom: ``ceil(pool / (4 × live))``, at least 1 (0 for an empty pool)."""
     return 0 if pool <= 0 else max(1, -(-pool // (4 * max(1, live))))
@@ -165,7 +149,7 @@ class SlotLeases(LeaseRecovery):
         self.fenced = 0  # times an exchange found this replica's member gone
         self.errors = 0
         self.wakes = 0  # checks run early because an acquire found its lease short
-        # lease name -> (slots, kv) refused for room since the last check (extproc.store.lease_plan)
+        # lease name -> (slots, kv) refused for room since the last check (extproc.runtime.leases)
         self.short: dict[str, tuple[int, int]] = {}
         self._script = client.register_script(SLOT_LEASE)
         self.seq = 0  # the last ask's sequence number (the script ignores an ask older than one it ran)
@@ -294,7 +278,7 @@ class SlotLeases(LeaseRecovery):
         is decided (what is in use changes while earlier exchanges of the check are awaited; a
         lease must not shrink below it).
 
-        "Wanted" is what is in use plus what waits for room (``extproc.store.lease_plan``);
+        "Wanted" is what is in use plus what waits for room (``extproc.runtime.leases``);
         the lease is kept at that plus a block. ``exact`` (a draining pool endpoint): hold
         just what is in use, no block. What is in use (0 when not given) raises a recovering
         lease's cap to cover its requests in flight. ``apply`` is called with each lease that

@@ -13,7 +13,7 @@ Text is counted in slices of at most ``SLICE_CHARS`` characters so that
 
 - a count can stop as soon as it passes a limit (the context window: beyond it the
   request is refused whatever the exact number), which bounds the work per request;
-- the fair scheduler (``extproc.token_pool``) can interleave tenants slice by slice;
+- the fair scheduler (``extproc.tokens.pool``) can interleave tenants slice by slice;
 - no single tokenizer call sees a piece long enough to hit a pathological case
   (slices are also kept near ``SLICE_CHARS`` UTF-8 bytes, so ~0.3-0.7 ms each here).
 
@@ -111,7 +111,7 @@ def slices(text: str, size: int = SLICE_CHARS) -> Iterator[tuple[str, bool]]:
 
 
 def _tiktoken_counter(name: str) -> Callable[[str], int]:
-    from extproc import tokens
+    from extproc.tokens import encodings as tokens
 
     enc = tokens.get_encoding(name)
     return lambda s: len(enc.encode_ordinary(s))

@@ -1,6 +1,6 @@
 """A fair scheduler for tokenizing: one slice at a time, round-robin across tenants.
 
-Counting a long prompt is split into slices (``extproc.tokenizer``). The scheduler
+Counting a long prompt is split into slices (``extproc.tokens.counter``). The scheduler
 runs one slice of the tenant at the head of its ring, moves that tenant to the back,
 and yields to the event loop before the next slice. So
 
@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from extproc.tokenizer import Count, CountJob
+from extproc.tokens.counter import Count, CountJob
 
 J = TypeVar("J")
 

@@ -8,14 +8,15 @@ import json
 import re
 from typing import Any
 
-from extproc.backends import BackendState, Hold
+from extproc.backends.hold import Hold
+from extproc.backends.state import BackendState
 from extproc.policy.schema import build_policy
 from tests.console.conftest import Console, text_of
 from tests.console.test_status import post_status, report
 from tests.test_pool import doc
 
 A, B = "127.0.0.1:7001", "127.0.0.1:7002"
-P, Q = (11, 12, 13), (21, 22)  # two prompts' prefix block keys (extproc.prefix_key)
+P, Q = (11, 12, 13), (21, 22)  # two prompts' prefix block keys (extproc.openai_api.prefix_key)
 
 
 def sim_status(affinity: bool) -> dict[str, Any]:

@@ -210,6 +210,6 @@ def test_pool_endpoints_show_under_their_backend(operator: Console) -> None:
     assert "closed" in first and "ejected" not in first
     second = page.split('id="endpoint-sim-10-0-0-2-8000"', 1)[1].split("</tr>", 1)[0]
     assert "ejected" in second and "open" in second and "unreachable" in second
-    # Envoy re-picked 3 requests off the unreachable one onto the other (extproc.repick).
+    # Envoy re-picked 3 requests off the unreachable one onto the other (extproc.request.repick).
     assert "3 re-picked here" in first and "re-picked away" not in first
     assert "3 re-picked away" in second and "re-picked here" not in second

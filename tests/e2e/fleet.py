@@ -26,7 +26,7 @@ import httpx
 
 from bench.procs import Proc, free_port, get_json, tails, wait_http, wait_idle
 from bench.redis_server import RedisServer
-from extproc.envoyconfig import BackendRoute, EnvoyOptions, gateway_options, write_config
+from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, gateway_options, write_config
 from extproc.policy.schema import build_policy
 from tests.e2e.harness import Stack, envoy_binary
 

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from bench.procs import ROOT, Proc, envoy_binary, free_port, get_json, tails, wait_http, wait_idle
-from extproc.envoyconfig import BackendRoute, EnvoyOptions, gateway_options, write_config
+from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, gateway_options, write_config
 from extproc.policy.schema import build_policy, hash_key
 from tests.waiting import eventually
 

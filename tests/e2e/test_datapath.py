@@ -131,7 +131,7 @@ def test_stream_from_backend_without_usage_counts_streamed_text(stack: Stack) ->
         # Counted by Sluice with tiktoken: the same total the backend would have reported.
         assert charged == ref["total_tokens"]
     else:
-        # Sluice never saw the text: streaming time x the learned rate (extproc/estimate.py).
+        # Sluice never saw the text: streaming time x the learned rate (extproc/policy/decode_rate.py).
         assert abs(charged - ref["total_tokens"]) <= max(4, 0.3 * ref["completion_tokens"]), (charged, ref)
 
 

@@ -2,7 +2,7 @@
 
 Before the ext_proc cluster was health-checked, a SIGKILLed replica kept its third of
 the streams, each answered 503, until it came back. Now Envoy's gRPC health checks
-(extproc/health.py) and outlier detection take it out: steady traffic, one replica
+(extproc/wire/health.py) and outlier detection take it out: steady traffic, one replica
 SIGKILLed, and no request that starts 3 s after the kill fails. A replica sent SIGTERM
 answers NOT_SERVING first and exits only once Envoy has moved away: nothing fails.
 """

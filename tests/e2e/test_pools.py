@@ -173,7 +173,7 @@ def test_removing_an_endpoint_drains_it(stack: PoolStack) -> None:
             assert served(stack.sim_url) == 5 and served(stack.big_url) == 1, "no new request to the drained one"
             assert inflight.result().status_code == 200, "the in-flight request finished"
             eventually(lambda: big_key(stack) not in endpoints(stack), 5, "the drained endpoint is forgotten")
-            # ... and so are its Prometheus series (extproc.series prunes every 2 s).
+            # ... and so are its Prometheus series (extproc.service.series prunes every 2 s).
             eventually(lambda: big_key(stack) not in stack.metrics_text(), 10, "the drained endpoint's series gone")
         finally:
             stack.write_policy(original)

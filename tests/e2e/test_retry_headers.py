@@ -4,7 +4,7 @@ Envoy's router honours x-envoy-retry-on, x-envoy-max-retries and their kin: a te
 could send them would have a failed generation replayed (run twice, billed once) or its
 per-try timeout cut. Envoy strips client-sent x-envoy-* headers at the edge
 (use_remote_address, no address internal) and Sluice removes the retry headers itself
-(extproc.repick.CLIENT_RETRY_HEADERS). Checked on a single-address backend, a pool, and a
+(extproc.envoy.headers.CLIENT_RETRY_HEADERS). Checked on a single-address backend, a pool, and a
 pass-through path: the backend answers 503 (or 404 asked to be retried), and it must see
 the request exactly once, without the headers.
 """
@@ -84,7 +84,7 @@ def test_envoy_took_every_header_mutation_sluice_made(stack: Stack) -> None:
 
 
 def test_a_pool_request_served_by_its_pick_is_no_repick(stack: Stack) -> None:
-    """Envoy's upstream.address (extproc.repick.UPSTREAM_ATTRIBUTE) names the pick in the form
+    """Envoy's upstream.address (extproc.envoy.headers.UPSTREAM_ATTRIBUTE) names the pick in the form
     Sluice compares it with, under both response modes: nothing moves, nothing is counted."""
     body = {"model": "sim-llama-8b", "messages": [{"role": "user", "content": "served by the pick"}],
             "max_tokens": 4, "stream": True}

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from extproc.envoyconfig import BackendRoute, EnvoyOptions, write_config
+from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, write_config
 from extproc.policy.schema import hash_key
 from tests.e2e.harness import Proc, Stack, envoy_binary, free_port, get_json, running, wait_http
 from tests.e2e.pool_stack import ExtraEngines, start_engine

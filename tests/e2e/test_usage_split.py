@@ -24,7 +24,7 @@ from bench.procs import (
     wait_until,
 )
 from bench.response_cost import KEY, MODEL, policy
-from extproc.envoyconfig import BackendRoute, EnvoyOptions, write_config
+from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, write_config
 
 pytestmark = pytest.mark.e2e
 

@@ -16,7 +16,7 @@ import yaml
 
 from bench.procs import Proc, wait_http, wait_idle
 from bench.redis_server import RedisServer
-from extproc.envoyconfig import BackendRoute, EnvoyOptions, gateway_options, write_config
+from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, gateway_options, write_config
 from extproc.policy.schema import build_policy
 from tests.e2e.harness import Stack, envoy_binary, running
 from tests.e2e.test_datapath import auth, chat_body, post
