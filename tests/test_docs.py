@@ -20,6 +20,7 @@ from markdown.extensions.toc import slugify
 from extproc.__main__ import main as extproc_main
 from extproc.policy.model import Gateway
 from extproc.runtime.metrics import Metrics
+from tests.test_policy_breaker_settings import _shown
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -182,23 +183,13 @@ def test_every_extproc_option_is_on_the_command_line_page(command: str) -> None:
     assert not missing, f"docs/cli.md does not document {command} {missing}"
 
 
-def shown(default: object) -> str:
-    if isinstance(default, bool):
-        return str(default).lower()
-    if isinstance(default, tuple):
-        return "[" + ", ".join(map(str, default)) + "]"
-    if isinstance(default, float) and default.is_integer():
-        return str(int(default))
-    return str(default)
-
-
 def test_policy_reference_states_each_gateway_default() -> None:
     page = text(DOCS / "policy.md")
     section = page[page.index("## gateway"):page.index("## backends")]
     rows = {m.group(1): m.group(2).strip().strip("`")
             for m in re.finditer(r"^\| `(\w+)` \| ([^|]+) \|", section, re.MULTILINE)}
-    wrong = [f"{f.name}: docs/policy.md says {rows.get(f.name)!r}, default is {shown(f.default)!r}"
-             for f in dataclasses.fields(Gateway) if rows.get(f.name) != shown(f.default)]
+    wrong = [f"{f.name}: docs/policy.md says {rows.get(f.name)!r}, default is {_shown(f.default)!r}"
+             for f in dataclasses.fields(Gateway) if rows.get(f.name) != _shown(f.default)]
     assert not wrong, "; ".join(wrong)
 
 
