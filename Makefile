@@ -15,7 +15,7 @@ DEMO_SYSTEM_PACKAGES := $(if $(filter-out 1,$(REPLICAS)),redis-server,)
 # `make bench` measures the Redis state store (bench.state_store) against a local redis-server.
 BENCH_SYSTEM_PACKAGES := redis-server
 
-.PHONY: install system-packages-test system-packages-demo system-packages-bench demo test test-unit test-e2e bench lint envoy-config clean
+.PHONY: install system-packages-test system-packages-demo system-packages-bench demo test test-unit test-e2e bench lint docs envoy-config clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,8 +54,12 @@ bench: install system-packages-bench
 lint: install
 	$(VENV)/bin/ruff check extproc console bench tests
 
+# The documentation site (mkdocs.yml, docs/) into site/; make test runs the same strict build.
+docs: install
+	$(VENV)/bin/mkdocs build --strict
+
 envoy-config: install
 	$(PY) -m extproc envoy-config policies -o envoy/demo.yaml --eds-dir var/eds
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache site

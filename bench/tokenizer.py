@@ -14,15 +14,14 @@ import argparse
 import random
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from tiktoken import Encoding
 
+from bench import corpus
 from bench.report import table
 from extproc.tokens import encodings as tokens
 from extproc.tokens.counter import Count, Counter
 
-ROOT = Path(__file__).resolve().parents[1]
 SIZES = {"128 KiB": 128 * 1024, "1 MiB": 1024 * 1024}
 WINDOW = 8192
 
@@ -44,11 +43,9 @@ def _unicode(nbytes: int, rnd: random.Random) -> str:
 
 
 def inputs(nbytes: int) -> dict[str, str]:
-    english = (ROOT / "README.md").read_text()
-    code = "\n".join(p.read_text() for p in sorted((ROOT / "extproc").glob("*.py")))
     return {
-        "English (README)": _fit(english, nbytes),
-        "code (extproc/*.py)": _fit(code, nbytes),
+        "English (README + docs)": _fit(corpus.english(), nbytes),
+        "code (extproc/**/*.py)": _fit(corpus.code(), nbytes),
         "spaces": " " * nbytes,
         "a repeated letter": "a" * nbytes,
         "random Unicode": _unicode(nbytes, random.Random(1)),

@@ -1,5 +1,5 @@
 """A policy's breaker settings: one source for the defaults and bounds (the breaker's own
-``BreakerConfig``), checked at load, and the README's policy reference says the same."""
+``BreakerConfig``), checked at load, and the policy reference (docs/policy.md) says the same."""
 
 from __future__ import annotations
 
@@ -76,12 +76,12 @@ def _shown(default: object) -> str:
     return str(default)
 
 
-def test_readme_states_each_breaker_default() -> None:
+def test_policy_reference_states_each_breaker_default() -> None:
     row = next(line for line in policy_reference().splitlines() if line.startswith("| `breaker` |"))
     wrong = []
     for f in dataclasses.fields(BreakerSettings):
         m = re.search(rf"`{f.name}` \(([^)]*)\)", row)
         want = _shown(f.default)
         if m is None or not re.match(rf"{re.escape(want)}(?![\d.])", m.group(1)):
-            wrong.append(f"{f.name}: README says {m.group(1) if m else 'nothing'}, default is {want}")
+            wrong.append(f"{f.name}: docs/policy.md says {m.group(1) if m else 'nothing'}, default is {want}")
     assert not wrong, "; ".join(wrong)

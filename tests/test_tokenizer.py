@@ -7,17 +7,16 @@ import asyncio
 import random
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
+from bench import corpus
 from extproc.tokens import counter as tokenizer
 from extproc.tokens import encodings as tokens
 from extproc.tokens.counter import SLICE_CHARS, Counter, TokenizerFailed, slices
 
-ROOT = Path(__file__).resolve().parents[1]
 ENCODINGS = ("cl100k_base", "o200k_base")
-ENGLISH = (ROOT / "README.md").read_text()
+ENGLISH = corpus.english()
 ALPHABET = [" ", "  ", "\n", "\r\n", "\t", "a", "A", "é", "'s", "'LL", "1", "123456", "!", "/", ".\n/", "中",
             "😀", "\u0301", "\u00a0", "\u2028", "\x1c", "\u3000", "Ж", "ß", "İ", "ǅ", "\u200d", "<|endoftext|>"]
 

@@ -11,11 +11,11 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench import corpus
 from extproc.policy.schema import hash_key
 from tests.e2e.harness import Stack, running
 
@@ -24,9 +24,8 @@ CHAT = "/v1/chat/completions"
 KEYS = {"premium": "sk-tok-premium", "free": "sk-tok-free"}
 FREE_TPM = 200_000
 MIB = 1 << 20
-ROOT = Path(__file__).resolve().parents[2]
-# ~25 KB of English (the README): ~6k tokens, a long but ordinary prompt.
-LONG_PROMPT = (ROOT / "README.md").read_text()[:25_000]
+# ~25 KB of English (the README and the docs): ~6k tokens, a long but ordinary prompt.
+LONG_PROMPT = corpus.english()[:25_000]
 
 
 def policy(port: int) -> dict[str, Any]:
