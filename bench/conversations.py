@@ -58,9 +58,9 @@ MIN_PROMPT = MESSAGE + 1 + REPLY  # one user message of one word
 @functools.cache
 def vocabulary() -> tuple[str, ...]:
     """Words (with their leading space) that are one token in cl100k and in o200k."""
-    from extproc.tokens import encodings as tokens
+    from extproc.tokens import encodings
 
-    cl, o2 = tokens.get_encoding("cl100k_base"), tokens.get_encoding("o200k_base")
+    cl, o2 = encodings.get_encoding("cl100k_base"), encodings.get_encoding("o200k_base")
     out: list[str] = []
     for i in range(cl.n_vocab):
         try:

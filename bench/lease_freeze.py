@@ -67,7 +67,7 @@ async def run(server: RedisServer, seed: int, ttl: float, freeze: float, rounds:
     for rt in rts:
         assert rt.slot_leases is not None
         rt.state.registry.ttl_s = rt.slot_leases.ttl_s = ttl  # type: ignore[attr-defined]
-        rt.slot_leases.recover_s = ttl / 2
+        rt.slot_leases.recovery.recover_s = ttl / 2
     for rt in rts:
         await rt.first_leases()
     for rt in rts:
@@ -87,7 +87,7 @@ async def run(server: RedisServer, seed: int, ttl: float, freeze: float, rounds:
             since = time.monotonic() - returned[0]
             if since < ttl:
                 res.most_after = max(res.most_after, n)
-                if any(rt.slot_leases.claims for rt in rts):  # type: ignore[union-attr]
+                if any(rt.slot_leases.recovery.claims for rt in rts):  # type: ignore[union-attr]
                     res.claims_held_s = max(res.claims_held_s, since)
             if n > POOL:
                 res.over.append((round(since, 3), view))
@@ -127,7 +127,7 @@ async def run(server: RedisServer, seed: int, ttl: float, freeze: float, rounds:
         await asyncio.gather(*tasks, return_exceptions=True)
         for rt in rts:
             assert rt.slot_leases is not None
-            res.recoveries += rt.slot_leases.recoveries
+            res.recoveries += rt.slot_leases.recovery.recoveries
             await rt.state.aclose()  # type: ignore[attr-defined]
             rt.close()
     return res

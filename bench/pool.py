@@ -106,7 +106,7 @@ PLACEMENTS: dict[str, Placement] = {
     "round_robin": Placement("Envoy round-robin", "ROUND_ROBIN"),
     "least_request": Placement("Envoy least-request", "LEAST_REQUEST"),
     "sluice": Placement("Sluice picking", None),
-    # Prefix affinity (issue 11 item 4): the engines cache prefixes in every configuration.
+    # Prefix affinity: the engines cache prefixes in every configuration.
     "sluice_prefix": Placement("Sluice picking + prefix affinity", None, {"placement": {"prefix_affinity": True}}),
     # Not run by default: affinity without its headroom rule (the preferred endpoint wins
     # whenever the request fits there), to see what the rule costs in cache hits.

@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     if "tokenizer" in parts:
         def tokenizer_part() -> str:
             from bench import tokenizer
-            from extproc.tokens.counter import Counter
-            return tokenizer.markdown(tokenizer.run(reps=2 if args.quick else 3), Counter("cl100k_base").backend)
+            from extproc.tokens.counter import TokenCounter
+            return tokenizer.markdown(tokenizer.run(reps=2 if args.quick else 3), TokenCounter("cl100k_base").backend)
         timed("tokenizer", tokenizer_part)
     total = time.monotonic() - started
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")

@@ -19,8 +19,8 @@ from tiktoken import Encoding
 
 from bench import corpus
 from bench.report import table
-from extproc.tokens import encodings as tokens
-from extproc.tokens.counter import Count, Counter
+from extproc.tokens import encodings
+from extproc.tokens.counter import Count, TokenCounter
 
 SIZES = {"128 KiB": 128 * 1024, "1 MiB": 1024 * 1024}
 WINDOW = 8192
@@ -67,7 +67,7 @@ def best(fn: Callable[[], object], reps: int) -> tuple[float, object]:
     return t, out
 
 
-def longest_slice(counter: Counter, text: str) -> float:
+def longest_slice(counter: TokenCounter, text: str) -> float:
     job = counter.job([text])
     worst, done = 0.0, False
     while not done:
@@ -77,7 +77,7 @@ def longest_slice(counter: Counter, text: str) -> float:
     return worst
 
 
-def row(enc: Encoding, counter: Counter, size_name: str, name: str, text: str, reps: int) -> list[str]:
+def row(enc: Encoding, counter: TokenCounter, size_name: str, name: str, text: str, reps: int) -> list[str]:
     t_raw, raw = best(lambda: len(enc.encode_ordinary(text)), reps)
     t_ours, ours = best(lambda: counter.count([text]), reps)
     t_win, _ = best(lambda: counter.count([text], WINDOW), reps)
@@ -96,7 +96,7 @@ def row(enc: Encoding, counter: Counter, size_name: str, name: str, text: str, r
 def run(reps: int = 3) -> list[list[str]]:
     rows = []
     for enc_name in ("cl100k_base", "o200k_base"):
-        enc, counter = tokens.get_encoding(enc_name), Counter(enc_name)
+        enc, counter = encodings.get_encoding(enc_name), TokenCounter(enc_name)
         for size_name, nbytes in SIZES.items():
             for name, text in inputs(nbytes).items():
                 rows.append(row(enc, counter, size_name, name, text, reps if nbytes <= 256 * 1024 else 2))
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3, help="runs per cell, best taken (default 3)")
     args = ap.parse_args(argv)
-    print(markdown(run(args.reps), Counter("cl100k_base").backend))
+    print(markdown(run(args.reps), TokenCounter("cl100k_base").backend))
     return 0
 
 

@@ -16,7 +16,7 @@ import pytest
 from bench.redis_server import RedisServer
 from extproc.policy.bucket import Ledger
 from extproc.policy.gate import RateView, Verdict
-from extproc.policy.model import Limits
+from extproc.policy.schema import Limits
 from extproc.store.redis_state import RedisState, connect
 
 

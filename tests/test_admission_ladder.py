@@ -1,21 +1,20 @@
-"""``Admission.route`` carries out the ladder's decision (extproc.policy.ladder) on a real
+"""``admission.route`` carries out the ladder's decision (extproc.policy.ladder) on a real
 Runtime: the ticket it builds, the probe places it gives back, the shadow metrics, the
-``Reject`` a client would see."""
+``Refusal`` a client would see."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.policy import kv
 from extproc.policy.breaker import BreakerState
 from extproc.policy.schema import Policy, build_policy, hash_key
-from extproc.request.admission import Admission, Reject, Ticket
+from extproc.request.admission import route
+from extproc.request.refusal import Refusal
+from extproc.request.ticket import Ticket
 from extproc.runtime.runtime import Runtime
-from extproc.wire.peer import PeerStream
 from tests.metrics_fake import RecordingMetrics
 
 BREAKER = {"consecutive_failures": 2, "min_requests": 100, "cooldown_s": 10, "max_cooldown_s": 10,
@@ -34,11 +33,6 @@ def policy(shadow: list[str] | None = None) -> Policy:
     })
 
 
-async def _no_messages() -> AsyncIterator[pb.ProcessingRequest]:
-    return
-    yield
-
-
 def runtime(**kw: Any) -> Runtime:
     return Runtime(policy(**kw), clock=lambda: 0.0, metrics=RecordingMetrics())
 
@@ -47,7 +41,7 @@ def routed(rt: Runtime, now: float, completion: int = 400) -> Ticket:
     p = rt.policy
     tenant = p.tenants["a"]
     backend, model = p.by_model["m"]
-    return Admission(rt, p, tenant, p.limits(tenant), PeerStream(_no_messages())).route(backend, model, completion, now)
+    return route(rt, p, p.tiers[tenant.tier], tenant.name, backend, model, completion, now)
 
 
 def pressure(rt: Runtime, until: float) -> None:
@@ -97,7 +91,7 @@ def test_model_and_fallback_down_is_a_503_with_retry_after() -> None:
     rt = runtime()
     trip(rt, "b", 0.0)
     trip(rt, "f", 0.0)
-    with pytest.raises(Reject) as e:
+    with pytest.raises(Refusal) as e:
         routed(rt, 1.0)
     assert (e.value.reason, e.value.code) == ("breaker_open", "service_unavailable")
     assert e.value.message == "Backend 'b' is unavailable (breaker_open); retry later."  # f is open: no fallback
@@ -139,7 +133,7 @@ def test_a_shed_request_gives_its_half_open_probe_back() -> None:
     rt = Runtime(p, clock=lambda: 0.0, metrics=RecordingMetrics())
     trip(rt, "b", 0.0)
     pressure(rt, 30.0)  # half-open at 30: the shed request's allow takes the probe place
-    with pytest.raises(Reject) as e:
+    with pytest.raises(Refusal) as e:
         routed(rt, 30.0)
     assert e.value.reason == "overloaded"
     assert rt.backends["b"].breaker.allow(30.0).allowed, "the shed request's probe place went back"

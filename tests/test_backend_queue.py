@@ -17,11 +17,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.backends.hold import Hold
 from extproc.backends.queue import Expired, Waiter
 from extproc.backends.state import BackendState
+from extproc.policy import kv as kvmath
 from extproc.policy.schema import build_policy, hash_key
-from extproc.request.admission import Admission, Reject
+from extproc.request.admission import SlotWait, route
+from extproc.request.refusal import Refusal
 from extproc.runtime.runtime import Runtime
 from extproc.service import ticker
 from extproc.wire.peer import PeerStream
+from tests.backend_ops import try_acquire
 
 
 def policy(wait_ms: int = 60_000, depth: int = 4) -> Any:
@@ -46,7 +49,7 @@ class Clock:
 def full_backend(p: Any) -> tuple[BackendState, Hold]:
     be = BackendState.create(p.backends[0], p, 0.0)
     be.has_metrics = False  # scale 1.0: no scraper in a unit test
-    hold = be.try_acquire("t", "a", None, 10, 0.0)
+    hold = try_acquire(be, "t", "a", None, 10, 0.0)
     assert isinstance(hold, Hold)
     return be, hold
 
@@ -54,14 +57,14 @@ def full_backend(p: Any) -> tuple[BackendState, Hold]:
 def test_one_tick_past_the_deadline_expires_the_waiter() -> None:
     async def run() -> None:
         be, hold = full_backend(policy(wait_ms=1000))
-        w = be.enqueue("t", "a", None, 10, 5.0)
+        w = be.queue.enqueue("t", "a", None, 10, 5.0)
         assert isinstance(w, Waiter)
-        assert be.tick(5.999) == 0 and not w.future.done()  # before the deadline: still waiting
+        assert be.queue.tick(5.999) == 0 and not w.future.done()  # before the deadline: still waiting
         assert be.queue.depth("t") == 1
-        be.tick(6.0)  # queued at 5.0 + 1 s
+        be.queue.tick(6.0)  # queued at 5.0 + 1 s
         assert w.future.done() and w.future.result() == Expired(1.0)
         assert be.queue.depth() == 0 and not be.waiters
-        be.leave(w)  # what _await_grant does next: nothing more to give back
+        be.queue.leave(w)  # what _await_grant does next: nothing more to give back
         assert be.pool.in_use().total == 1  # only the first request's slot
         be.release(hold, 6.0)
         assert be.pool.in_use().total == 0 and be.kv_in_use == 0
@@ -72,10 +75,10 @@ def test_one_tick_past_the_deadline_expires_the_waiter() -> None:
 def test_a_freed_slot_beats_the_deadline_only_until_a_tick_has_expired_it() -> None:
     async def run() -> None:
         be, hold = full_backend(policy(wait_ms=1000))
-        early = be.enqueue("t", "a", None, 10, 0.0)
-        late = be.enqueue("t", "a", None, 10, 0.5)
+        early = be.queue.enqueue("t", "a", None, 10, 0.0)
+        late = be.queue.enqueue("t", "a", None, 10, 0.5)
         assert isinstance(early, Waiter) and isinstance(late, Waiter)
-        be.tick(1.2)  # early's deadline (1.0) passed; late's (1.5) not
+        be.queue.tick(1.2)  # early's deadline (1.0) passed; late's (1.5) not
         assert isinstance(early.future.result(), Expired) and not late.future.done()
         be.release(hold, 1.2)  # the freed slot goes to the one still waiting
         got = late.future.result()
@@ -89,13 +92,13 @@ def test_a_freed_slot_beats_the_deadline_only_until_a_tick_has_expired_it() -> N
 def test_a_reload_that_rebuilds_the_queue_keeps_when_each_waiter_was_queued() -> None:
     async def run() -> None:
         be, hold = full_backend(policy(wait_ms=1000))
-        w = be.enqueue("t", "a", None, 10, 0.0)
+        w = be.queue.enqueue("t", "a", None, 10, 0.0)
         assert isinstance(w, Waiter)
         p2 = policy(wait_ms=2000)
         be.reconfigure(p2.backends[0], p2, 1.5)  # another max wait: the queue is rebuilt at 1.5
-        be.tick(1.9)
+        be.queue.tick(1.9)
         assert not w.future.done()
-        be.tick(2.0)  # queued at 0.0, the new max wait 2 s: not 1.5 + 2 s
+        be.queue.tick(2.0)  # queued at 0.0, the new max wait 2 s: not 1.5 + 2 s
         assert isinstance(w.future.result(), Expired)
         be.release(hold, 2.0)
 
@@ -118,13 +121,16 @@ def test_admission_answers_queue_timeout_when_the_tick_sees_the_clock_past_the_d
         peer = PeerStream(_silent_envoy(stop))
         backend, model = p.by_model["m"]
         tenant = p.tenants["a"]
-        adm = Admission(rt, p, tenant, p.limits(tenant), peer)
-        first = adm.route(backend, model, 10, clock())
-        assert adm.acquire_slot(first, 10, clock()) == [] and first.hold is not None
-        ticket = adm.route(backend, model, 10, clock())
-        assert len(adm.acquire_slot(ticket, 10, clock())) == 1  # the wait hint: it must queue
+        tier = p.tiers[tenant.tier]
+        slot = SlotWait(rt, tier, tenant.name, p.limits(tenant).max_concurrency, peer, lambda reason: False)
+        first = route(rt, p, tier, tenant.name, backend, model, 10, clock())
+        first.kv = kvmath.footprint(10, rt.backends["b"].kv_block_size)
+        assert slot.acquire(first, clock()) is None and first.hold is not None
+        ticket = route(rt, p, tier, tenant.name, backend, model, 10, clock())
+        ticket.kv = first.kv
+        assert slot.acquire(ticket, clock()) is not None  # the wait hint: it must queue
         started = time.monotonic()
-        task = asyncio.create_task(adm.wait_in_queue(ticket, clock()))
+        task = asyncio.create_task(slot.wait(ticket))
         await asyncio.sleep(0)
         be = rt.backends["b"]
         assert be.queue.depth("t") == 1
@@ -134,7 +140,7 @@ def test_admission_answers_queue_timeout_when_the_tick_sees_the_clock_past_the_d
         assert not task.done()
         clock.t += 0.1  # the deadline: 60 s on the runtime's clock, none of it slept
         ticker.tick(rt)
-        with pytest.raises(Reject) as err:
+        with pytest.raises(Refusal) as err:
             await asyncio.wait_for(task, 5)
         assert time.monotonic() - started < 5  # the tick ended it, not a timer of 60 s
         rej = err.value
@@ -167,9 +173,9 @@ def test_the_ticker_keeps_ticking_the_other_backends_when_one_fails() -> None:
 
     async def run() -> None:
         be = rt.backends["b"]
-        hold = be.try_acquire("t", "a", None, 10, clock())
+        hold = try_acquire(be, "t", "a", None, 10, clock())
         assert isinstance(hold, Hold)
-        w = be.enqueue("t", "a", None, 10, clock())
+        w = be.queue.enqueue("t", "a", None, 10, clock())
         assert isinstance(w, Waiter)
         rt.backends = {"broken": Broken(), **rt.backends}  # type: ignore[dict-item]
         clock.t += 1.0
@@ -190,12 +196,12 @@ def test_an_idle_ticker_wakes_on_the_first_enqueue_and_then_ticks_until_the_queu
 
     async def run() -> None:
         be = rt.backends["b"]
-        hold = be.try_acquire("t", "a", None, 10, clock())
+        hold = try_acquire(be, "t", "a", None, 10, clock())
         assert isinstance(hold, Hold)
         # Idle, it would sleep a minute: only the enqueue's wake-up can make it tick in time.
         task = asyncio.create_task(ticker.run_ticker(rt, interval_s=0.01, idle_s=60))
         await asyncio.sleep(0.05)  # the ticker found every queue empty and sleeps
-        w = be.enqueue("t", "a", None, 10, clock())
+        w = be.queue.enqueue("t", "a", None, 10, clock())
         assert isinstance(w, Waiter)
         clock.t += 1.0  # the deadline, on the runtime's clock
         got = await asyncio.wait_for(asyncio.shield(w.future), 5)

@@ -196,9 +196,9 @@ def _schedule(n: int = 400, gap: float = 0.25, seed: int = 3) -> list[Request]:
 
 def _tokens(body: bytes) -> int:
     from bench.simbackend.parse import count_prompt, parse_chat
-    from extproc.tokens import encodings as tokens
+    from extproc.tokens import encodings
 
-    return count_prompt(parse_chat(json.loads(body)), tokens.get_encoding("cl100k_base"))
+    return count_prompt(parse_chat(json.loads(body)), encodings.get_encoding("cl100k_base"))
 
 
 def test_conversation_prompts_keep_the_trace_sizes_and_are_deterministic() -> None:
@@ -262,10 +262,10 @@ def test_conversations_grow_by_repeating_the_previous_turn() -> None:
 
 
 def test_the_words_are_one_token_each_in_both_encodings() -> None:
-    from extproc.tokens import encodings as tokens
+    from extproc.tokens import encodings
 
     vocab = conversations.vocabulary()
     assert len(vocab) == conversations.VOCAB and len(set(vocab)) == len(vocab)
     text = conversations.words("k", 3000)
     for name in ("cl100k_base", "o200k_base"):
-        assert len(tokens.get_encoding(name).encode_ordinary(text)) == 3000
+        assert len(encodings.get_encoding(name).encode_ordinary(text)) == 3000

@@ -10,9 +10,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.policy.breaker import BreakerState, Outcome, outcome_at_settle
 from extproc.policy.schema import Policy, build_policy, hash_key
-from extproc.request.admission import Admission, Ticket
+from extproc.request.admission import route
+from extproc.request.ticket import Ticket
 from extproc.runtime.runtime import Runtime
-from extproc.wire.peer import PeerStream
 
 OPEN, CLOSED = BreakerState.OPEN, BreakerState.CLOSED
 
@@ -53,7 +53,7 @@ def routed(rt: Runtime, now: float) -> Ticket:
     p = rt.policy
     tenant = p.tenants["a"]
     backend, model = p.by_model["m"]
-    return Admission(rt, p, tenant, p.limits(tenant), PeerStream(_no_messages())).route(backend, model, 10, now)
+    return route(rt, p, p.tiers[tenant.tier], tenant.name, backend, model, 10, now)
 
 
 def test_a_ticket_reports_its_outcome_to_each_breaker_once() -> None:

@@ -18,7 +18,8 @@ import yaml
 from markdown.extensions.toc import slugify
 
 from extproc.__main__ import main as extproc_main
-from extproc.policy.model import Gateway
+from extproc.policy.reasons import Reason
+from extproc.policy.schema import Gateway
 from extproc.runtime.metrics import Metrics
 from tests.test_policy_breaker_settings import _shown
 
@@ -200,3 +201,15 @@ def test_pages_say_what_a_rule_protects_not_a_tracker_number() -> None:
         for m in re.finditer(r"\bissues? #?\d+", text(page), re.IGNORECASE):
             cited.setdefault(page.relative_to(ROOT).as_posix(), m.group(0))
     assert not cited, f"tracker numbers in the docs: {cited}"
+
+
+def test_every_refusal_reason_is_on_the_errors_page_with_its_status() -> None:
+    """docs/errors.md's table names each reason once, on a row with the status it is answered with."""
+    rows = [line.split("|") for line in text(ROOT / "docs" / "errors.md").splitlines()
+            if re.match(r"^\| \d{3} \|", line)]
+    documented = {reason: int(cells[1]) for cells in rows for reason in re.findall(r"`(\w+)`", cells[2])}
+    for reason in Reason:
+        if reason is Reason.CLIENT_GONE:
+            continue  # never answered: the client is gone
+        assert documented.get(reason) == reason.status, (reason, documented.get(reason))
+    assert set(documented) <= {str(r) for r in Reason}, set(documented) - {str(r) for r in Reason}

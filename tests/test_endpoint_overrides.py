@@ -14,6 +14,7 @@ from extproc.policy.breaker import BreakerState, Outcome
 from extproc.policy.schema import PolicyError, build_policy
 from extproc.runtime.runtime import Runtime
 from extproc.service.monitor import refresh
+from tests.backend_ops import try_acquire
 from tests.test_pool import TWO, doc
 
 A, B = "127.0.0.1:7001", "127.0.0.1:7002"
@@ -74,7 +75,7 @@ def test_a_tripped_endpoint_gets_no_requests_and_a_reset_brings_it_back() -> Non
     # B has the most room and would be picked first; tripped, everything goes to A.
     assert be.endpoints.by_key[B].breaker.state(0.0) is BreakerState.OPEN
     assert be.breaker.state(0.0) is BreakerState.CLOSED  # the pool's breaker is untouched
-    held = [be.try_acquire("t", "a", None, 100, 0.0) for _ in range(3)]
+    held = [try_acquire(be, "t", "a", None, 100, 0.0) for _ in range(3)]
     assert all(isinstance(h, Hold) and h.endpoint == A for h in held)
     status = {e["address"]: e for e in pool_status(be.endpoints, 0.0) or []}
     assert status[B]["usable"] is False and status[B]["breaker"]["manual"]["reason"] == "bad GPU"
@@ -85,14 +86,14 @@ def test_a_tripped_endpoint_gets_no_requests_and_a_reset_brings_it_back() -> Non
     # Reset (forced closed): B is picked again.
     reload(be, {**trip, "state": "closed", "reason": "GPU swapped"}, now=1.0)
     assert be.endpoints.by_key[B].breaker.state(1.0) is BreakerState.CLOSED
-    got = be.try_acquire("t", "a", None, 100, 1.0)
+    got = try_acquire(be, "t", "a", None, 100, 1.0)
     assert isinstance(got, Hold) and got.endpoint == B
     be.release(got, 1.0)
     # Cleared (the entry leaves the policy): automatic again, half-open after a manual
     # open (nobody has seen it healthy since), and still picked.
     reload(be, now=2.0)
     assert be.endpoints.by_key[B].breaker.snapshot(2.0)["manual"] is None
-    got = be.try_acquire("t", "a", None, 100, 2.0)
+    got = try_acquire(be, "t", "a", None, 100, 2.0)
     assert isinstance(got, Hold) and got.endpoint == B
     be.release(got, 2.0)
 

@@ -1,7 +1,7 @@
 """The alpha Envoy API behind extproc/envoy/usage_record.py, checked against the binary itself.
 
 If an Envoy upgrade renames or renumbers a TokenUsage or AiProtocolManager field, or
-stops accepting the config, these fail: the fix belongs in envoy_usage.py alone.
+stops accepting the config, these fail: the fix belongs in usage_record.py alone.
 (The end-to-end check that the usage really arrives is
 tests/e2e/test_usage_path.py::test_usage_reaches_extproc_in_the_trailers.)
 """
@@ -18,7 +18,7 @@ from google.protobuf import descriptor_pb2
 from google.protobuf.internal.decoder import _DecodeVarint
 
 from bench.procs import envoy_binary
-from extproc.envoy import usage_record as envoy_usage
+from extproc.envoy import usage_record
 from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, render_bootstrap
 
 
@@ -68,16 +68,16 @@ def test_token_usage_fields_match_the_binary() -> None:
     fd = binary_descriptor("envoy/data/ai/v3/token_usage.proto")
     assert fd.package == "envoy.data.ai.v3"
     fields = _fields(fd, "TokenUsage")
-    for name, (number, type_name) in envoy_usage.TOKEN_USAGE_FIELDS.items():
+    for name, (number, type_name) in usage_record.TOKEN_USAGE_FIELDS.items():
         assert name in fields, f"TokenUsage.{name} is gone from Envoy"
         assert (fields[name].number, fields[name].type_name) == (number, type_name), name
     (status,) = [e for m in fd.message_type if m.name == "TokenUsage" for e in m.enum_type]
-    assert {v.name: v.number for v in status.value}["COMPLETE"] == envoy_usage.EXTRACTION_COMPLETE
+    assert {v.name: v.number for v in status.value}["COMPLETE"] == usage_record.EXTRACTION_COMPLETE
 
 
 def test_ai_protocol_manager_fields_match_the_binary() -> None:
     fd = binary_descriptor("envoy/extensions/filters/http/ai_protocol_manager/v3/ai_protocol_manager.proto")
-    for message, wanted in envoy_usage.AI_CONFIG_FIELDS.items():
+    for message, wanted in usage_record.AI_CONFIG_FIELDS.items():
         fields = _fields(fd, message)
         assert {n: fields[n].number for n in wanted if n in fields} == wanted, message
     signal = [e for m in fd.message_type if m.name == "TokenUsageExtraction" for e in m.enum_type]
@@ -95,23 +95,23 @@ def test_envoy_accepts_both_response_paths(tmp_path: Path, mode: str) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def _trailers_with(usage: object | None, type_url: str = "type.googleapis.com/" + envoy_usage.TOKEN_USAGE):
+def _trailers_with(usage: object | None, type_url: str = "type.googleapis.com/" + usage_record.TOKEN_USAGE):
     req = pb.ProcessingRequest(response_trailers=pb.HttpTrailers())
     if usage is not None:
-        packed = req.metadata_context.typed_filter_metadata[envoy_usage.USAGE_NAMESPACE]
+        packed = req.metadata_context.typed_filter_metadata[usage_record.USAGE_NAMESPACE]
         packed.type_url = type_url
         packed.value = usage.SerializeToString()  # type: ignore[attr-defined]
     return req
 
 
 def test_usage_decodes_from_typed_metadata() -> None:
-    u = envoy_usage.TokenUsage()
+    u = usage_record.TokenUsage()
     u.input_tokens.value, u.output_tokens.value, u.total_tokens.value = 12, 30, 42
-    u.extraction_status = envoy_usage.EXTRACTION_COMPLETE
-    assert envoy_usage.usage_from_metadata(_trailers_with(u)) == envoy_usage.EnvoyUsage(12, 30, 42, True)
-    partial = envoy_usage.TokenUsage()
+    u.extraction_status = usage_record.EXTRACTION_COMPLETE
+    assert usage_record.usage_from_metadata(_trailers_with(u)) == usage_record.EnvoyUsage(12, 30, 42, True)
+    partial = usage_record.TokenUsage()
     partial.input_tokens.value = 7
     partial.extraction_status = 3  # FAILED
-    assert envoy_usage.usage_from_metadata(_trailers_with(partial)) == envoy_usage.EnvoyUsage(7, None, None, False)
-    assert envoy_usage.usage_from_metadata(_trailers_with(None)) is None
-    assert envoy_usage.usage_from_metadata(_trailers_with(u, "type.googleapis.com/other.Type")) is None
+    assert usage_record.usage_from_metadata(_trailers_with(partial)) == usage_record.EnvoyUsage(7, None, None, False)
+    assert usage_record.usage_from_metadata(_trailers_with(None)) is None
+    assert usage_record.usage_from_metadata(_trailers_with(u, "type.googleapis.com/other.Type")) is None

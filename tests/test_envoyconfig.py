@@ -279,7 +279,7 @@ def test_drain_route() -> None:
 
 
 def test_edge_settings_come_from_the_gateway_policy() -> None:
-    from extproc.policy.model import Gateway
+    from extproc.policy.schema import Gateway
 
     gw = Gateway(request_timeout_s=45, request_headers_timeout_s=3, max_connections=77, trusted_proxy_hops=2,
                  drain_timeout_s=9, max_body_bytes=4096)

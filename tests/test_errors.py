@@ -11,12 +11,12 @@ from hypothesis import strategies as st
 
 from extproc.openai_api.errors import (
     JITTER_MAX_S,
-    REASONS,
     error_body,
     format_duration,
     jitter_bound,
     retry_after_headers,
 )
+from extproc.policy.reasons import Reason
 
 # What OpenAI sends in x-ratelimit-reset-*, and what clients that parse it accept.
 OPENAI_DURATION = re.compile(r"^(?:\d+ms|\d+(?:\.\d+)?s|\d+m\d+(?:\.\d+)?s)$")
@@ -46,13 +46,14 @@ def test_error_body_is_utf8_and_escapes_quotes() -> None:
 
 
 def test_reasons_map_to_documented_statuses() -> None:
-    assert REASONS["unknown_key"][0] == 401
-    assert REASONS["body_too_large"][0] == 413
-    assert REASONS["bad_request"][0] == REASONS["context_length"][0] == 400
+    assert Reason("unknown_key").status == 401
+    assert Reason("body_too_large").status == 413
+    assert Reason("bad_request").status == Reason("context_length").status == 400
     for r in ("tpm", "rpm", "slots", "tpm_request_too_large", "queue_full"):
-        assert REASONS[r] == (429, "rate_limit_exceeded")
-    for r in ("breaker_open", "overloaded"):
-        assert REASONS[r][0] == 503
+        assert (Reason(r).status, Reason(r).error_type) == (429, "rate_limit_exceeded")
+    for r in ("breaker_open", "overloaded", "queue_timeout", "state_store_down"):
+        assert (Reason(r).status, Reason(r).error_type) == (503, "server_error")
+    assert all(isinstance(r, str) and r.status in (400, 401, 404, 408, 413, 429, 499, 503) for r in Reason)
 
 
 @pytest.mark.parametrize(

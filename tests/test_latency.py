@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc.policy import kv as kvmath
 from extproc.policy.schema import PolicyError, build_policy, hash_key
 from extproc.request.stream import StreamProcessor
 from extproc.runtime.runtime import Runtime
@@ -154,7 +155,7 @@ def test_learned_reservation_holds_less_kv_but_precharges_max_tokens(reservation
     precharged = sample(rt, "sluice_tokens_precharged_total", tenant="p") - before
     assert precharged >= 1000  # the TPM contract: max_tokens by default
     if reservation == "learned":
-        assert 40 < held <= be.footprint(8 + 51)  # prompt + the estimate (p95 bucket of 40s)
+        assert 40 < held <= kvmath.footprint(8 + 51, be.kv_block_size)  # prompt + the estimate (p95 bucket of 40s)
     else:
         assert held >= 1000
     r.respond(ttft=0.05, rest=0.5, completion=40)
@@ -183,8 +184,8 @@ def test_slow_first_tokens_lower_the_limit_and_put_lower_tiers_under_pressure() 
     rt = Runtime(make_policy(slo=True), clock=clock)
     be = rt.backends["b"]
     be.has_metrics = False
-    assert be.latency is not None and be.latency.limit(clock.now) == 16
-    assert be.pressure_scale("free", clock.now) == 1.0
+    assert be.adaptive_limit is not None and be.adaptive_limit.limit(clock.now) == 16
+    assert kvmath.pressure_scale(be, "free", clock.now) == 1.0
     # Premium requests see 0.6 s to the first token against a 200 ms SLO, 16 in flight.
     reqs = [Request(rt, clock) for _ in range(16)]
     for r in reqs:
@@ -199,8 +200,8 @@ def test_slow_first_tokens_lower_the_limit_and_put_lower_tiers_under_pressure() 
     assert status["slots"]["effective"] == status["adaptive"]["limit"]
     assert "premium" in status["adaptive"]["at_risk"]
     # While premium misses its SLO, free is shed first (its ladder sees the floor).
-    assert be.pressure_scale("free", clock.now) <= be.spec.watermark.floor
-    assert be.pressure_scale("premium", clock.now) == 1.0
+    assert kvmath.pressure_scale(be, "free", clock.now) <= be.spec.watermark.floor
+    assert kvmath.pressure_scale(be, "premium", clock.now) == 1.0
     refused = Request(rt, clock, "kf").admit(10)
     assert refused[-1].immediate_response.status.code == 503
     rt.close()
@@ -212,15 +213,15 @@ def test_estimates_and_the_limit_survive_a_policy_reload() -> None:
     be = rt.backends["b"]
     be.has_metrics = False
     teach(rt, clock, 25, completion=40, ttft=1.0)
-    limit = be.latency.limit(clock.now) if be.latency else None
+    limit = be.adaptive_limit.limit(clock.now) if be.adaptive_limit else None
     assert limit is not None and limit < 16
     before = rt.completions.estimate("p", "premium", "m", 1000)
     rt.swap(make_policy(reservation="learned", slo=True, concurrency=12))
     assert rt.completions.estimate("p", "premium", "m", 1000) == before
-    assert rt.backends["b"].latency is be.latency and be.latency.limit(clock.now) == min(limit, 12)
+    assert rt.backends["b"].adaptive_limit is be.adaptive_limit and be.adaptive_limit.limit(clock.now) == min(limit, 12)
     # Without any SLO the controller goes away and the limit is the backend's own.
     rt.swap(make_policy(reservation="learned"))
-    assert rt.backends["b"].latency is None
+    assert rt.backends["b"].adaptive_limit is None
     assert rt.status()["backends"]["b"]["adaptive"] is None
     rt.close()
 

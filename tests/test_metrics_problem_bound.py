@@ -14,6 +14,7 @@ from extproc.backends.state import BackendState
 from extproc.policy.schema import build_policy, hash_key
 from extproc.runtime.metrics import Metrics
 from extproc.service.monitor import apply_endpoint_sample, apply_sample, report_change
+from tests.backend_ops import try_acquire
 
 URL = "http://127.0.0.1:1/metrics"
 PROBLEM = Sample(ok=False, state="problem", problem="http_404", error="HTTP 404",
@@ -58,8 +59,8 @@ def test_a_problem_with_kv_capacity_admits_by_reservations() -> None:
     apply_sample(m, "b", be, PROBLEM, 1.0)
     assert be.scale(1.0) == 1.0
     assert be.status(1.0)["kv_source"] == "reservations"
-    assert isinstance(be.try_acquire("hi", "a", None, 900, 1.0), Hold)
-    assert be.try_acquire("hi", "a", None, 200, 1.0).reason == "kv_exhausted"  # type: ignore[union-attr]
+    assert isinstance(try_acquire(be, "hi", "a", None, 900, 1.0), Hold)
+    assert try_acquire(be, "hi", "a", None, 200, 1.0).reason == "kv_exhausted"  # type: ignore[union-attr]
 
 
 def test_a_pool_endpoint_with_a_problem_and_no_kv_capacity_is_ejected() -> None:
@@ -78,7 +79,7 @@ def test_a_pool_endpoint_with_a_problem_and_no_kv_capacity_is_ejected() -> None:
     assert not eps["127.0.0.1:7001"].usable(1.0), "no bound at all: counts as full"
     assert eps["127.0.0.1:7002"].usable(1.0), "its reservations bound it"
     assert eps["127.0.0.1:7003"].usable(1.0)
-    picked = {h.endpoint for h in (be.try_acquire("hi", "a", None, 100, 1.0) for _ in range(6))
+    picked = {h.endpoint for h in (try_acquire(be, "hi", "a", None, 100, 1.0) for _ in range(6))
               if isinstance(h, Hold)}
     assert "127.0.0.1:7001" not in picked and picked
 

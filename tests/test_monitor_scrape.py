@@ -21,6 +21,7 @@ from extproc.policy.schema import build_policy, hash_key
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.runtime import Runtime
 from extproc.service.monitor import apply_sample, metric_names, report_change, run_monitor
+from tests.backend_ops import try_acquire
 from tests.waiting import eventually_async
 
 FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
@@ -58,7 +59,7 @@ def test_no_series_yet_admits_by_reservations_not_as_saturated() -> None:
     assert be.scale(0.0) == floor  # nothing heard yet
     feed(m, be, parse_sample("", metric_names(be)), 1.0)
     assert be.scale(1.0) == 1.0  # idle-but-unknown
-    held = [be.try_acquire("hi", "a", None, 400, 1.0) for _ in range(3)]
+    held = [try_acquire(be, "hi", "a", None, 400, 1.0) for _ in range(3)]
     assert [isinstance(h, Hold) for h in held] == [True, True, False]  # the reservations bound KV: 800 of 1000
     st = be.status(1.0)
     assert st["metrics_state"] == "no_series" and st["kv_source"] == "reservations"
@@ -168,7 +169,7 @@ def test_the_monitor_reports_a_wrong_metrics_url_in_state_and_metrics() -> None:
                 "sluice_backend_metrics_problem", {"backend": "b", "problem": "not_prometheus"}) == 1.0
             assert rt.status()["backends"]["b"]["scale"] == 1.0  # not held at the floor
             be = rt.backends["b"]
-            hold = be.try_acquire("hi", "a", None, 400, rt.clock())
+            hold = try_acquire(be, "hi", "a", None, 400, rt.clock())
             assert isinstance(hold, Hold)
             # Meanwhile the KV shown is Sluice's own reservations (400 of 1000 tokens).
             await eventually_async(lambda: rt.metrics.registry.get_sample_value(

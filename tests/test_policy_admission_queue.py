@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.policy.admission_queue import (
-    REASON_QUEUE_FULL,
     AdmissionQueue,
     Enqueued,
     Rejected,
     TierQueueConfig,
 )
+from extproc.policy.reasons import Reason
 
 
 def yes(_tier: str) -> bool:
@@ -71,7 +71,7 @@ def test_tier_depth_limit_rejects_at_once() -> None:
     assert isinstance(q.enqueue(2, "a", 0.0), Enqueued)
     r = q.enqueue(3, "a", 0.0)
     assert isinstance(r, Rejected)
-    assert (r.reason, r.tier) == (REASON_QUEUE_FULL, "a")
+    assert (r.reason, r.tier) == (Reason.QUEUE_FULL, "a")
     assert r.retry_after_s == 5.0  # no drain history yet: the tier's max wait
     assert isinstance(q.enqueue(4, "b", 0.0), Enqueued)  # other tiers unaffected
     assert q.snapshot()["tiers"]["a"]["rejected"] == 1

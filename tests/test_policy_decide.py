@@ -17,8 +17,9 @@ from extproc.backends.hold import Hold
 from extproc.backends.state import BackendState
 from extproc.policy.admit import SlotRequest, can_admit, decide
 from extproc.policy.context import completion_budget
-from extproc.policy.decision import Admit, Cause, Queue, Reason, Reject
+from extproc.policy.decision import Admit, Queue, Reject
 from extproc.policy.kv import footprint, kv_budget, kv_fits, kv_owed_above, pressure_scale
+from extproc.policy.reasons import Cause, Reason
 from extproc.policy.schema import build_policy, hash_key
 from extproc.policy.slots import round_half_up
 from extproc.policy.view import BackendSnapshot
@@ -82,8 +83,7 @@ def test_decide_table(view: BackendSnapshot, request_: SlotRequest, expected: tu
 def test_a_refusal_carries_what_the_client_is_told() -> None:
     big = decide(BASE, req(kv=1008), 0.0)
     assert big == Reject(Reason.TOO_LARGE_FOR_BACKEND, "The request may need 1008 tokens of KV cache; backend 'b' "
-                         "has 1000. Lower max_tokens or shorten the prompt.", code="context_length_exceeded",
-                         cause=Cause.TOO_LARGE, param="max_tokens")
+                         "has 1000. Lower max_tokens or shorten the prompt.", code="context_length_exceeded", param="max_tokens")
     capped = decide(replace(BASE, tenant_held={"t": 3}), req(cap=3), 0.0)
     assert isinstance(capped, Reject) and capped.retry_after_s == 1 and capped.code == "rate_limit_exceeded"
     assert capped.message == "Too many concurrent requests for this key (limit 3)."
@@ -273,17 +273,17 @@ def test_tick_hands_returned_capacity_to_waiters_and_status_reports_it() -> None
         be = live()
         first = be.acquire(req(kv=1000), 0.0)
         assert isinstance(first, Hold)
-        w = be.enqueue("lo", "t", None, 500, 0.0)
+        w = be.queue.enqueue("lo", "t", None, 500, 0.0)
         assert not isinstance(w, str)
         assert be.status(0.0)["queue"]["depth"]["lo"] == 1
-        be._give_back(first)  # capacity returns without a release's own pump (e.g. a lease grew)
-        assert be.tick(0.0) == 1 and w.future.done()
+        be.give_back(first)  # capacity returns without a release's own pump (e.g. a lease grew)
+        assert be.queue.tick(0.0) == 1 and w.future.done()
         st = be.status(0.0)
         assert st["queue"]["depth"]["lo"] == 0 and st["kv"]["reserved_tokens"] == 500
         assert st["slots"]["in_use"] == 1
         got = w.future.result()
         assert isinstance(got, Hold)
         be.release(got, 0.0)
-        assert be.tick(0.0) == 0
+        assert be.queue.tick(0.0) == 0
 
     asyncio.run(run())

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from extproc.policy import ladder
 from extproc.policy.breaker import BreakerState, BreakerVerdict
 from extproc.policy.ladder import Fallback, LadderInput, Proceed, Refuse, asks_tenant, decide, land
-from extproc.policy.model import Degrade
+from extproc.policy.schema import Degrade
 
 OK = BreakerVerdict(True, BreakerState.CLOSED)
 OPEN = BreakerVerdict(False, BreakerState.OPEN, "open", 12.0)

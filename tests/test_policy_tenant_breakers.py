@@ -86,7 +86,7 @@ def test_the_backend_breaker_ignores_a_failure_blamed_on_a_tenant() -> None:
     t = tb()
     t.record("good", OK, 0.0)
     shared.record(OK, None, 0.0)
-    for i in range(6):  # the six free-key 500s of issue 8
+    for i in range(6):  # one free-key tenant's six 500s
         shared.record(t.record("free", FAIL, 1.0 + i), None, 1.0 + i)
     assert shared.state(7.0) is BreakerState.CLOSED
     assert shared.snapshot(7.0)["window"] == {"requests": 1, "failures": 0, "slow": 0}

@@ -13,6 +13,7 @@ from extproc.backends.state import BackendState
 from extproc.policy.breaker import Outcome
 from extproc.policy.schema import PolicyError, build_policy, hash_key
 from extproc.policy.slots import Denied
+from tests.backend_ops import try_acquire
 
 
 def doc(endpoints: list[dict[str, Any]], **backend: Any) -> dict[str, Any]:
@@ -66,21 +67,21 @@ def test_bad_endpoints_are_refused(endpoints: list[dict[str, Any]], extra: dict[
 def test_placement_puts_a_long_request_where_it_fits_and_waits_when_nowhere() -> None:
     be = runtime()
     assert be.endpoints is not None
-    small = be.try_acquire("t", "a", None, 800, 0.0)
+    small = try_acquire(be, "t", "a", None, 800, 0.0)
     assert isinstance(small, Hold)
     # 800 of 4000 beats 800 of 1000 on headroom: the first request goes to the big one.
     assert small.endpoint == "127.0.0.1:7002"
-    big = be.try_acquire("t", "a", None, 3000, 0.0)
+    big = try_acquire(be, "t", "a", None, 3000, 0.0)
     assert isinstance(big, Hold) and big.endpoint == "127.0.0.1:7002"
     # 7002 holds 3800 of 4000: a 900 footprint fits only the small one.
-    mid = be.try_acquire("t", "a", None, 900, 0.0)
+    mid = try_acquire(be, "t", "a", None, 900, 0.0)
     assert isinstance(mid, Hold) and mid.endpoint == "127.0.0.1:7001"
     # Pool budget says 4700 + 250 <= 5000, but no endpoint holds 250 more: refused, so it queues.
-    none = be.try_acquire("t", "a", None, 250, 0.0)
+    none = try_acquire(be, "t", "a", None, 250, 0.0)
     assert isinstance(none, Denied) and none.reason == "kv_exhausted"
     assert be.pool.in_use().total == 3  # the slot taken for the refused one went back
     be.release(big, 0.0)
-    again = be.try_acquire("t", "a", None, 250, 0.0)
+    again = try_acquire(be, "t", "a", None, 250, 0.0)
     assert isinstance(again, Hold) and again.endpoint == "127.0.0.1:7002"
     eps = be.endpoints.by_key
     assert (eps["127.0.0.1:7001"].kv_in_use, eps["127.0.0.1:7002"].kv_in_use) == (900, 1050)
@@ -89,9 +90,9 @@ def test_placement_puts_a_long_request_where_it_fits_and_waits_when_nowhere() ->
 def test_endpoint_slot_cap_is_checked() -> None:
     be = runtime([{"address": "127.0.0.1:7001", "max_concurrency": 1},
                   {"address": "127.0.0.1:7002", "max_concurrency": 1}])
-    holds = [be.try_acquire("t", "a", None, 10, 0.0) for _ in range(2)]
+    holds = [try_acquire(be, "t", "a", None, 10, 0.0) for _ in range(2)]
     assert {h.endpoint for h in holds if isinstance(h, Hold)} == {"127.0.0.1:7001", "127.0.0.1:7002"}
-    assert isinstance(be.try_acquire("t", "a", None, 10, 0.0), Denied)
+    assert isinstance(try_acquire(be, "t", "a", None, 10, 0.0), Denied)
 
 
 def test_stale_metrics_and_an_open_breaker_eject_an_endpoint() -> None:
@@ -100,7 +101,7 @@ def test_stale_metrics_and_an_open_breaker_eject_an_endpoint() -> None:
     assert be.endpoints is not None
     scraped = be.endpoints.by_key["127.0.0.1:7001"]
     # Before its first scrape an endpoint with metrics is not picked.
-    got = be.try_acquire("t", "a", None, 10, 0.0)
+    got = try_acquire(be, "t", "a", None, 10, 0.0)
     assert isinstance(got, Hold) and got.endpoint == "127.0.0.1:7002"
     be.release(got, 0.0)
     scraped.wm.observe(0.0, 0.0, 1.0)
@@ -109,24 +110,24 @@ def test_stale_metrics_and_an_open_breaker_eject_an_endpoint() -> None:
     for _ in range(5):
         other.breaker.record(Outcome.FAILURE, None, 1.0)
     assert not other.usable(1.0)
-    got = be.try_acquire("t", "a", None, 10, 1.0)
+    got = try_acquire(be, "t", "a", None, 10, 1.0)
     assert isinstance(got, Hold) and got.endpoint == "127.0.0.1:7001"
     # Silence counts as full: stale after watermark.stale_after_s (5 s), and nothing is left.
     assert not scraped.usable(7.0)
-    assert isinstance(be.try_acquire("t", "a", None, 10, 7.0), Denied)
+    assert isinstance(try_acquire(be, "t", "a", None, 10, 7.0), Denied)
 
 
 def test_a_removed_endpoint_drains_on_reload() -> None:
     be = runtime()
     assert be.endpoints is not None
-    held = be.try_acquire("t", "a", None, 100, 0.0)
+    held = try_acquire(be, "t", "a", None, 100, 0.0)
     assert isinstance(held, Hold) and held.endpoint == "127.0.0.1:7002"
     p = build_policy(doc(TWO[:1]))
     be.reconfigure(p.backends[0], p, 0.0)
     gone = be.endpoints.by_key["127.0.0.1:7002"]
     assert gone.draining and not gone.usable(0.0)
     for _ in range(3):
-        h = be.try_acquire("t", "a", None, 100, 0.0)
+        h = try_acquire(be, "t", "a", None, 100, 0.0)
         assert isinstance(h, Hold) and h.endpoint == "127.0.0.1:7001"
     be.release(held, 0.0)  # its last request finished: forgotten
     assert "127.0.0.1:7002" not in be.endpoints.by_key
@@ -138,7 +139,7 @@ def test_a_removed_endpoint_drains_on_reload() -> None:
 
 def test_kv_overcommit_applies_per_endpoint() -> None:
     be = runtime([{"address": "127.0.0.1:7001", "kv_capacity_tokens": 1000}], kv_overcommit=2.0)
-    holds = [be.try_acquire("t", "a", None, 600, 0.0) for _ in range(4)]
+    holds = [try_acquire(be, "t", "a", None, 600, 0.0) for _ in range(4)]
     assert [isinstance(h, Hold) for h in holds] == [True, True, True, False]  # 1800 <= 2000 < 2400
 
 
@@ -177,11 +178,11 @@ def test_a_leased_endpoint_takes_only_what_this_replica_leases_there() -> None:
     big.leased_slots, big.leased_kv, big.others_slots, big.others_kv = 1, 500, 1, 3500
     # The big endpoint has room in this replica's lease (500), but the others hold 3500 of its 4000:
     # by headroom the small one wins.
-    got = be.try_acquire("t", "a", None, 400, 0.0)
+    got = try_acquire(be, "t", "a", None, 400, 0.0)
     assert isinstance(got, Hold) and got.endpoint == "127.0.0.1:7001"
     # 700 fits neither lease (600 left on the small one, 500 on the big one): refused, though the
     # engines together have room.
-    assert isinstance(be.try_acquire("t", "a", None, 700, 0.0), Denied)
+    assert isinstance(try_acquire(be, "t", "a", None, 700, 0.0), Denied)
     # Where a bigger lease would put requests: 700 nowhere (the engines have no room for this
     # replica), 500 on the small one (it has more headroom left than the big one, full after it).
     assert be.endpoints.plan([700], 0.0) == {}
@@ -189,11 +190,11 @@ def test_a_leased_endpoint_takes_only_what_this_replica_leases_there() -> None:
     big.others_kv = 0
     # The big one has room now, for one request: the others hold one of its two slots.
     assert be.endpoints.plan([700, 700], 0.0) == {"127.0.0.1:7002": (1, 700)}
-    s = be.try_acquire("t", "a", None, 500, 0.0)
+    s = try_acquire(be, "t", "a", None, 500, 0.0)
     assert isinstance(s, Hold) and s.endpoint == "127.0.0.1:7002"
-    assert isinstance(be.try_acquire("t", "a", None, 10, 0.0), Hold)  # the small one: its lease has room
+    assert isinstance(try_acquire(be, "t", "a", None, 10, 0.0), Hold)  # the small one: its lease has room
     big.leased_kv = 4000
-    assert isinstance(be.try_acquire("t", "a", None, 10, 0.0), Hold)  # the big one's slot lease (1) is full ...
+    assert isinstance(try_acquire(be, "t", "a", None, 10, 0.0), Hold)  # the big one's slot lease (1) is full ...
     assert big.in_flight == 1  # ... so it went to the small one
 
 
@@ -221,32 +222,32 @@ def test_a_premium_head_that_fits_no_endpoint_is_owed_one_and_placed_there() -> 
                         {"address": "127.0.0.1:7002", "kv_capacity_tokens": 1000}])
         assert be.endpoints is not None
         eps = be.endpoints.by_key
-        first = [be.try_acquire("lo", "z", None, 300, 0.0) for _ in range(4)]  # 600 on each endpoint
+        first = [try_acquire(be, "lo", "z", None, 300, 0.0) for _ in range(4)]  # 600 on each endpoint
         assert all(isinstance(h, Hold) for h in first)
         assert {k: e.kv_in_use for k, e in eps.items()} == {"127.0.0.1:7001": 600, "127.0.0.1:7002": 600}
         # 800 fits the pool (1200 + 800 <= 2000) but no endpoint (400 free on each): it waits.
-        assert isinstance(be.try_acquire("hi", "a", None, 800, 0.0), Denied)
-        big = be.enqueue("hi", "a", None, 800, 0.0)
+        assert isinstance(try_acquire(be, "hi", "a", None, 800, 0.0), Denied)
+        big = be.queue.enqueue("hi", "a", None, 800, 0.0)
         assert isinstance(big, Waiter)
         # Both are 400 short; the tie goes to 7001 (the key): it is owed to the premium head.
-        assert be.owed_endpoints("lo", 0.0) == ("127.0.0.1:7001",)
+        assert be.queue.owed_endpoints("lo", 0.0) == ("127.0.0.1:7001",)
         # One free request on 7001 finishes: 700 free there. Without the rule the next free
         # request would take it (most headroom); now it goes to 7002.
         on_7001 = [h for h in first if isinstance(h, Hold) and h.endpoint == "127.0.0.1:7001"]
         be.release(on_7001[0], 0.0)
         assert not big.future.done()
-        small = be.try_acquire("lo", "z", None, 200, 0.0)
+        small = try_acquire(be, "lo", "z", None, 200, 0.0)
         assert isinstance(small, Hold) and small.endpoint == "127.0.0.1:7002"
         # 7002 is full for another 300; 7001 stays owed: the free request waits.
-        assert isinstance(be.try_acquire("lo", "z", None, 300, 0.0), Denied)
+        assert isinstance(try_acquire(be, "lo", "z", None, 300, 0.0), Denied)
         assert eps["127.0.0.1:7001"].kv_in_use == 300
         # The last free request on 7001 finishes: the premium head is placed there at once.
         be.release(on_7001[1], 0.0)
         got = await asyncio.wait_for(big.future, 1)
         assert isinstance(got, Hold) and got.endpoint == "127.0.0.1:7001"
         # Nothing is owed any more: free requests may use 7001's last 200 again.
-        assert be.owed_endpoints("lo", 0.0) == ()
-        last = be.try_acquire("lo", "z", None, 200, 0.0)
+        assert be.queue.owed_endpoints("lo", 0.0) == ()
+        last = try_acquire(be, "lo", "z", None, 200, 0.0)
         assert isinstance(last, Hold) and last.endpoint == "127.0.0.1:7001"
         for h in [got, small, last, *(h for h in first if h not in on_7001)]:
             assert isinstance(h, Hold)
@@ -267,26 +268,26 @@ def test_look_ahead_lets_smaller_premium_requests_pass_a_head_that_fits_nowhere(
         be = two_tiers([{"address": "127.0.0.1:7001", "kv_capacity_tokens": 1000},
                         {"address": "127.0.0.1:7002", "kv_capacity_tokens": 1000}])
         assert be.endpoints is not None
-        free = [be.try_acquire("lo", "z", None, 300, 0.0) for _ in range(4)]  # 600 on each
+        free = [try_acquire(be, "lo", "z", None, 300, 0.0) for _ in range(4)]  # 600 on each
         assert all(isinstance(h, Hold) for h in free)
-        head = be.enqueue("hi", "a", None, 800, 0.0)
-        small = be.enqueue("hi", "a", None, 300, 0.0)
-        third = be.enqueue("hi", "a", None, 300, 0.0)
+        head = be.queue.enqueue("hi", "a", None, 800, 0.0)
+        small = be.queue.enqueue("hi", "a", None, 300, 0.0)
+        third = be.queue.enqueue("hi", "a", None, 300, 0.0)
         assert isinstance(head, Waiter) and isinstance(small, Waiter) and isinstance(third, Waiter)
-        assert be.tick(0.0) == 1
+        assert be.queue.tick(0.0) == 1
         got = await asyncio.wait_for(small.future, 1)
         # 7001 and 7002 have the same room and 7001 wins ties, but 7001 is owed to the head.
         assert isinstance(got, Hold) and got.endpoint == "127.0.0.1:7002"
         assert not head.future.done() and not third.future.done()
         # 7002 has 100 left, 7001 400 but owed: the third waits too.
-        assert be.tick(0.0) == 0
+        assert be.queue.tick(0.0) == 0
         for h in free:
             if isinstance(h, Hold) and h.endpoint == "127.0.0.1:7001":
                 be.release(h, 0.0)
         placed = await asyncio.wait_for(head.future, 1)
         assert isinstance(placed, Hold) and placed.endpoint == "127.0.0.1:7001"
         assert not third.future.done()  # 200 left on 7001, 100 on 7002
-        be.leave(third)
+        be.queue.leave(third)
         for h in [got, placed, *(h for h in free if isinstance(h, Hold) and h.endpoint == "127.0.0.1:7002")]:
             assert isinstance(h, Hold)
             be.release(h, 0.0)
@@ -321,17 +322,17 @@ def test_premium_waiters_are_placed_while_free_traffic_keeps_coming(
             for end, h in [r for r in running if r[0] <= step]:
                 running.remove((end, h))
                 be.release(h, at)
-            be.tick(at)
+            be.queue.tick(at)
             n_free, free_blocks, has_premium, premium_blocks, duration = steps[step % len(steps)]
             arrivals = [("lo", "z", free_blocks * 10)] * n_free
             if has_premium and step < 40:
                 arrivals.append(("hi", "a", premium_blocks * 16))  # up to 3200: the largest cache
             for tier, tenant, kv in arrivals:
-                got = be.try_acquire(tier, tenant, None, kv, at)
+                got = try_acquire(be, tier, tenant, None, kv, at)
                 if isinstance(got, Hold):
                     running.append((step + duration, got))
                     continue
-                w = be.enqueue(tier, tenant, None, kv, at)
+                w = be.queue.enqueue(tier, tenant, None, kv, at)
                 if isinstance(w, Waiter):
                     waiting.append((w, duration))
                     if tier == "hi":
@@ -349,7 +350,7 @@ def test_premium_waiters_are_placed_while_free_traffic_keeps_coming(
         assert all(w.future.done() for w in premium), \
             f"premium still waiting at step {step}: {[w.kv for w in premium if not w.future.done()]}"
         for w, _ in waiting:
-            be.leave(w)
+            be.queue.leave(w)
         for _, h in running:
             be.release(h, 1000.0)
         assert be.kv_in_use == 0 and be.pool.in_use().total == 0

@@ -18,6 +18,7 @@ from extproc.policy.affinity import PrefixAffinity
 from extproc.policy.placement import Candidate, pick
 from extproc.policy.schema import PolicyError, build_policy, hash_key
 from extproc.policy.slots import Denied
+from tests.backend_ops import try_acquire
 
 SYSTEM = "You are the support assistant of a large shop. " * 60  # ~2.9 kB
 
@@ -132,17 +133,17 @@ def test_pool_places_a_shared_prefix_on_one_endpoint_until_it_is_full_then_spill
     be = runtime(prefix_affinity=True, affinity_min_headroom=0.2)
     assert be.endpoints is not None and be.endpoints.affinity is not None
     prefix = (100, 101)
-    first = be.try_acquire("t", "a", None, 200, 0.0, prefix)
+    first = try_acquire(be, "t", "a", None, 200, 0.0, prefix)
     assert isinstance(first, Hold) and first.affinity == "miss"
     home = first.endpoint
-    holds = [be.try_acquire("t", "a", None, 200, 0.0, prefix) for _ in range(3)]
+    holds = [try_acquire(be, "t", "a", None, 200, 0.0, prefix) for _ in range(3)]
     # 400, 600, then 800 of 1000: 0.2 free after placement is still enough, all stay home.
     assert all(isinstance(h, Hold) and h.endpoint == home and h.affinity == "hit" for h in holds)
-    spilled = be.try_acquire("t", "a", None, 200, 0.0, prefix)
+    spilled = try_acquire(be, "t", "a", None, 200, 0.0, prefix)
     assert isinstance(spilled, Hold) and spilled.endpoint != home and spilled.affinity == "spill"
     # The map now names where it last went; a request without keys is placed by the score.
     assert be.endpoints.affinity.lookup(prefix, 0.0) == (spilled.endpoint, 2)
-    plain = be.try_acquire("t", "a", None, 100, 0.0)
+    plain = try_acquire(be, "t", "a", None, 100, 0.0)
     assert isinstance(plain, Hold) and plain.affinity is None and plain.endpoint == spilled.endpoint
     assert be.endpoints.affinity_counts == {"hit": 3, "spill": 1, "miss": 1}
     # The reservation is the whole footprint: nothing is discounted for the cached prefix.
@@ -152,8 +153,8 @@ def test_pool_places_a_shared_prefix_on_one_endpoint_until_it_is_full_then_spill
 def test_without_prefix_affinity_the_keys_change_nothing() -> None:
     be = runtime()
     assert be.endpoints is not None and be.endpoints.affinity is None
-    a = be.try_acquire("t", "a", None, 200, 0.0, (102,))
-    b = be.try_acquire("t", "a", None, 200, 0.0, (102,))
+    a = try_acquire(be, "t", "a", None, 200, 0.0, (102,))
+    b = try_acquire(be, "t", "a", None, 200, 0.0, (102,))
     assert isinstance(a, Hold) and isinstance(b, Hold) and a.endpoint != b.endpoint  # the score alternates
     assert a.affinity is None
 
@@ -161,7 +162,7 @@ def test_without_prefix_affinity_the_keys_change_nothing() -> None:
 def test_reload_keeps_the_map_unless_its_bounds_change_and_drops_it_when_off() -> None:
     be = runtime(prefix_affinity=True)
     assert be.endpoints is not None
-    be.try_acquire("t", "a", None, 10, 0.0, (102,))
+    try_acquire(be, "t", "a", None, 10, 0.0, (102,))
     kept = be.endpoints.affinity
     p = build_policy(doc(prefix_affinity=True, affinity_min_headroom=0.5))
     be.reconfigure(p.backends[0], p, 1.0)
@@ -198,15 +199,15 @@ def test_a_queued_request_keeps_its_prefix_and_is_handed_its_preferred_endpoint(
         eps = list(be.endpoints.by_key.values())
         for st in eps:
             st.wm.observe(0.0, 0.0, 0.0)
-        home = be.try_acquire("t", "a", None, 100, 0.0, (7, 8))
+        home = try_acquire(be, "t", "a", None, 100, 0.0, (7, 8))
         assert isinstance(home, Hold) and home.endpoint == "127.0.0.1:7001"  # idle tie: by address
         # Metrics go stale (silence counts as full): the next request with that prefix waits.
-        assert isinstance(be.try_acquire("t", "a", None, 200, 7.0, (7, 8)), Denied)
-        w = be.enqueue("t", "a", None, 200, 7.0, (7, 8))
+        assert isinstance(try_acquire(be, "t", "a", None, 200, 7.0, (7, 8)), Denied)
+        w = be.queue.enqueue("t", "a", None, 200, 7.0, (7, 8))
         assert not isinstance(w, str)
         for st in eps:
             st.wm.observe(0.0, 0.0, 8.0)
-        be.pump(8.0)
+        be.queue.pump(8.0)
         got = await asyncio.wait_for(w.future, 1)
         # The score alone would pick 7002 (0.8 free after placement against 0.7): the waiter's
         # prefix took it to the endpoint that served it.
@@ -218,7 +219,7 @@ def test_a_queued_request_keeps_its_prefix_and_is_handed_its_preferred_endpoint(
 def test_an_endpoint_forgotten_after_removal_takes_its_prefixes_with_it() -> None:
     be = runtime(prefix_affinity=True)
     assert be.endpoints is not None and be.endpoints.affinity is not None
-    h = be.try_acquire("t", "a", None, 10, 0.0, (5,))
+    h = try_acquire(be, "t", "a", None, 10, 0.0, (5,))
     assert isinstance(h, Hold)
     d = doc(prefix_affinity=True)
     d["backends"][0]["endpoints"] = [e for e in d["backends"][0]["endpoints"]

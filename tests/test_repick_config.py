@@ -1,4 +1,4 @@
-"""The Envoy config side Sluice needs for the re-pick (issue 11): what ext_proc may mutate,
+"""The Envoy config side Sluice needs for the re-pick on a connect failure: what ext_proc may mutate,
 and the served address as an attribute."""
 
 from __future__ import annotations

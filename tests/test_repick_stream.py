@@ -1,4 +1,4 @@
-"""Re-pick once on a connect failure (issue 11), the extproc side, driven by ext_proc messages.
+"""Re-pick once on a connect failure, the extproc side, driven by ext_proc messages.
 
 Request side: ``x-sluice-endpoint: pick,second`` (or the pick and ``x-envoy-max-retries: 0``),
 and a client's retry headers removed. Response side: Envoy's ``upstream.address`` attribute
@@ -20,7 +20,7 @@ from extproc.envoy.headers import CLIENT_RETRY_HEADERS, ENDPOINT_HEADER, MAX_RET
 from extproc.policy.breaker import BreakerState
 from extproc.policy.schema import build_policy, hash_key
 from extproc.request.stream import StreamProcessor
-from extproc.runtime import leases as lease_plan
+from extproc.runtime import leases
 from extproc.runtime.runtime import Runtime
 from tests.test_stream import Clock, headers, stream_body, trailers
 
@@ -262,13 +262,13 @@ def test_a_move_keeps_the_per_endpoint_lease_plan_consistent() -> None:
     eps.by_key[B].leased_slots = 0  # B's lease is spent meanwhile: the request runs there all the same
     sp.handle("response_headers", served_by(B))
     assert held(rt) == {A: (0, 0), B: (1, kv)}
-    leases = SimpleNamespace(short={})
+    shared = SimpleNamespace(short={})
     wanted = {name.split("@", 1)[1] if "@" in name else name: get()[2:4]
-              for name, get in lease_plan.usage(be.spec, be, leases, clock).items()}  # type: ignore[arg-type]
+              for name, get in leases.usage(be.spec, be, shared, clock).items()}  # type: ignore[arg-type]
     assert sorted(wanted.values()) == [(0, 0), (1, kv)]
     sp.handle("response_trailers", trailers(5, 10))
     assert held(rt) == {A: (0, 0), B: (0, 0)}
-    assert all(get()[2:4] == (0, 0) for get in lease_plan.usage(be.spec, be, leases, clock).values())  # type: ignore[arg-type]
+    assert all(get()[2:4] == (0, 0) for get in leases.usage(be.spec, be, shared, clock).values())  # type: ignore[arg-type]
     rt.close()
 
 

@@ -10,6 +10,7 @@ from extproc.policy.schema import build_policy, hash_key
 from extproc.runtime.runtime import Runtime
 from extproc.service.monitor import apply_endpoint_sample, apply_sample, refresh
 from extproc.service.series import SeriesPruner, owned, prune
+from tests.backend_ops import try_acquire
 
 A, B = "127.0.0.1:7001", "127.0.0.1:7002"
 
@@ -64,7 +65,7 @@ def test_a_drained_endpoint_and_a_removed_backend_lose_their_series() -> None:
 
     pool = rt.backends["pool"]
     assert pool.endpoints is not None
-    hold = pool.try_acquire("t", "a", None, 100, 0.0)
+    hold = try_acquire(pool, "t", "a", None, 100, 0.0)
     assert isinstance(hold, Hold)
     busy = hold.endpoint
     idle = A if busy == B else B

@@ -17,6 +17,7 @@ from extproc.runtime.runtime import Runtime
 from extproc.store import ENV_URL
 from extproc.store.redis_state import connect
 from extproc.store.shared_breakers import SharedBreakers
+from tests.backend_ops import try_acquire
 from tests.redis_server import redis_server_fixture  # noqa: F401 - the redis_server fixture
 from tests.test_pool import doc as pool_doc
 
@@ -92,7 +93,7 @@ def test_a_pool_endpoint_trip_on_one_runtime_ejects_it_on_the_other_within_a_sec
                     "a1": eps1.by_key[a].breaker.state(rts[1].clock()),
                     "pool1": rts[1].backends["pool"].breaker.state(rts[1].clock())}
             be1 = rts[1].backends["pool"]
-            held = be1.try_acquire("t", "a", None, 100, rts[1].clock())
+            held = try_acquire(be1, "t", "a", None, 100, rts[1].clock())
             info["placed"] = held.endpoint if isinstance(held, Hold) else held
             if isinstance(held, Hold):
                 be1.release(held, rts[1].clock())

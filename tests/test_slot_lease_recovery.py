@@ -133,7 +133,7 @@ def test_redis_restarted_empty_no_replica_takes_room_another_still_holds(server:
         # a finds itself fenced through its heartbeat, b through a lease exchange, c last
         assert f.beat(a)
         f.tick(a)
-        assert a.lease == 7 and a.leases.claims == {"b": (7, 0)}  # capped at its claim: b and c not heard
+        assert a.lease == 7 and a.leases.recovery.claims == {"b": (7, 0)}  # capped at its claim: b and c not heard
         b.waiting = 1  # b's lease is short too: it asks, and finds itself fenced
         f.tick(b)
         assert b.lease == 0 and b.in_use == 2 and b.leases.fenced == 1  # its requests in flight finish
@@ -147,7 +147,7 @@ def test_redis_restarted_empty_no_replica_takes_room_another_still_holds(server:
                 f.t[0] += 0.05
                 f.tick(r)
         assert max(f.samples) <= POOL, f.samples
-        assert a.leases.claims == {} and a.leases.recoveries == 1  # every replica reported: lifted
+        assert a.leases.recovery.claims == {} and a.leases.recovery.recoveries == 1  # every replica reported: lifted
         assert [r.lease for r in f.replicas] == [7, 3, 2] and f.in_redis() == POOL
         assert b.in_use == 3 and b.waiting == 0  # its new request ran within its claim
         # the room is a's again once another gives it back
@@ -192,10 +192,10 @@ def test_a_replica_that_never_returns_holds_the_claims_up_only_for_the_bound(ser
             for r in (a, b):
                 f.t[0] += 0.05
                 f.tick(r)
-        assert a.lease == 7 and a.leases.claims  # 2 of the 3 replicas seen have reported
-        f.t[0] += a.leases.recover_s  # the bound (ttl / 2) passes
+        assert a.lease == 7 and a.leases.recovery.claims  # 2 of the 3 replicas seen have reported
+        f.t[0] += a.leases.recovery.recover_s  # the bound (ttl / 2) passes
         f.tick(a)
-        assert a.leases.claims == {} and a.lease == POOL - b.lease == 9, (a.lease, b.lease)
+        assert a.leases.recovery.claims == {} and a.lease == POOL - b.lease == 9, (a.lease, b.lease)
         assert max(f.samples) <= POOL, f.samples
     finally:
         f.close()
@@ -219,7 +219,7 @@ def test_an_exchange_that_finds_the_replica_fenced_is_no_report_and_lifts_no_cla
         a.waiting = 3
         f.tick(a)  # fenced: claims 7
         f.tick(a)  # fenced again, its heartbeat not yet run
-        assert a.leases.fenced == 2 and a.leases.claims == {"b": (7, 0)}, a.leases.claims
+        assert a.leases.fenced == 2 and a.leases.recovery.claims == {"b": (7, 0)}, a.leases.recovery.claims
         for r in f.replicas:
             assert f.beat(r)
         b.waiting = c.waiting = 6  # b and c want far more than they held
@@ -228,7 +228,7 @@ def test_an_exchange_that_finds_the_replica_fenced_is_no_report_and_lifts_no_cla
                 f.t[0] += 0.05
                 f.tick(r)
         assert max(f.samples) <= POOL, f.samples
-        assert not any(r.leases.claims for r in f.replicas) and a.in_use == 7  # lifted; a ran one more
+        assert not any(r.leases.recovery.claims for r in f.replicas) and a.in_use == 7  # lifted; a ran one more
     finally:
         f.close()
 
@@ -351,7 +351,7 @@ def test_a_heartbeat_that_lands_between_two_leases_of_a_check_caps_the_second(se
 
         usage = {"other": beat_now, "b": lambda: (POOL, 0, a.in_use + a.waiting, 0, 0, a.in_use, 0)}
         f.run(a.leases.tick(usage))
-        assert a.leases.claims.get("b") == (7, 0) and a.lease == 7, (a.leases.claims, a.lease)  # before: 10
+        assert a.leases.recovery.claims.get("b") == (7, 0) and a.lease == 7, (a.leases.recovery.claims, a.lease)  # before: 10
         assert f.held() <= POOL
     finally:
         sync.close()
@@ -380,7 +380,7 @@ def test_a_heartbeat_whose_answer_was_lost_leaves_no_member_behind_once_the_repl
             for r in f.replicas:
                 f.t[0] += 0.05
                 f.tick(r)
-        assert not a.leases.claims and not b.leases.claims  # every registered replica reported: lifted
+        assert not a.leases.recovery.claims and not b.leases.recovery.claims  # every registered replica reported: lifted
     finally:
         f.close()
 

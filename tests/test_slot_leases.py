@@ -26,6 +26,7 @@ from extproc.store import ENV_URL
 from extproc.store.redis_state import connect
 from extproc.store.registry import Registry
 from extproc.store.slot_leases import SlotLeases, block, want
+from tests.backend_ops import try_acquire
 from tests.redis_server import redis_server_fixture  # noqa: F401 - the redis_server fixture
 from tests.slot_lease_holder import POOL
 
@@ -291,15 +292,15 @@ async def _stop(rts: list[Runtime], tasks: list[asyncio.Task[None]]) -> None:
 
 async def _take(be: BackendState, kv: int, now: float) -> Hold | None:
     """Acquire as admission does: at once, or queued until the grant (None: refused or timed out)."""
-    got = be.try_acquire("t", "a", None, kv, now)
+    got = try_acquire(be, "t", "a", None, kv, now)
     if isinstance(got, Hold):
         return got
-    w = be.enqueue("t", "a", None, kv, now)
+    w = be.queue.enqueue("t", "a", None, kv, now)
     assert not isinstance(w, str), w
     try:
         res = await asyncio.wait_for(asyncio.shield(w.future), 5.0)
     except TimeoutError:
-        be.leave(w)
+        be.queue.leave(w)
         return None
     return res if isinstance(res, Hold) else None
 

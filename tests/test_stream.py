@@ -260,16 +260,16 @@ def response_headers(status: int, ctype: str = "text/event-stream") -> pb.Proces
 
 
 def trailers(input_tokens: int | None, output_tokens: int | None) -> pb.ProcessingRequest:
-    from extproc.envoy import usage_record as envoy_usage
+    from extproc.envoy import usage_record
 
     req = pb.ProcessingRequest(response_trailers=pb.HttpTrailers())
-    u = envoy_usage.TokenUsage()
+    u = usage_record.TokenUsage()
     if input_tokens is not None:
         u.input_tokens.value = input_tokens
     if output_tokens is not None:
         u.output_tokens.value = output_tokens
-    packed = req.metadata_context.typed_filter_metadata[envoy_usage.USAGE_NAMESPACE]
-    packed.type_url, packed.value = "type.googleapis.com/" + envoy_usage.TOKEN_USAGE, u.SerializeToString()
+    packed = req.metadata_context.typed_filter_metadata[usage_record.USAGE_NAMESPACE]
+    packed.type_url, packed.value = "type.googleapis.com/" + usage_record.TOKEN_USAGE, u.SerializeToString()
     return req
 
 
@@ -332,7 +332,7 @@ def test_usage_trailers_without_a_record_estimate_from_the_learned_rate() -> Non
     sp.handle("response_headers", response_headers(200))
     clock.now += 0.5
     sp.settle("disconnect")  # the client left: no trailers
-    assert rt.state.snapshot(clock.now)["ledger"]["charged"] == sp.prompt_tokens + 25
+    assert rt.state.snapshot(clock.now)["ledger"]["charged"] == sp.settlement.prompt_tokens + 25
     rt.close()
 
 

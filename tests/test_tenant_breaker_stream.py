@@ -45,7 +45,7 @@ def test_one_tenants_500s_trip_its_breaker_and_not_the_backends() -> None:
     be.has_metrics = False
     assert not ask(rt, "kg").HasField("immediate_response")
     seen = []
-    for _ in range(6):  # issue 8: six free-key requests the backend answers with 500
+    for _ in range(6):  # one tenant: six free-key requests the backend answers with 500
         r = ask(rt, "kb", 500)
         seen.append(refused(r)[1] if r.HasField("immediate_response") else "sent")
         assert not ask(rt, "kg").HasField("immediate_response"), "the good tenant keeps being served"

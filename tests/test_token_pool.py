@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from extproc.tokens.counter import SLICE_CHARS, Counter, CountJob, TokenizerFailed
+from extproc.tokens.counter import SLICE_CHARS, CountJob, TokenCounter, TokenizerFailed
 from extproc.tokens.pool import FairQueue, TokenPool
 
 
@@ -59,7 +59,7 @@ def test_a_late_tenant_waits_one_slice_per_busy_tenant_not_behind_a_flood() -> N
 class LoggedJob(CountJob):
     """A real count that writes its tag to ``log`` at every slice."""
 
-    def __init__(self, counter: Counter, texts: list[str], log: list[str], tag: str,
+    def __init__(self, counter: TokenCounter, texts: list[str], log: list[str], tag: str,
                  fail: bool = False) -> None:
         super().__init__(counter, texts, None)
         self.log, self.tag, self.fail = log, tag, fail
@@ -71,12 +71,12 @@ class LoggedJob(CountJob):
         return super().step()
 
 
-def spaces_job(counter: Counter, log: list[str], tag: str, chars: int) -> CountJob:
+def spaces_job(counter: TokenCounter, log: list[str], tag: str, chars: int) -> CountJob:
     return LoggedJob(counter, [" " * chars], log, tag)
 
 
 def test_the_pool_interleaves_tenants_and_drops_cancelled_jobs() -> None:
-    counter = Counter("cl100k_base")
+    counter = TokenCounter("cl100k_base")
     log: list[str] = []
 
     async def scenario() -> None:
@@ -105,7 +105,7 @@ def test_the_pool_interleaves_tenants_and_drops_cancelled_jobs() -> None:
 
 
 def test_a_failing_job_fails_its_waiter_only() -> None:
-    counter = Counter("cl100k_base")
+    counter = TokenCounter("cl100k_base")
 
     async def scenario() -> None:
         pool = TokenPool()
@@ -123,7 +123,7 @@ def test_a_failing_job_fails_its_waiter_only() -> None:
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_the_pool_restarts_on_a_new_event_loop(n: int) -> None:
-    counter = Counter("cl100k_base")
+    counter = TokenCounter("cl100k_base")
     pool = TokenPool()
     for _ in range(n):
         got = asyncio.run(pool.count("a", counter.job(["word " * 5000])))
@@ -132,7 +132,7 @@ def test_the_pool_restarts_on_a_new_event_loop(n: int) -> None:
 
 
 def test_closing_the_pool_cancels_waiters_instead_of_leaving_them_hanging() -> None:
-    counter = Counter("cl100k_base")
+    counter = TokenCounter("cl100k_base")
 
     async def scenario() -> None:
         pool = TokenPool()
@@ -150,7 +150,7 @@ def test_closing_the_pool_cancels_waiters_instead_of_leaving_them_hanging() -> N
 
 
 def test_many_short_messages_are_counted_a_slice_per_step_not_one_each() -> None:
-    counter = Counter("cl100k_base")
+    counter = TokenCounter("cl100k_base")
     texts = ["user", "a short message of a chat"] * 500  # 1,000 texts, ~14 KB
     job = counter.job(texts)
     steps = 1

@@ -12,8 +12,8 @@ import pytest
 
 from bench import corpus
 from extproc.tokens import counter as tokenizer
-from extproc.tokens import encodings as tokens
-from extproc.tokens.counter import SLICE_CHARS, Counter, TokenizerFailed, slices
+from extproc.tokens import encodings
+from extproc.tokens.counter import SLICE_CHARS, TokenCounter, TokenizerFailed, slices
 
 ENCODINGS = ("cl100k_base", "o200k_base")
 ENGLISH = corpus.english()
@@ -22,9 +22,9 @@ ALPHABET = [" ", "  ", "\n", "\r\n", "\t", "a", "A", "é", "'s", "'LL", "1", "12
 
 
 @pytest.fixture(scope="module", params=ENCODINGS)
-def pair(request: pytest.FixtureRequest) -> tuple[Counter, Callable[[str], int]]:
-    enc = tokens.get_encoding(request.param)
-    return Counter(request.param), lambda s: len(enc.encode_ordinary(s))
+def pair(request: pytest.FixtureRequest) -> tuple[TokenCounter, Callable[[str], int]]:
+    enc = encodings.get_encoding(request.param)
+    return TokenCounter(request.param), lambda s: len(enc.encode_ordinary(s))
 
 
 def fuzzed(rnd: random.Random) -> str:
@@ -40,13 +40,13 @@ def fuzzed(rnd: random.Random) -> str:
         "utf-8", "ignore").decode()
 
 
-def test_the_default_counter_is_linear_time_bpe(pair: tuple[Counter, Callable[[str], int]]) -> None:
+def test_the_default_counter_is_linear_time_bpe(pair: tuple[TokenCounter, Callable[[str], int]]) -> None:
     counter, _ = pair
     assert counter.backend == "bpe-openai"  # a dependency of the project: the fallback is only a fallback
 
 
 def test_counts_equal_tiktoken_and_hard_cuts_only_ever_add_a_little(
-        pair: tuple[Counter, Callable[[str], int]]) -> None:
+        pair: tuple[TokenCounter, Callable[[str], int]]) -> None:
     counter, exact = pair
     rnd = random.Random(8)
     cuts_seen = 0
@@ -84,7 +84,7 @@ def cpu(fn: Callable[[], object], reps: int = 3) -> float:
 
 
 def test_pathological_inputs_cost_no_more_than_english_and_scale_linearly() -> None:
-    counter = Counter("o200k_base")
+    counter = TokenCounter("o200k_base")
     mib = 1 << 20
     english = (ENGLISH * (mib // len(ENGLISH) + 1))[:mib]
     t_english = cpu(lambda: counter.count([english]))
@@ -97,7 +97,7 @@ def test_pathological_inputs_cost_no_more_than_english_and_scale_linearly() -> N
 
 
 def test_a_count_stops_past_its_limit_so_the_work_is_bounded_by_the_window() -> None:
-    counter = Counter("cl100k_base")
+    counter = TokenCounter("cl100k_base")
     english = ENGLISH * 30  # ~1 MiB
     job = counter.job(["system prompt", english], limit=4096)
     while not job.step():
@@ -112,17 +112,17 @@ def test_a_count_stops_past_its_limit_so_the_work_is_bounded_by_the_window() -> 
 def test_a_pyo3_panic_becomes_tokenizer_failed() -> None:
     # The real failure: tiktoken's o200k regex overflows its stack on ~1 MB of spaces
     # and pyo3 raises PanicException, a BaseException that `except Exception` misses.
-    raw = Counter("o200k_base", backend="tiktoken")
+    raw = TokenCounter("o200k_base", backend="tiktoken")
     with pytest.raises(TokenizerFailed, match="PanicException") as ei:
         raw.count_piece(" " * 1_000_000)
     assert not isinstance(ei.value.__cause__, Exception)
     # Sliced, the same input counts correctly with tiktoken too.
-    assert raw.count([" " * (1 << 20)]).tokens == Counter("o200k_base").count([" " * (1 << 20)]).tokens
+    assert raw.count([" " * (1 << 20)]).tokens == TokenCounter("o200k_base").count([" " * (1 << 20)]).tokens
 
 
 @pytest.mark.parametrize("exc", [KeyboardInterrupt(), SystemExit(1), asyncio.CancelledError()])
 def test_stopping_the_process_or_the_stream_is_never_turned_into_a_400(exc: BaseException) -> None:
-    counter = Counter("cl100k_base")
+    counter = TokenCounter("cl100k_base")
 
     def boom(text: str) -> int:
         raise exc
@@ -133,8 +133,8 @@ def test_stopping_the_process_or_the_stream_is_never_turned_into_a_400(exc: Base
 
 
 def test_ordinary_errors_and_lone_surrogates() -> None:
-    counter = Counter("cl100k_base")
-    enc = tokens.get_encoding("cl100k_base")
+    counter = TokenCounter("cl100k_base")
+    enc = encodings.get_encoding("cl100k_base")
     assert counter.count(["a\ud800b"]).tokens == len(enc.encode_ordinary("a\ud800b"))
 
     def broken(text: str) -> int:
@@ -146,9 +146,9 @@ def test_ordinary_errors_and_lone_surrogates() -> None:
 
 
 def test_special_tokens_are_counted_as_text() -> None:
-    enc = tokens.get_encoding("cl100k_base")
+    enc = encodings.get_encoding("cl100k_base")
     text = "before <|endoftext|> after"
-    assert Counter("cl100k_base").count([text]).tokens == len(enc.encode_ordinary(text))
+    assert TokenCounter("cl100k_base").count([text]).tokens == len(enc.encode_ordinary(text))
 
 
 def test_estimate_for_failures() -> None:
@@ -158,14 +158,14 @@ def test_estimate_for_failures() -> None:
 
 @pytest.mark.parametrize("name", ENCODINGS)
 def test_the_startup_probe_counts_are_tiktokens(name: str) -> None:
-    enc = tokens.get_encoding(name)
+    enc = encodings.get_encoding(name)
     assert tokenizer.PROBE_COUNTS[name] == tuple(len(enc.encode_ordinary(p)) for p in tokenizer.PROBES)
 
 
 def test_a_fast_counter_that_disagrees_with_tiktoken_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(tokenizer.PROBE_COUNTS, "cl100k_base", (1, 2, 3, 4))
-    counter = Counter("cl100k_base")
+    counter = TokenCounter("cl100k_base")
     assert counter.backend == "tiktoken"
     assert counter.count(["hello world"]).tokens == 2
     with pytest.raises(RuntimeError, match="bpe-openai cannot count"):
-        Counter("cl100k_base", backend="bpe")
+        TokenCounter("cl100k_base", backend="bpe")

@@ -13,7 +13,7 @@ from typing import Any
 import tiktoken
 from aiohttp import web
 
-from extproc.tokens import encodings as tokens
+from extproc.tokens import encodings
 
 from . import openai_fmt as fmt
 from .config import LiveConfig, SimConfig, parse_live_update
@@ -87,7 +87,7 @@ PARSED = web.RequestKey("sluice_sim_json", object)
 
 
 def load_encoding(name: str = "cl100k_base") -> tiktoken.Encoding:
-    return tokens.get_encoding(name)
+    return encodings.get_encoding(name)
 
 
 # ---- middlewares ------------------------------------------------------------------------
@@ -177,7 +177,7 @@ def _plan_length(
         if prompt + explicit > mml:
             raise ApiError(
                 400,
-                f"This model's maximum context length is {mml} tokens. However, you "
+                f"This model's maximum context length is {mml} encodings. However, you "
                 f"requested {prompt + explicit} tokens ({prompt} in the messages, {explicit} "
                 "in the completion). Please reduce the length of the messages or completion.",
                 "context_length_exceeded",
@@ -188,8 +188,8 @@ def _plan_length(
         if prompt >= mml:
             raise ApiError(
                 400,
-                f"This model's maximum context length is {mml} tokens. However, your "
-                f"messages resulted in {prompt} tokens. Please reduce the length of the messages.",
+                f"This model's maximum context length is {mml} encodings. However, your "
+                f"messages resulted in {prompt} encodings. Please reduce the length of the messages.",
                 "context_length_exceeded",
                 "messages",
             )
@@ -257,8 +257,8 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
         if n > mml:
             raise ApiError(
                 400,
-                f"This model's maximum context length is {mml} tokens. However, input[{i}] "
-                f"has {n} tokens. Please reduce the length of the input.",
+                f"This model's maximum context length is {mml} encodings. However, input[{i}] "
+                f"has {n} encodings. Please reduce the length of the input.",
                 "context_length_exceeded",
                 "input",
             )

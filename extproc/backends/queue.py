@@ -1,7 +1,7 @@
 """The wait queue of one backend: a future per waiting request, the pump, the deadlines.
 
 ``extproc.policy.admission_queue`` orders and bounds the waiting requests (pure, takes
-``now``); this part of ``BackendState`` parks an asyncio future per waiter, hands freed
+``now``); ``BackendQueue``, held by each ``BackendState``, parks an asyncio future per waiter, hands freed
 capacity to waiters (``pump``, with the pool's look-ahead), and expires waiters whose
 deadline (the time they were queued + the tier's ``max_queue_wait_ms``, both on the
 runtime's clock) has passed, on the periodic ``tick`` (``extproc.service.ticker``). A future
@@ -14,19 +14,18 @@ import asyncio
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
+from extproc.backends.endpoints import EndpointSet
+from extproc.backends.hold import Hold
 from extproc.policy import admit
 from extproc.policy import kv as kvmath
 from extproc.policy.admission_queue import AdmissionQueue, Enqueued, TierQueueConfig
 from extproc.policy.owed import LOOK_AHEAD
+from extproc.policy.reasons import Cause
 from extproc.policy.schema import Policy
-from extproc.policy.slots import Denied, PoolName
-
-if TYPE_CHECKING:
-    from extproc.backends.endpoints import EndpointSet
-    from extproc.backends.hold import Hold
-    from extproc.policy.view import BackendView
+from extproc.policy.slots import Denied
+from extproc.policy.view import BackendView
 
 _ids = itertools.count(1)
 
@@ -60,25 +59,29 @@ def _held(got: Hold | Denied | Expired) -> bool:
     return not isinstance(got, Denied | Expired)
 
 
+class Backend(BackendView, Protocol):
+    """What the queue needs of the backend it waits for (``BackendState``)."""
+
+    @property
+    def endpoints(self) -> EndpointSet | None: ...
+
+    def take(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
+             prefix: tuple[int, ...] = (), behind_head: bool = False) -> Hold | Denied:
+        """A slot and room for ``kv`` now, placed (and held), or why not."""
+        ...
+
+    def give_back(self, hold: Hold) -> None: ...
+
+
 class BackendQueue:
-    """The queue methods of ``extproc.backends.state.BackendState`` (a mixin: it keeps the fields)."""
+    """The waiting requests of one backend, in its tiers' fair order."""
 
-    queue: AdmissionQueue[int]
-    waiters: dict[int, Waiter]
-    configs: dict[str, TierQueueConfig]
-    priorities: dict[str, int]
-    endpoints: EndpointSet | None
-    on_enqueue: Callable[[], None] | None = None  # wakes an idle ticker (extproc.service.ticker)
-
-    if TYPE_CHECKING:
-        def slot_scale(self, now: float) -> float: ...
-        def slot_for(self, tier: str, tenant: str, tenant_cap: int | None, scale: float) -> PoolName | Denied: ...
-        def _take(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
-                  prefix: tuple[int, ...] = (), behind_head: bool = False) -> Hold | Denied: ...
-        def _give_back(self, hold: Hold) -> None: ...
-
-    def _view(self) -> BackendView:
-        return cast("BackendView", self)
+    def __init__(self, backend: Backend, policy: Policy) -> None:
+        self.backend = backend
+        self.configs = queue_configs(policy)
+        self.order: AdmissionQueue[int] = AdmissionQueue(self.configs)
+        self.waiters: dict[int, Waiter] = {}
+        self.on_enqueue: Callable[[], None] | None = None  # wakes an idle ticker (extproc.service.ticker)
 
     # -- what the core reads (BackendView) ------------------------------------------------
     def waiting(self) -> Sequence[tuple[str, int]]:
@@ -87,19 +90,26 @@ class BackendQueue:
         return [(w.tier, w.kv) for w in self.waiters.values() if not w.future.done()]
 
     def queued(self, tier: str) -> int:
-        return self.queue.depth(tier)
+        return self.order.depth(tier)
+
+    def depth(self, tier: str | None = None) -> int:
+        return self.order.depth(tier)
+
+    def retry_after_hint(self, tier: str, now: float) -> float:
+        return self.order.retry_after_hint(tier, now)
 
     def owed_endpoints(self, tier: str | None, now: float, behind_head: bool = False) -> tuple[str, ...]:
         """The pool endpoints a request of ``tier`` may not take: owed to a blocked, more
         important waiter, and to its own tier's head when it goes past it (extproc.policy.owed)."""
-        if self.endpoints is None or tier is None or not self.waiters:
+        eps = self.backend.endpoints
+        if eps is None or tier is None or not self.waiters:
             return ()
         heads = {t: w.kv for t in self.configs if (w := self._head(t)) is not None}
-        return self.endpoints.owed(heads, self.priorities, tier, now, behind_head)
+        return eps.owed(heads, self.backend.priorities, tier, now, behind_head)
 
     def _head(self, tier: str) -> Waiter | None:
         """The first waiter of ``tier``'s queue (FIFO: its head), if it still waits."""
-        wid = self.queue.head(tier)
+        wid = self.order.head(tier)
         w = None if wid is None else self.waiters.get(wid)
         return w if w is not None and not w.future.done() else None
 
@@ -107,31 +117,31 @@ class BackendQueue:
         """Look-ahead (extproc.policy.owed): a request behind ``tier``'s head that may go
         first because the head fits no endpoint now, and it fits one not owed to the head."""
         head = self._head(tier)
-        view = self._view()
-        if self.endpoints is None or head is None or not kvmath.kv_fits(view, head.kv, now, tier):
+        be, eps = self.backend, self.backend.endpoints
+        if eps is None or head is None or not kvmath.kv_fits(be, head.kv, now, tier):
             return None  # no pool, or the head waits for the pool's budget: FIFO
-        if self.endpoints.fits_somewhere(head.kv, now, self.owed_endpoints(tier, now)):
+        if eps.fits_somewhere(head.kv, now, self.owed_endpoints(tier, now)):
             return None  # it fits: it waits for a slot, and so would the others
         exclude = self.owed_endpoints(tier, now, behind_head=True)
-        scale = self.slot_scale(now)
+        scale = be.slot_scale(now)
         for wid in ids:
             w = self.waiters.get(wid)
             if w is None or w.future.done() or w.kv >= head.kv:
                 continue
-            if kvmath.kv_fits(view, w.kv, now, tier) and self.endpoints.fits_somewhere(w.kv, now, exclude) \
-                    and not isinstance(self.slot_for(tier, w.tenant, w.tenant_cap, scale), Denied):
+            if kvmath.kv_fits(be, w.kv, now, tier) and eps.fits_somewhere(w.kv, now, exclude) \
+                    and not isinstance(be.slot_for(tier, w.tenant, w.tenant_cap, scale), Denied):
                 return wid
         return None
 
     # -- waiting --------------------------------------------------------------------------
     def can_admit(self, tier: str, now: float) -> bool:
         head = next((w for w in self.waiters.values() if w.tier == tier and not w.future.done()), None)
-        return admit.can_admit(self._view(), tier, None if head is None else head.kv, now)
+        return admit.can_admit(self.backend, tier, None if head is None else head.kv, now)
 
     def enqueue(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
                 prefix: tuple[int, ...] = ()) -> Waiter | str:
         wid = next(_ids)
-        res = self.queue.enqueue(wid, tier, now)
+        res = self.order.enqueue(wid, tier, now)
         if not isinstance(res, Enqueued):
             return res.reason
         fut: asyncio.Future[Hold | Denied | Expired] = asyncio.get_running_loop().create_future()
@@ -142,12 +152,12 @@ class BackendQueue:
 
     def leave(self, w: Waiter) -> None:
         """A waiter gives up (expired or disconnected); a grant already handed over goes back."""
-        self.queue.remove(w.id)
+        self.order.remove(w.id)
         self.waiters.pop(w.id, None)
         if w.future.done() and not w.future.cancelled():
             got = w.future.result()
             if _held(got):
-                self._give_back(cast("Hold", got))
+                self.backend.give_back(cast("Hold", got))
         elif not w.future.done():
             w.future.cancel()
 
@@ -162,9 +172,10 @@ class BackendQueue:
                 passed.append(wid)
             return wid
 
-        while self.queue.depth():
-            wid = self.queue.next_eligible(lambda tier: self.can_admit(tier, now), now,
-                                           None if self.endpoints is None else behind, LOOK_AHEAD)
+        pool = self.backend.endpoints is not None
+        while self.order.depth():
+            wid = self.order.next_eligible(lambda tier: self.can_admit(tier, now), now,
+                                           behind if pool else None, LOOK_AHEAD)
             if wid is None:
                 break
             past = wid in passed  # the head keeps its owed endpoint against it
@@ -172,14 +183,14 @@ class BackendQueue:
             w = self.waiters.get(wid)
             if w is None or w.future.done():
                 continue
-            self._resolve(w, self._take(w.tier, w.tenant, w.tenant_cap, w.kv, now, w.prefix, past))
+            self._resolve(w, self.backend.take(w.tier, w.tenant, w.tenant_cap, w.kv, now, w.prefix, past))
             handed += 1
         return handed
 
     def expire(self, now: float) -> int:
         """End the waits whose deadline has come (``Expired``), earliest first. Returns how many."""
         gone = 0
-        for wid in self.queue.expire(now):
+        for wid in self.order.expire(now):
             w = self.waiters.get(wid)
             if w is not None:
                 self._resolve(w, Expired(now - w.queued_at))
@@ -190,26 +201,30 @@ class BackendQueue:
         """The periodic step (``extproc.service.ticker``): expire the waits past their deadline, then
         hand capacity that came back over time (a watermark recovering, a latency limit
         rising) to the waiting requests. Returns how many were handed a slot."""
-        if not self.queue.depth():
+        if not self.order.depth():
             return 0
         self.expire(now)
         return self.pump(now)
 
     def _resolve(self, w: Waiter, got: Hold | Denied | Expired) -> None:
         self.waiters.pop(w.id, None)
-        self.queue.remove(w.id)
+        self.order.remove(w.id)
         if w.future.done():
             if _held(got):
-                self._give_back(cast("Hold", got))
+                self.backend.give_back(cast("Hold", got))
             return
         w.future.set_result(got)
 
-    def _requeue(self, policy: Policy, now: float) -> None:
+    def reconfigure(self, policy: Policy) -> None:
+        """The tiers' queue settings changed: rebuild the order, keep the waiters."""
+        configs = queue_configs(policy)
+        if configs == self.configs:
+            return
         # Waiters keep waiting on their futures; only the queue's bookkeeping is rebuilt.
         # Each keeps the time it was queued at (its deadline moves only by the new max wait).
-        self.configs = queue_configs(policy)
-        new: AdmissionQueue[int] = AdmissionQueue(self.configs)
+        self.configs = configs
+        new: AdmissionQueue[int] = AdmissionQueue(configs)
         for w in sorted(self.waiters.values(), key=lambda w: w.id):
             if w.tier not in policy.tiers or not isinstance(new.enqueue(w.id, w.tier, w.queued_at), Enqueued):
-                self._resolve(w, Denied("queue_full", "tier removed or queue shrank"))
-        self.queue = new
+                self._resolve(w, Denied(Cause.QUEUE_REMOVED, "tier removed or queue shrank"))
+        self.order = new

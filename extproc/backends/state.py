@@ -3,28 +3,28 @@
 The pure pieces live in ``extproc.policy``: ``BackendState`` is the ``BackendView``
 that ``extproc.policy.admit.decide`` reads, and applies what it decides. This module
 owns the acquisition, the ``status`` report, and keeps the pieces in step with the
-policy; the asyncio side of the queue (a future per waiting request, the pump, the
-deadlines, the periodic ``tick``) is ``extproc.backends.queue``.
+policy; it holds its wait queue (``extproc.backends.queue``: a future per waiting
+request, the pump, the deadlines, the periodic ``tick``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.backends import build
 from extproc.backends.endpoints import EndpointSet, affinity_status, pool_status
 from extproc.backends.hold import Hold
-from extproc.backends.queue import BackendQueue, Waiter, queue_configs
+from extproc.backends.queue import BackendQueue, Waiter
 from extproc.backends.scrape import scrape_status
 from extproc.policy import admit
 from extproc.policy import kv as kvmath
-from extproc.policy.admission_queue import AdmissionQueue, TierQueueConfig
 from extproc.policy.breaker import Breaker
 from extproc.policy.concurrency import AdaptiveLimit
 from extproc.policy.decision import ROOM_CAUSES, Admit, Queue, Reject
+from extproc.policy.reasons import Cause
 from extproc.policy.schema import Backend, BreakerOverride, BreakerSettings, Policy
 from extproc.policy.slots import Denied, PoolName, SlotPool
 from extproc.policy.tenant_breakers import TenantBreakers
@@ -32,15 +32,13 @@ from extproc.policy.watermark import WatermarkController
 
 
 @dataclass
-class BackendState(BackendQueue):
+class BackendState:
     spec: Backend
     pool: SlotPool
     wm: WatermarkController
     breaker: Breaker
     tenant_breakers: TenantBreakers  # failures blamed on one tenant trip that tenant's, not the backend's
-    queue: AdmissionQueue[int]
-    waiters: dict[int, Waiter] = field(default_factory=dict)
-    configs: dict[str, TierQueueConfig] = field(default_factory=dict)
+    queue: BackendQueue = field(init=False)
     overrides: dict[str | None, BreakerOverride | None] = field(default_factory=dict)
     route_breakers: dict[str, Breaker] = field(default_factory=dict)
     route_settings: dict[str, BreakerSettings] = field(default_factory=dict)
@@ -50,7 +48,7 @@ class BackendState(BackendQueue):
     has_metrics: bool = True
     kv_in_use: int = 0
     priorities: dict[str, int] = field(default_factory=dict)
-    latency: AdaptiveLimit | None = None  # the SLO-driven concurrency limit, if a tier sets an SLO
+    adaptive_limit: AdaptiveLimit | None = None  # the SLO-driven concurrency limit, if a tier sets an SLO
     endpoints: EndpointSet | None = None  # a pool's replicas (extproc.backends.endpoints); None for one address
     kv_lease: int | None = None  # KV tokens leased from a pool shared by replicas (extproc.store.slot_leases)
     # Plain copies of the spec's values for the core's reads (BackendView), kept by _sync_view.
@@ -69,13 +67,12 @@ class BackendState(BackendQueue):
     @classmethod
     def create(cls, spec: Backend, policy: Policy, now: float) -> BackendState:
         order = policy.tier_order()
-        configs = queue_configs(policy)
         rt = cls(spec=spec,
                  pool=SlotPool(spec.max_concurrency, {t: policy.tiers[t].guaranteed_slots for t in order}, order,
                                _burst_caps(policy)),
                  wm=build.watermark_controller(spec), breaker=build.breaker(spec.breaker, now),
-                 tenant_breakers=build.tenant_breakers(spec.breaker, now),
-                 queue=AdmissionQueue(configs), configs=configs, has_metrics=spec.metrics_url is not None)
+                 tenant_breakers=build.tenant_breakers(spec.breaker, now), has_metrics=spec.metrics_url is not None)
+        rt.queue = BackendQueue(rt, policy)
         rt.priorities = {name: t.priority for name, t in policy.tiers.items()}
         rt.endpoints = EndpointSet.create(spec, now) if spec.is_pool else None
         rt._sync_view(spec)
@@ -105,12 +102,12 @@ class BackendState(BackendQueue):
         """The latency controller keeps its learned limit across reloads."""
         cfg = build.adaptive_config(spec, policy)
         if cfg is None:
-            self.latency = None
-        elif self.latency is None:
-            self.latency = AdaptiveLimit(cfg, now)
-        elif cfg != self.latency.cfg:
-            self.latency.reconfigure(cfg)
-        self.has_slo = self.latency is not None
+            self.adaptive_limit = None
+        elif self.adaptive_limit is None:
+            self.adaptive_limit = AdaptiveLimit(cfg, now)
+        elif cfg != self.adaptive_limit.cfg:
+            self.adaptive_limit.reconfigure(cfg)
+        self.has_slo = self.adaptive_limit is not None
 
     def _sync_view(self, spec: Backend) -> None:
         self.name, self.kv_capacity, self.kv_overcommit = spec.name, spec.kv_capacity_tokens, spec.kv_overcommit
@@ -127,8 +124,7 @@ class BackendState(BackendQueue):
             self.tenant_breakers = build.tenant_breakers(spec.breaker, now)
         self._sync_route_breakers(spec, now)
         self._sync_latency(spec, policy, now)
-        if queue_configs(policy) != self.configs:
-            self._requeue(policy, now)
+        self.queue.reconfigure(policy)
         self.spec = spec
         self._sync_view(spec)
         self.priorities = {name: t.priority for name, t in policy.tiers.items()}
@@ -177,13 +173,9 @@ class BackendState(BackendQueue):
     def slot_scale(self, now: float) -> float:
         """The slot budget's scale: the smaller of the watermark's and the latency limit's."""
         scale = self.scale(now)
-        if self.latency is not None:
-            scale = min(scale, self.latency.scale(now))
+        if self.adaptive_limit is not None:
+            scale = min(scale, self.adaptive_limit.scale(now))
         return scale
-
-    def pressure_scale(self, tier: str, now: float) -> float:
-        """The scale a tier's degradation ladder sees (``extproc.policy.kv.pressure_scale``)."""
-        return kvmath.pressure_scale(self, tier, now)
 
     # -- the BackendView the core reads (extproc.policy.view), beside the fields above ------
     @property
@@ -192,7 +184,7 @@ class BackendState(BackendQueue):
         return self.spec.kv_capacity_tokens if self.endpoints is None else self.endpoints.largest_capacity()
 
     def slo_at_risk(self, tier: str, now: float) -> bool:
-        return self.latency is not None and self.latency.at_risk(tier, now)
+        return self.adaptive_limit is not None and self.adaptive_limit.at_risk(tier, now)
 
     def slot_for(self, tier: str, tenant: str, tenant_cap: int | None, scale: float) -> PoolName | Denied:
         return self.pool.slot_for(tier, tenant, tenant_cap, scale)
@@ -200,15 +192,17 @@ class BackendState(BackendQueue):
     def fits_somewhere(self, kv: int, now: float, tier: str | None = None) -> bool:
         if self.endpoints is None:
             return True
-        return self.endpoints.fits_somewhere(kv, now, self.owed_endpoints(tier, now))
+        return self.endpoints.fits_somewhere(kv, now, self.queue.owed_endpoints(tier, now))
 
-    # -- KV budget (extproc.policy.kv) ------------------------------------------------------
-    def footprint(self, tokens: int) -> int:
-        """KV tokens a request may occupy, rounded up to whole cache blocks."""
-        return kvmath.footprint(tokens, self.spec.kv_block_size)
+    @property
+    def waiters(self) -> Mapping[int, Waiter]:
+        return self.queue.waiters
 
-    def kv_budget(self, now: float) -> float:
-        return kvmath.kv_budget(self, now)
+    def waiting(self) -> Sequence[tuple[str, int]]:
+        return self.queue.waiting()
+
+    def queued(self, tier: str) -> int:
+        return self.queue.queued(tier)
 
     # -- acquisition ----------------------------------------------------------------
     def acquire(self, req: admit.SlotRequest, now: float, prefix: tuple[int, ...] = ()) -> Hold | Queue | Reject:
@@ -216,8 +210,8 @@ class BackendState(BackendQueue):
 
         ``prefix`` (the prompt's prefix keys) only steers where a pool places it."""
         # Waiting requests get free capacity first (see decide for who may overtake them).
-        if self.waiters:  # every queued item has a waiter
-            self.pump(now)
+        if self.queue.waiters:  # every queued item has a waiter
+            self.queue.pump(now)
         d = admit.decide(self, req, now)
         if isinstance(d, Admit):
             got = self._apply(req.tier, req.tenant, d, req.kv, now, prefix)
@@ -228,15 +222,7 @@ class BackendState(BackendQueue):
             self.on_short(self, req.kv, now)
         return d
 
-    def try_acquire(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
-                    prefix: tuple[int, ...] = ()) -> Hold | Denied:
-        """``acquire`` for a tier with a queue, as a ``Hold`` or the ``Denied`` cause."""
-        got = self.acquire(admit.SlotRequest(tier, tenant, cap, kv), now, prefix)
-        if isinstance(got, Hold):
-            return got
-        return Denied(got.cause, got.detail if isinstance(got, Queue) else got.message)
-
-    def _take(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
+    def take(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
               prefix: tuple[int, ...] = (), behind_head: bool = False) -> Hold | Denied:
         got = admit.take(self, tier, tenant, cap, kv, now)
         return self._apply(tier, tenant, got, kv, now, prefix, behind_head) if isinstance(got, Admit) else got
@@ -246,23 +232,23 @@ class BackendState(BackendQueue):
         grant = self.pool.grant(tier, tenant, d.pool)
         endpoint = affinity = second = None
         if self.endpoints is not None:
-            placed = self.endpoints.place(kv, now, prefix, self.owed_endpoints(tier, now, behind_head))
+            placed = self.endpoints.place(kv, now, prefix, self.queue.owed_endpoints(tier, now, behind_head))
             if placed is None:
                 self.pool.release(grant)
-                return Denied("kv_exhausted", f"a footprint of {kv} tokens fits on no endpoint of the pool now")
+                return Denied(Cause.KV_EXHAUSTED, f"a footprint of {kv} tokens fits on no endpoint of the pool now")
             endpoint, affinity, second = placed.key, placed.affinity, placed.second
         self.kv_in_use += kv
         return Hold(grant, kv, endpoint, affinity, second)
 
-    def _give_back(self, hold: Hold) -> None:
+    def give_back(self, hold: Hold) -> None:
         self.pool.release(hold.grant)
         self.kv_in_use -= hold.kv
         if hold.endpoint is not None and self.endpoints is not None:
             self.endpoints.release(hold.endpoint, hold.kv)
 
     def release(self, hold: Hold, now: float) -> None:
-        self._give_back(hold)
-        self.pump(now)
+        self.give_back(hold)
+        self.queue.pump(now)
 
     def status(self, now: float) -> dict[str, Any]:
         """This backend in the status report (/debug/state and the console's Overview)."""
@@ -282,11 +268,11 @@ class BackendState(BackendQueue):
             "tenant_breakers": self.tenant_breakers.snapshot(now),
             "slots": {"total": self.pool.total, "effective": limits["total"], "in_use": use.total,
                       "shared": use.shared, "by_tier": dict(use.by_tier)},
-            "queue": {"depth": {t: self.queue.depth(t) for t in self.configs}},
+            "queue": {"depth": {t: self.queue.depth(t) for t in self.queue.configs}},
             "kv": {"capacity_tokens": self.spec.kv_capacity_tokens, "reserved_tokens": self.kv_in_use,
-                   "budget_tokens": None if self.spec.kv_capacity_tokens is None else int(self.kv_budget(now)),
+                   "budget_tokens": None if self.spec.kv_capacity_tokens is None else int(kvmath.kv_budget(self, now)),
                    "reservation": self.spec.kv_reservation},
-            "adaptive": None if self.latency is None else self.latency.snapshot(now),
+            "adaptive": None if self.adaptive_limit is None else self.adaptive_limit.snapshot(now),
             "endpoints": pool_status(self.endpoints, now),  # a pool's replicas; None for one address
             "prefix_affinity": affinity_status(self.endpoints),  # None unless the pool's placement has it on
         }

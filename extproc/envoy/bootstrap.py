@@ -76,7 +76,7 @@ from envoy_data_plane.envoy.extensions.resource_monitors.downstream_connections.
 )
 from envoy_data_plane.google.protobuf import Any, Struct
 
-from extproc.envoy import usage_record as envoy_usage
+from extproc.envoy import usage_record
 from extproc.envoy.clusters import (
     DRAIN_CLUSTER,
     backend_cluster,
@@ -184,9 +184,9 @@ def _listener(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> Listener:
     hcm = HttpConnectionManager(
         stat_prefix="sluice",
         codec_type=HttpConnectionManagerCodecType.AUTO,
-        # envoy_usage.install adds its Lua filter to this chain after rendering: off on the drain too
+        # usage_record.install adds its Lua filter to this chain after rendering: off on the drain too
         route_config=route_config(backends, opts, [f.name for f in http_filters if f.name != ROUTER_FILTER]
-                                  + ([] if opts.response_processing == "streamed" else [envoy_usage.LUA_FILTER])),
+                                  + ([] if opts.response_processing == "streamed" else [usage_record.LUA_FILTER])),
         http_filters=http_filters,
         stream_idle_timeout=LONG_IDLE,
         access_log=[_access_log()] if opts.access_log else [],
@@ -264,7 +264,7 @@ def render_bootstrap(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> di
     cfg = bootstrap.to_dict(casing=betterproto2.Casing.SNAKE)
     if opts.response_processing == "streamed":
         return cfg
-    return envoy_usage.install(cfg, {b.name for b in backends}, EXTPROC_FILTER)
+    return usage_record.install(cfg, {b.name for b in backends}, EXTPROC_FILTER)
 
 
 def render_yaml(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> str:

@@ -40,7 +40,7 @@ from envoy_data_plane.google.protobuf import Any
 
 from extproc.backends.endpoints import EndpointSet, resolve
 from extproc.envoy.clusters import eds_path, socket_address
-from extproc.policy.model import Backend, Policy
+from extproc.policy.schema import Backend, Policy
 
 if TYPE_CHECKING:
     from extproc.backends.state import BackendState

@@ -23,7 +23,7 @@ from envoy_data_plane.envoy.type.matcher.v3 import RegexMatcher
 from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
 from envoy_data_plane.google.protobuf import Any
 
-from extproc.envoy import usage_record as envoy_usage
+from extproc.envoy import usage_record
 from extproc.envoy.headers import ENVOY_MUTABLE, UPSTREAM_ATTRIBUTE
 from extproc.envoy.options import EnvoyOptions, ms
 from extproc.wire.messages import METADATA_NAMESPACE
@@ -110,6 +110,6 @@ def ext_proc_filter(opts: EnvoyOptions, pools: bool = False) -> HttpFilter:
         metadata_options=MetadataOptions(
             receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[METADATA_NAMESPACE]),
             forwarding_namespaces=None if streamed else MetadataOptionsMetadataNamespaces(
-                typed=[envoy_usage.USAGE_NAMESPACE])),
+                typed=[usage_record.USAGE_NAMESPACE])),
     )
     return HttpFilter(name=EXTPROC_FILTER, typed_config=Any.pack(config))

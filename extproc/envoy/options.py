@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 
-from extproc.policy.model import Gateway
+from extproc.policy.schema import Gateway
 
 __all__ = ["BackendRoute", "EnvoyOptions", "gateway_options", "ms", "seconds"]
 

@@ -25,6 +25,7 @@ from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v
 from envoy_data_plane.google.protobuf import Any, Struct
 
 from extproc.envoy.clusters import DRAIN_CLUSTER
+from extproc.policy.reasons import Reason
 
 __all__ = ["ENVOY_REPLIES", "EnvoyReply", "local_reply_config"]
 
@@ -33,34 +34,33 @@ __all__ = ["ENVOY_REPLIES", "EnvoyReply", "local_reply_config"]
 # rewritten to the OpenAI error shape with an x-sluice-reason like every other rejection.
 @dataclass(frozen=True)
 class EnvoyReply:
-    reason: str
-    kind: str  # the OpenAI error type
+    reason: Reason  # its status and error type are the reason's
     message: str
     expression: str  # CEL over the reply's response code details
-    status: int | None = None  # rewrite the status Envoy chose
+    rewrite_status: bool = False  # answer the reason's status instead of the one Envoy chose
     headers: tuple[tuple[str, str], ...] = ()
 
 
 ENVOY_REPLIES: tuple[EnvoyReply, ...] = (
     EnvoyReply(
-        "body_too_large", "invalid_request_error", "request body exceeds the gateway's buffer",
+        Reason.BODY_TOO_LARGE, "request body exceeds the gateway's buffer",
         "response.code_details == 'request_payload_too_large'",
     ),
     # ext_proc unreachable or failing answers status_on_error (503); a message_timeout
     # expiry answers 504 (details ext_proc_error_...timeout). Both mean the same thing to a
     # client, admission control did not answer, so both become 503 with Retry-After.
     EnvoyReply(
-        "gateway_unavailable", "server_error", "admission control is unavailable",
+        Reason.GATEWAY_UNAVAILABLE, "admission control is unavailable",
         "response.code_details.startsWith('ext_proc_error')"
         " || response.code_details.startsWith('mismatch_between_content_length')"
         # the drain (extproc's admin port) unreachable: extproc is down
         f" || (xds.cluster_name == '{DRAIN_CLUSTER}'"
         " && response.code_details.startsWith('upstream_reset_before_response_started'))",
-        status=503, headers=(("retry-after", "1"),),
+        rewrite_status=True, headers=(("retry-after", "1"),),
     ),
     # request_headers_timeout / request_timeout (408): a client too slow to send its request.
     EnvoyReply(
-        "request_timeout", "invalid_request_error", "the request was not received in time",
+        Reason.REQUEST_TIMEOUT, "the request was not received in time",
         "response.code_details == 'request_overall_timeout'"
         " || response.code_details == 'request_header_timeout'",
     ),
@@ -78,7 +78,8 @@ def local_reply_config() -> LocalReplyConfig:
     mappers = []
     for reply in ENVOY_REPLIES:
         # The same four keys as every other error body (extproc.openai_api.errors.error_body).
-        error = {"message": reply.message, "type": reply.kind, "param": None, "code": reply.reason}
+        error = {"message": reply.message, "type": reply.reason.error_type, "param": None,
+                 "code": str(reply.reason)}
         mapper = ResponseMapper(
             filter=AccessLogFilter(
                 extension_filter=ExtensionFilter(
@@ -86,14 +87,14 @@ def local_reply_config() -> LocalReplyConfig:
                     typed_config=Any.pack(ExpressionFilter(expression=reply.expression)),
                 )
             ),
-            headers_to_add=[_header("x-sluice-reason", reply.reason),
+            headers_to_add=[_header("x-sluice-reason", str(reply.reason)),
                             *(_header(k, v) for k, v in reply.headers)],
             body_format_override=SubstitutionFormatString(
                 json_format=Struct.from_dict({"error": error}),
                 content_type="application/json",
             ),
         )
-        if reply.status is not None:
-            mapper.status_code = reply.status
+        if reply.rewrite_status:
+            mapper.status_code = reply.reason.status
         mappers.append(mapper)
     return LocalReplyConfig(mappers=mappers)

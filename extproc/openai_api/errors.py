@@ -1,4 +1,7 @@
-"""OpenAI-shaped error bodies and the rate-limit headers clients act on."""
+"""OpenAI-shaped error bodies and the rate-limit headers clients act on.
+
+Each refusal's status and error type is its ``extproc.policy.reasons.Reason``'s.
+"""
 
 from __future__ import annotations
 
@@ -6,28 +9,7 @@ import json
 import math
 import random
 
-# (HTTP status, OpenAI error type) per Sluice rejection reason.
-REASONS: dict[str, tuple[int, str]] = {
-    "unknown_key": (401, "invalid_request_error"),
-    "unknown_path": (404, "invalid_request_error"),
-    "unknown_model": (404, "invalid_request_error"),
-    "body_too_large": (413, "invalid_request_error"),
-    "bad_request": (400, "invalid_request_error"),
-    "context_length": (400, "invalid_request_error"),
-    "too_large_for_backend": (400, "invalid_request_error"),
-    "tokenizer_failed": (400, "invalid_request_error"),
-    "tpm": (429, "rate_limit_exceeded"),
-    "tpm_request_too_large": (429, "rate_limit_exceeded"),
-    "rpm": (429, "rate_limit_exceeded"),
-    "slots": (429, "rate_limit_exceeded"),
-    "queue_full": (429, "rate_limit_exceeded"),
-    "queue_timeout": (503, "server_error"),
-    "breaker_open": (503, "server_error"),
-    "tenant_breaker_open": (503, "server_error"),
-    "overloaded": (503, "server_error"),
-    "state_store_down": (503, "server_error"),
-    "internal": (500, "server_error"),
-}
+from extproc.policy.gate import RateView
 
 
 def error_body(message: str, etype: str, code: str | None, param: str | None = None) -> bytes:
@@ -74,3 +56,15 @@ def retry_after_headers(seconds: float, jitter: float | None = None) -> dict[str
     u = _rng.random() if jitter is None else min(max(jitter, 0.0), 1.0)
     delay = max(seconds, 0.0) + u * jitter_bound(seconds)
     return {"retry-after": str(max(1, math.ceil(delay))), "retry-after-ms": str(max(1, math.ceil(delay * 1000)))}
+
+
+def ratelimit_headers(tokens: RateView, requests: RateView) -> dict[str, str]:
+    """OpenAI's ``x-ratelimit-*``: where the key stands on tokens and requests per minute."""
+    return {
+        "x-ratelimit-limit-tokens": str(tokens.limit),
+        "x-ratelimit-remaining-tokens": str(tokens.remaining),
+        "x-ratelimit-reset-tokens": format_duration(tokens.reset_s),
+        "x-ratelimit-limit-requests": str(requests.limit),
+        "x-ratelimit-remaining-requests": str(requests.remaining),
+        "x-ratelimit-reset-requests": format_duration(requests.reset_s),
+    }

@@ -41,15 +41,15 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from extproc.policy.reasons import Reason
+
 __all__ = [
-    "REASON_QUEUE_FULL",
     "AdmissionQueue",
     "Enqueued",
     "Rejected",
     "TierQueueConfig",
 ]
 
-REASON_QUEUE_FULL = "queue_full"
 K = TypeVar("K", bound=Hashable)
 _RATE_SAMPLES = 32
 
@@ -82,7 +82,7 @@ class Enqueued(Generic[K]):
 class Rejected(Generic[K]):
     item_id: K
     tier: str
-    reason: str
+    reason: Reason
     retry_after_s: float
 
 
@@ -140,7 +140,7 @@ class AdmissionQueue(Generic[K]):
         full = self._max_total is not None and len(self._where) >= self._max_total
         if full or len(t.items) >= t.cfg.max_depth:
             t.counts["rejected"] += 1
-            return Rejected(item_id, tier, REASON_QUEUE_FULL, self.retry_after_hint(tier, now))
+            return Rejected(item_id, tier, Reason.QUEUE_FULL, self.retry_after_hint(tier, now))
         if not t.items:
             t.tag = max(t.tag, self._vtime)  # idle time earns no credit
         t.items[item_id] = now

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from extproc.policy.decision import ADMIT, Admit, Cause, Decision, Queue, Reason, Reject
+from extproc.policy.decision import ADMIT, Admit, Decision, Queue, Reject
 from extproc.policy.kv import kv_budget, kv_fits
-from extproc.policy.slots import REASON_TENANT_CAP, Denied
+from extproc.policy.reasons import Cause, Reason
+from extproc.policy.slots import Denied
 from extproc.policy.view import BackendView
 
 __all__ = ["SlotRequest", "can_admit", "decide", "refused", "take"]
@@ -49,7 +50,7 @@ def decide(view: BackendView, req: SlotRequest, now: float) -> Decision:
         return Reject(Reason.TOO_LARGE_FOR_BACKEND,
                       f"The request may need {req.kv} tokens of KV cache; backend {view.name!r} has {cap}. "
                       "Lower max_tokens or shorten the prompt.",
-                      code="context_length_exceeded", cause=Cause.TOO_LARGE, param="max_tokens")
+                      code="context_length_exceeded", param="max_tokens")
     if view.waiters and view.queued(req.tier):
         return refused(req, Denied(Cause.SLOTS_EXHAUSTED, "requests of this tier are already waiting"))
     got = take(view, req.tier, req.tenant, req.tenant_cap, req.kv, now)
@@ -68,7 +69,7 @@ def take(view: BackendView, tier: str, tenant: str, tenant_cap: int | None, kv: 
 
 def refused(req: SlotRequest, why: Denied) -> Queue | Reject:
     """A request with no room now: it waits, or (over its tenant's cap, or no queue) it is refused."""
-    if why.reason == REASON_TENANT_CAP:
+    if why.reason == Cause.SLOTS_TENANT_CAP:
         return Reject(Reason.SLOTS, f"Too many concurrent requests for this key (limit {req.tenant_cap}).",
                       code="rate_limit_exceeded", cause=Cause.SLOTS_TENANT_CAP, retry_after_s=1)
     if not req.may_queue:

@@ -45,6 +45,7 @@ from enum import StrEnum
 from typing import Any, Literal, NamedTuple
 
 from extproc.policy.breaker_config import BreakerConfig
+from extproc.policy.reasons import Ending
 from extproc.policy.window import Window as _Window
 
 __all__ = [
@@ -91,16 +92,16 @@ def outcome_for_status(status: int) -> Outcome:
     return Outcome.CLIENT_ERROR if status >= 400 else Outcome.SUCCESS
 
 
-def outcome_at_settle(how: str, status: int) -> Outcome:
+def outcome_at_settle(how: Ending, status: int) -> Outcome:
     """What a request that settles ``how`` (extproc.request.settle) tells its breakers.
 
     A response that ended gives its status' outcome; an upstream error (reset, timeout) is
     a failure; anything else (refused, client gone, the stream reset before an answer)
     says nothing about the backend: ``CANCELLED`` gives a half-open probe's place back.
     """
-    if how == "end_of_stream" and status:
+    if how == Ending.END_OF_STREAM and status:
         return outcome_for_status(status)
-    return Outcome.FAILURE if how == "error" else Outcome.CANCELLED
+    return Outcome.FAILURE if how == Ending.ERROR else Outcome.CANCELLED
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
-from extproc.policy.decision import Cause, Reason, Reject
+from extproc.policy.decision import Reject
+from extproc.policy.reasons import Reason
 
 __all__ = ["completion_budget"]
 
@@ -36,5 +37,4 @@ def completion_budget(prompt: int, max_tokens: int | None, n: int, window: int, 
 
 
 def _too_long(message: str, param: str) -> Reject:
-    return Reject(Reason.CONTEXT_LENGTH, message, code="context_length_exceeded", cause=Cause.CONTEXT_LENGTH,
-                  param=param)
+    return Reject(Reason.CONTEXT_LENGTH, message, code="context_length_exceeded", param=param)

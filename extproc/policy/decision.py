@@ -7,29 +7,11 @@ maps a decision to ext_proc messages and the core is tested as a table of cases.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
+from extproc.policy.reasons import Cause, Reason
 from extproc.policy.slots import PoolName
 
-__all__ = ["ADMIT", "ROOM_CAUSES", "Admit", "Cause", "Decision", "Queue", "Reason", "Reject"]
-
-
-class Reason(StrEnum):
-    """Why a request is refused, as the client sees it (``x-sluice-reason`` and a metric label)."""
-
-    SLOTS = "slots"
-    TOO_LARGE_FOR_BACKEND = "too_large_for_backend"
-    CONTEXT_LENGTH = "context_length"
-
-
-class Cause(StrEnum):
-    """Why a request cannot have a slot now (internal, e.g. ``Denied.reason``)."""
-
-    KV_EXHAUSTED = "kv_exhausted"
-    SLOTS_EXHAUSTED = "slots_exhausted"  # equal to extproc.policy.slots.REASON_EXHAUSTED
-    SLOTS_TENANT_CAP = "slots_tenant_cap"  # equal to extproc.policy.slots.REASON_TENANT_CAP
-    TOO_LARGE = "too_large_for_backend"
-    CONTEXT_LENGTH = "context_length"
+__all__ = ["ADMIT", "ROOM_CAUSES", "Admit", "Decision", "Queue", "Reject"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +27,7 @@ class Admit:
 class Queue:
     """No room now; the request may wait in its tier's queue."""
 
-    cause: Cause | str
+    cause: Cause
     detail: str
 
 
@@ -56,7 +38,7 @@ class Reject:
     reason: Reason
     message: str
     code: str
-    cause: Cause | str
+    cause: Cause | None = None  # no room (the slot pool or KV said no); None: the request itself
     param: str | None = None
     retry_after_s: float | None = None
 

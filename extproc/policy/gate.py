@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from extproc.policy.bucket import Ledger, TokenBucket
+from extproc.policy.reasons import Reason
 from extproc.policy.schema import Limits
 
 
@@ -27,7 +28,7 @@ class Verdict:
     admitted: bool
     tokens: RateView
     requests: RateView
-    reason: str | None = None
+    reason: Reason | None = None
     message: str = ""
     retry_after_s: float = 0.0
 
@@ -122,7 +123,7 @@ class LocalState:
     def _refusal(self, b: _TenantBuckets, limits: Limits, cost: int, now: float) -> Verdict | None:
         if cost > b.tpm.capacity:
             tv, rv = _view(b.tpm, limits.tpm, now), _view(b.rpm, limits.rpm, now)
-            return Verdict(False, tv, rv, "tpm_request_too_large",
+            return Verdict(False, tv, rv, Reason.TPM_REQUEST_TOO_LARGE,
                            f"Request needs {cost} tokens, more than the {int(b.tpm.capacity)} this key may use "
                            "at once. Lower max_tokens or shorten the prompt.", math.inf)
         # Peek before charging so a request refused for tokens does not eat an RPM slot.
@@ -132,9 +133,9 @@ class LocalState:
         if rpm_wait > 0 or tpm_wait > 0:
             tv, rv = _view(b.tpm, limits.tpm, now), _view(b.rpm, limits.rpm, now)
             if rpm_wait >= tpm_wait:
-                return Verdict(False, tv, rv, "rpm",
+                return Verdict(False, tv, rv, Reason.RPM,
                                f"Rate limit reached: {limits.rpm} requests per minute.", rpm_wait)
-            return Verdict(False, tv, rv, "tpm",
+            return Verdict(False, tv, rv, Reason.TPM,
                            f"Rate limit reached: {limits.tpm} tokens per minute; this request needs {cost}.",
                            tpm_wait)
         return None

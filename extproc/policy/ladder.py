@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 from extproc.policy.breaker import BreakerVerdict
 from extproc.policy.model import Degrade
-from extproc.policy.tenant_breakers import REASON_TENANT_OPEN
+from extproc.policy.reasons import Reason
 
 __all__ = ["AS_ASKED", "RULES", "Decision", "Fallback", "LadderInput", "Proceed", "Refuse", "asks_tenant", "decide", "land"]
 
@@ -76,7 +76,7 @@ AS_ASKED = Proceed()
 
 @dataclass(frozen=True, slots=True)
 class Refuse:
-    reason: str
+    reason: Reason
     message: str
     code: str
     retry_after_s: float
@@ -111,7 +111,7 @@ def decide(inp: LadderInput) -> Decision:
             return _fallback(inp, False, hits)
         if BREAKER not in inp.shadowed:
             what = f"Model {inp.model!r} on backend {inp.backend!r}" if inp.route_refused else f"Backend {inp.backend!r}"
-            return Refuse("breaker_open", f"{what} is unavailable ({v.reason}); retry later.", "service_unavailable",
+            return Refuse(Reason.BREAKER_OPEN, f"{what} is unavailable ({v.reason}); retry later.", "service_unavailable",
                           _retry(v), ())
         hits = (BREAKER,)
     t = inp.tenant
@@ -122,7 +122,7 @@ def decide(inp: LadderInput) -> Decision:
     d, scale = inp.degrade, inp.scale
     if d.shed_below_scale and scale < d.shed_below_scale:
         if SHED not in inp.shadowed:
-            return Refuse("overloaded", f"The backend is under memory pressure; the {inp.tier!r} tier is "
+            return Refuse(Reason.OVERLOADED, f"The backend is under memory pressure; the {inp.tier!r} tier is "
                           "shed first. Retry later.", "overloaded", SHED_RETRY_S, hits)
         hits = (*hits, SHED)
     if d.fallback_below_scale and scale < d.fallback_below_scale:
@@ -140,7 +140,7 @@ def land(step: Fallback, backend: str, breaker: BreakerVerdict, tenant: BreakerV
     the tenant's breaker there said."""
     hits = step.shadowed
     if not breaker.allowed:
-        return Refuse("breaker_open", "The model and its fallback are unavailable; retry later.",
+        return Refuse(Reason.BREAKER_OPEN, "The model and its fallback are unavailable; retry later.",
                       "service_unavailable", breaker.retry_after_s or BREAKER_RETRY_S, hits)
     if tenant is not None and not tenant.allowed:
         if BREAKER not in step.inp.shadowed:
@@ -157,7 +157,7 @@ def _fallback(inp: LadderInput, for_pressure: bool, hits: tuple[str, ...]) -> Fa
 
 
 def _tenant_refused(v: BreakerVerdict, backend: str, hits: tuple[str, ...]) -> Refuse:
-    return Refuse(REASON_TENANT_OPEN, f"Requests with this key are failing on backend {backend!r} "
+    return Refuse(Reason.TENANT_BREAKER_OPEN, f"Requests with this key are failing on backend {backend!r} "
                   f"while other tenants' requests succeed; the key is refused there for now ({v.reason}). "
                   "Retry later.", "service_unavailable", _retry(v), hits)
 

@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypedDict
 
+from extproc.policy.reasons import Cause
+
 __all__ = [
     "Denied",
     "Limits",
@@ -35,8 +37,6 @@ __all__ = [
 ]
 
 PoolName = Literal["guaranteed", "shared"]
-REASON_TENANT_CAP = "slots_tenant_cap"
-REASON_EXHAUSTED = "slots_exhausted"
 
 _pool_serials = itertools.count(1)
 
@@ -60,7 +60,7 @@ class SlotGrant:
 class Denied:
     """A refused acquisition. ``reason`` is a metric label; ``detail`` is for humans."""
 
-    reason: str
+    reason: Cause
     detail: str
 
 
@@ -208,7 +208,7 @@ class SlotPool:
             _check_count("tenant_cap", tenant_cap)
             if self._held_tenant[tenant] >= tenant_cap:
                 return Denied(
-                    REASON_TENANT_CAP,
+                    Cause.SLOTS_TENANT_CAP,
                     f"tenant {tenant!r} holds {self._held_tenant[tenant]} of {tenant_cap} slots",
                 )
         limits = self.effective_limits(scale)
@@ -216,20 +216,20 @@ class SlotPool:
         if in_use >= limits["total"]:
             # Shrunk below usage (or simply full): nothing new until usage drops, even
             # for a tier whose own guarantee looks free. Memory safety beats the promise.
-            return Denied(REASON_EXHAUSTED, f"{in_use} slots in use, budget {limits['total']}")
+            return Denied(Cause.SLOTS_EXHAUSTED, f"{in_use} slots in use, budget {limits['total']}")
         if self._held_guaranteed[tier] < limits["guaranteed"][tier]:
             return "guaranteed"
         shared_in_use = sum(self._held_shared.values())
         if shared_in_use >= limits["shared"]:
             return Denied(
-                REASON_EXHAUSTED,
+                Cause.SLOTS_EXHAUSTED,
                 f"tier {tier!r} guaranteed slots full and shared pool full "
                 f"({shared_in_use}/{limits['shared']})",
             )
         cap = self._burst_caps.get(tier)
         if cap is not None and self._held_shared[tier] >= cap:
             return Denied(
-                REASON_EXHAUSTED,
+                Cause.SLOTS_EXHAUSTED,
                 f"tier {tier!r} guaranteed slots full and burst cap reached "
                 f"({self._held_shared[tier]}/{cap})",
             )

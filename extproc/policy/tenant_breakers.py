@@ -42,9 +42,8 @@ from extproc.policy.breaker import (
     Outcome,
 )
 
-__all__ = ["REASON_TENANT_OPEN", "TenantBreakers"]
+__all__ = ["TenantBreakers"]
 
-REASON_TENANT_OPEN = "tenant_breaker_open"
 _ALLOWED = BreakerVerdict(True, BreakerState.CLOSED)
 
 

@@ -12,9 +12,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from extproc.policy.reasons import Cause
 from extproc.policy.slots import (
-    REASON_EXHAUSTED,
-    REASON_TENANT_CAP,
     Denied,
     PoolName,
     round_half_up,
@@ -151,11 +150,11 @@ class BackendSnapshot:
 
     def slot_for(self, tier: str, tenant: str, tenant_cap: int | None, scale: float) -> PoolName | Denied:
         if tenant_cap is not None and self.tenant_held.get(tenant, 0) >= tenant_cap:
-            return Denied(REASON_TENANT_CAP, f"tenant {tenant!r} holds {self.tenant_held.get(tenant, 0)} of "
+            return Denied(Cause.SLOTS_TENANT_CAP, f"tenant {tenant!r} holds {self.tenant_held.get(tenant, 0)} of "
                           f"{tenant_cap} slots")
         budget = round_half_up(self.slots_total * scale)
         if self.slots_in_use >= budget:
-            return Denied(REASON_EXHAUSTED, f"{self.slots_in_use} slots in use, budget {budget}")
+            return Denied(Cause.SLOTS_EXHAUSTED, f"{self.slots_in_use} slots in use, budget {budget}")
         return "shared"
 
     def fits_somewhere(self, kv: int, now: float, tier: str | None = None) -> bool:

@@ -24,11 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from extproc.policy.reasons import Ending
 from extproc.policy.schema import Tier
 
 if TYPE_CHECKING:
     from extproc.openai_api.usage import Usage
-    from extproc.request.admission import Ticket
+    from extproc.request.ticket import Ticket
     from extproc.runtime.runtime import Runtime
 
 
@@ -49,7 +50,7 @@ def completion_tokens(rt: Runtime, ticket: Ticket, tenant: str, tier: str) -> Re
                        est.tokens if spec.tpm_precharge == "learned" else cap, est.source)
 
 
-def record_settle(rt: Runtime, ticket: Ticket, tenant: str, tier: Tier, *, how: str, status: int,
+def record_settle(rt: Runtime, ticket: Ticket, tenant: str, tier: Tier, *, how: Ending, status: int,
                   arrived: float, first_byte: float | None, now: float, usage: Usage | None, n: int) -> None:
     """Observe one settled, forwarded request (after its slot went back)."""
     if not ticket.admitted_at or first_byte is None or not 0 < status < 400:
@@ -57,7 +58,7 @@ def record_settle(rt: Runtime, ticket: Ticket, tenant: str, tier: Tier, *, how: 
     m = rt.metrics
     ttft = max(0.0, first_byte - ticket.admitted_at)
     rt.ttft_counts.observe(ticket.backend.name, tier.name, ttft)
-    done = how == "end_of_stream"
+    done = how == Ending.END_OF_STREAM
     out = usage.completion_tokens // max(1, n) if usage is not None else None
     itl = max(0.0, now - first_byte) / (out - 1) if done and out is not None and out > 1 else None
     m.latency(ticket.backend.name, tier.name, ttft, max(0.0, first_byte - arrived),
@@ -67,7 +68,7 @@ def record_settle(rt: Runtime, ticket: Ticket, tenant: str, tier: Tier, *, how: 
         learned = rt.completions.learned("tier", tier.name, ticket.model.name)
         if learned is not None:
             m.completion_estimated(tier.name, ticket.model.name, learned)
-    ctl = ticket.runtime.latency
+    ctl = ticket.backend_state.adaptive_limit
     if ctl is None:
         return
     ratios = []
@@ -77,4 +78,4 @@ def record_settle(rt: Runtime, ticket: Ticket, tenant: str, tier: Tier, *, how: 
         ratios.append(itl * 1000.0 / tier.itl_p99_ms)
     if ratios:
         # +1: this request's own slot, already released, was part of the load it saw.
-        ctl.observe(tier.name, max(ratios), ticket.admitted_at, ticket.runtime.pool.in_use().total + 1, now)
+        ctl.observe(tier.name, max(ratios), ticket.admitted_at, ticket.backend_state.pool.in_use().total + 1, now)

@@ -13,13 +13,12 @@ at settle, to the endpoint that served it.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from extproc.policy.breaker import Outcome
 
 if TYPE_CHECKING:
-    from extproc.request.admission import Ticket
+    from extproc.request.ticket import Ticket
     from extproc.runtime.metrics import Metrics
 
 log = logging.getLogger("sluice.repick")
@@ -32,7 +31,7 @@ def served_elsewhere(ticket: Ticket, served: str, metrics: Metrics, now: float) 
 
     Returns the endpoint key it moved to, ``"unknown"`` for an address not in the pool
     (the hold stays), or None when the pick served it (or nothing is held on the pool)."""
-    hold, eps = ticket.hold, ticket.runtime.endpoints
+    hold, eps = ticket.hold, ticket.backend_state.endpoints
     if hold is None or hold.endpoint is None or eps is None:
         return None
     primary = eps.by_key.get(hold.endpoint)
@@ -47,7 +46,7 @@ def served_elsewhere(ticket: Ticket, served: str, metrics: Metrics, now: float) 
         return UNKNOWN
     if to == hold.endpoint or not eps.move(hold.endpoint, to, hold.kv):
         return None
-    ticket.hold = replace(hold, endpoint=to, second=None)
+    ticket.moved(to)
     # The pick refused the connection: that counts toward ejecting it. The pool's breakers
     # hear the request's outcome once, at settle, through the endpoint that served it.
     eps.record(hold.endpoint, Outcome.FAILURE, None, now)

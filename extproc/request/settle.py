@@ -1,11 +1,13 @@
 """How a stream settles: the one exit that gives back what a request held, exactly once.
 
-``settle()`` runs on every way a stream ends (``extproc.request.stream``): it charges the
-tenant what the request used (the usage the backend reported, Envoy's usage record,
-or an estimate) and refunds the rest of its pre-charge, releases its slot and KV,
-reports the outcome to the breakers that let it through, and feeds the latency
-observations. A prompt refused after it was counted is charged as spent
-(``_charge_refused``).
+A ``Settlement`` is made per stream once the tenant is known. Admission tells it what the
+request holds (``routed``, ``counted``, ``precharged``); the adapter tells it what the
+response did (``forwarded``, ``responded``, ``watch``, ``usage_record``); ``settle()``
+runs on every way the stream ends: it charges the tenant what the request used (the
+usage the backend reported, Envoy's usage record, or an estimate) and refunds the rest
+of the pre-charge, releases the slot and KV, reports the outcome to the breakers that
+let it through, and feeds the latency observations. A prompt refused after it was
+counted is charged as spent (``charge_refused``).
 """
 
 from __future__ import annotations
@@ -17,79 +19,100 @@ from extproc.openai_api.body import ParsedRequest
 from extproc.openai_api.usage import JSONTracker, SSETracker, Usage
 from extproc.policy.breaker import outcome_at_settle
 from extproc.policy.decode_rate import completion_estimate
-from extproc.policy.schema import Limits, Policy, Tenant
-from extproc.request import observe as latency
-from extproc.request.admission import Ticket
+from extproc.policy.reasons import CHARGED, Ending, Reason
+from extproc.policy.schema import Limits, Tenant, Tier
+from extproc.request import observe
+from extproc.request.ticket import Ticket
 from extproc.runtime.runtime import Runtime
 
 log = logging.getLogger("sluice.stream")
 
-# Refusals that come after the prompt was counted, for a reason retrying cannot fix:
-# the counting is charged to the tenant's TPM budget (see _charge_refused).
-CHARGED_REFUSALS = frozenset({"context_length", "too_large_for_backend", "tpm_request_too_large",
-                              "tokenizer_failed"})
+__all__ = ["Settlement"]
 
 
 class Settlement:
-    """The settle side of ``extproc.request.stream.StreamProcessor``, which sets these attributes."""
+    def __init__(self, rt: Runtime, tenant: Tenant, limits: Limits, tier: Tier, arrived_s: float) -> None:
+        self.rt, self.tenant, self.limits, self.tier = rt, tenant, limits, tier
+        self.arrived_s = arrived_s  # the stream starts with the request's headers
+        self.req: ParsedRequest | None = None
+        self.ticket: Ticket | None = None
+        self.prompt_tokens = 0
+        self.prompt_exact = True  # False: the count stopped past the context window
+        self.reserved = 0  # pre-charged tokens: prompt + n × the completion reservation
+        self.admitted = False  # tokens are pre-charged and must be settled
+        self.sent_upstream = False  # the request went on to the backend
+        self.settled = False
+        self.status = 0
+        self.first_byte_s: float | None = None
+        self.sse = False
+        self.tracker: SSETracker | JSONTracker | None = None
+        self.envoy_usage: EnvoyUsage | None = None
 
-    rt: Runtime
-    policy: Policy
-    tenant: Tenant | None
-    limits: Limits | None
-    req: ParsedRequest | None
-    ticket: Ticket | None
-    prompt_tokens: int
-    reserved: int
-    admitted: bool
-    settled: bool
-    forwarded: bool
-    status: int
-    first_byte_s: float | None
-    arrived_s: float
-    tracker: SSETracker | JSONTracker | None
-    envoy_usage: EnvoyUsage | None
-    sse: bool
+    # -- what admission and the adapter report --------------------------------------------
+    def routed(self, ticket: Ticket) -> None:
+        """A ticket exists: a half-open breaker may have let the request in as its probe."""
+        self.ticket = ticket
 
-    def _charge_refused(self, reason: str) -> None:
+    def counted(self, req: ParsedRequest, tokens: int, exact: bool) -> None:
+        self.req, self.prompt_tokens, self.prompt_exact = req, tokens, exact
+
+    def precharged(self, cost: int) -> None:
+        self.admitted, self.reserved = True, cost
+
+    def forwarded(self) -> None:
+        self.sent_upstream = True
+
+    def responded(self, status: int, now: float, sse: bool = False) -> None:
+        """The response's status and first byte (headers, or the first body chunk)."""
+        self.status, self.first_byte_s, self.sse = status, now, sse
+
+    def watch(self, tracker: SSETracker | JSONTracker) -> None:
+        """The response body goes by Sluice: its usage (or its text) is read from it."""
+        self.tracker = tracker
+
+    def usage_record(self, eu: EnvoyUsage | None) -> None:
+        """What Envoy read of the usage, at the response's clean end."""
+        self.envoy_usage = eu
+
+    # -- the exits -------------------------------------------------------------------------
+    def charge_refused(self, reason: Reason) -> None:
         """A prompt refused after it was counted is paid for: its counted tokens, as spent."""
-        if reason not in CHARGED_REFUSALS or self.prompt_tokens <= 0 or self.tenant is None or self.limits is None:
+        if reason not in CHARGED or self.prompt_tokens <= 0:
             return
         tokens, self.prompt_tokens = self.prompt_tokens, 0
         self.rt.state.spend(self.tenant.name, self.limits, tokens, self.rt.clock())
         self.rt.metrics.charged_refused(self.tenant.name, reason, tokens)
 
-    # -- the one exit -------------------------------------------------------
-    def settle(self, how: str) -> None:
+    def settle(self, how: Ending) -> None:
         """Release what the request holds; idempotent, called on every exit path."""
         if self.settled:
             return
         self.settled = True
+        how = Ending(how)
         now = self.rt.clock()
         if not self.admitted:
             # Refused before its pre-charge, but a half-open breaker may have let it in
             # as the probe: that place must be given back, or recovery stalls.
             if self.ticket is not None:
-                self._release(self.ticket, "rejected", now)
+                self._release(self.ticket, Ending.REJECTED, now)
             return
-        assert self.tenant is not None
         # A request that never left Sluice (refused, or abandoned while queued) used nothing.
-        actual = self._actual_usage(how) if self.forwarded and how != "rejected" else 0
+        went = self.sent_upstream and how is not Ending.REJECTED
+        actual = self._actual_usage(how) if went else 0
         self.rt.state.settle(self.tenant.name, self.reserved, actual, now)
         t = self.ticket
         if t is not None:
             self._release(t, how, now)
-            if self.forwarded and how != "rejected":
+            if went:
                 self._observe_latency(t, how, now)
         self.rt.metrics.settled(how, self.tenant.name, actual, self.reserved)
 
-    def _observe_latency(self, t: Ticket, how: str, now: float) -> None:
-        assert self.tenant is not None and self.req is not None
-        usage = self._reported_usage()
+    def _observe_latency(self, t: Ticket, how: Ending, now: float) -> None:
+        assert self.req is not None
         try:
-            latency.record_settle(self.rt, t, self.tenant.name, self.policy.tiers[self.tenant.tier], how=how,
-                                  status=self.status, arrived=self.arrived_s, first_byte=self.first_byte_s,
-                                  now=now, usage=usage, n=self.req.n)
+            observe.record_settle(self.rt, t, self.tenant.name, self.tier, how=how, status=self.status,
+                                  arrived=self.arrived_s, first_byte=self.first_byte_s, now=now,
+                                  usage=self._reported_usage(), n=self.req.n)
         except Exception:  # observing must never keep the rest of settle from running
             log.exception("latency observation failed")
 
@@ -102,18 +125,15 @@ class Settlement:
             return Usage(eu.input_tokens, eu.output_tokens)
         return None
 
-    def _release(self, t: Ticket, how: str, now: float) -> None:
-        assert self.tenant is not None
+    def _release(self, t: Ticket, how: Ending, now: float) -> None:
         if t.admitted_at:
             self.rt.metrics.released()
             self.rt.track(self.tenant.name, -1)
         latency = self.first_byte_s - t.admitted_at if self.first_byte_s and t.admitted_at else None
         t.report_outcome(outcome_at_settle(how, self.status), latency, now)
-        if t.hold is not None:
-            hold, t.hold = t.hold, None
-            t.runtime.release(hold, now)
+        t.give_back(now)
 
-    def _actual_usage(self, how: str) -> int:
+    def _actual_usage(self, how: Ending) -> int:
         reported = self._reported_usage()
         if reported is not None:
             self._learn_rate(reported.completion_tokens)
@@ -121,19 +141,18 @@ class Settlement:
         tr, eu = self.tracker, self.envoy_usage
         if eu is not None and eu.total_tokens is not None:
             return eu.total_tokens  # embeddings: prompt_tokens and total_tokens only
-        if how == "end_of_stream" and self.status >= 400:
+        if how is Ending.END_OF_STREAM and self.status >= 400:
             # The backend refused or failed before generating: nothing to bill.
             return 0
         if tr is None and self.first_byte_s is not None and self.status:
-            # usage_trailers: a successful response whose usage never came (see estimate).
+            # usage_trailers: a successful response whose usage never came (see decode_rate).
             return self.prompt_tokens + self._estimated_completion()
         if tr is None:
             # Never got response headers (upstream reset, disconnect while waiting):
             # the backend may have done the prefill, so the prompt counts.
-            return self.prompt_tokens if how != "end_of_stream" else 0
-        model = self.ticket.model if self.ticket is not None else None
-        assert model is not None
-        return self.prompt_tokens + self.rt.count_tokens_now(model.encoding, tr.texts)
+            return self.prompt_tokens if how is not Ending.END_OF_STREAM else 0
+        assert self.ticket is not None
+        return self.prompt_tokens + self.rt.count_tokens_now(self.ticket.model.encoding, tr.texts)
 
     def _estimated_completion(self) -> int:
         t, req, first = self.ticket, self.req, self.first_byte_s

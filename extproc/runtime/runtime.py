@@ -23,7 +23,7 @@ from extproc.policy.decode_rate import DecodeRates
 from extproc.policy.schema import Backend, Policy
 from extproc.policy.share import leased_view, local_share, zero_shares
 from extproc.policy.state import TokenState
-from extproc.runtime import leases as lease_plan
+from extproc.runtime import leases
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.ttft_counts import BOUNDS_MS as TTFT_BOUNDS_MS
 from extproc.runtime.ttft_counts import TtftCounts
@@ -31,14 +31,14 @@ from extproc.store import open_state, state_url
 from extproc.store.pool_lease import PoolLease
 from extproc.store.shared_breakers import SharedBreakers
 from extproc.store.slot_leases import SlotLeases
-from extproc.tokens import counter as tokenizer
+from extproc.tokens import counter
 from extproc.tokens.pool import TokenPool
 
 log = logging.getLogger("sluice.runtime")
 
 # A prompt that fits in one slice is counted at once: it costs no more than one slice
 # of the fair scheduler, which is the most any stream waits for another's count.
-OFFLOAD_CHARS = tokenizer.SLICE_CHARS
+OFFLOAD_CHARS = counter.SLICE_CHARS
 # How often breaker trips are exchanged with the other replicas (a shared store).
 BREAKER_SYNC_S = 0.25
 
@@ -69,7 +69,7 @@ class Runtime:
         self.full_policy = policy
         policy = self._local(policy)
         self.token_pool = TokenPool()
-        self.encodings: dict[str, tokenizer.Counter] = {}
+        self.encodings: dict[str, counter.TokenCounter] = {}
         self.policy = policy
         self.etag = ""
         self.backends: dict[str, BackendState] = {}
@@ -88,13 +88,13 @@ class Runtime:
     def _load_encodings(self, policy: Policy) -> None:
         for _, model in policy.by_model.values():
             if model.encoding not in self.encodings:
-                self.encodings[model.encoding] = tokenizer.Counter(model.encoding)
+                self.encodings[model.encoding] = counter.TokenCounter(model.encoding)
 
     def _configured(self, spec: Backend, policy: Policy) -> tuple[Backend, Policy]:
         """The backend as this replica admits to it: its leased part of the pool, if leased."""
         if self.slot_leases is None:
             return spec, policy
-        return leased_view(spec, policy, self.full_policy, lease_plan.held(spec.name, self.slot_leases)[0])
+        return leased_view(spec, policy, self.full_policy, leases.held(spec.name, self.slot_leases)[0])
 
     def _sync_backends(self, policy: Policy) -> None:
         now = self.clock()
@@ -153,7 +153,7 @@ class Runtime:
                 for spec in self.full_policy.backends:
                     be = self.backends.get(spec.name)
                     if be is not None:
-                        usage.update(lease_plan.usage(spec, be, self.slot_leases, self.clock))
+                        usage.update(leases.usage(spec, be, self.slot_leases, self.clock))
                 changed = await self.slot_leases.tick(usage, self._apply_lease)
             finally:
                 self.slot_leases.end_check(waiting)
@@ -162,19 +162,19 @@ class Runtime:
     def _place_lease(self, be: BackendState) -> None:
         """The backend's KV cap and its endpoints' leases from what this replica holds."""
         assert self.slot_leases is not None
-        be.kv_lease = lease_plan.held(be.spec.name, self.slot_leases)[1]
-        lease_plan.place_leases(be, self.slot_leases)
+        be.kv_lease = leases.held(be.spec.name, self.slot_leases)[1]
+        leases.place_leases(be, self.slot_leases)
         if be.on_short is None:
-            leases = self.slot_leases
-            be.on_short = lambda b, kv, now: lease_plan.on_short(leases, b, kv, now)
+            shared = self.slot_leases
+            be.on_short = lambda b, kv, now: leases.on_short(shared, b, kv, now)
             # A tier without a queue waits for that one check rather than be refused at once
             # (bounded: a throttled wake waits check_s, the exchange timeout_s, plus loop lag).
             # Not while the store is down: no lease can grow, and a refusal must stay quick.
-            be.lease_wait = lambda: leases.next_check(max(0.5, leases.timeout_s + 2 * leases.check_s),
+            be.lease_wait = lambda: shared.next_check(max(0.5, shared.timeout_s + 2 * shared.check_s),
                                                       skip=not getattr(self.state, "up", True))
 
     def _apply_lease(self, name: str, lease: PoolLease) -> None:
-        name = lease_plan.backend_of(name)
+        name = leases.backend_of(name)
         be = self.backends.get(name)
         spec = next((b for b in self.policy.backends if b.name == name), None)
         if be is None or spec is None:
@@ -183,7 +183,7 @@ class Runtime:
         local_spec, local_policy = self._configured(spec, self.policy)
         be.reconfigure(local_spec, local_policy, now)
         self._place_lease(be)
-        be.pump(now)
+        be.queue.pump(now)
 
     async def first_leases(self, timeout_s: float = 3.0) -> None:
         """Before serving: wait (briefly) for the store's registration, then take the pool leases.
@@ -234,7 +234,7 @@ class Runtime:
 
     # -- tokenizing ------------------------------------------------------------------
     async def count_prompt(self, encoding: str, texts: list[str], *, tenant: str = "-",
-                           limit: int | None = None) -> tokenizer.Count:
+                           limit: int | None = None) -> counter.Count:
         """Count ``texts``, stopping once past ``limit``; raises ``TokenizerFailed``.
 
         Large prompts go through the fair scheduler, slice by slice, so one tenant's
@@ -257,9 +257,9 @@ class Runtime:
         """For settle paths that cannot await (a stream being torn down)."""
         try:
             return self.encodings[encoding].count(texts).tokens
-        except tokenizer.TokenizerFailed as exc:
+        except counter.TokenizerFailed as exc:
             log.warning("counting a completion failed (%s); estimating 1 token per 4 characters", exc)
-            return tokenizer.estimate(texts)
+            return counter.estimate(texts)
 
     # -- status -----------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from extproc.policy.reasons import Ending
 from extproc.request.stream import StreamProcessor
 from extproc.runtime.runtime import Runtime
 from extproc.wire.health import Health
@@ -33,7 +34,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     ) -> AsyncIterator[pb.ProcessingResponse]:
         peer = PeerStream(request_iterator)
         stream = StreamProcessor(self.rt, peer)
-        how = "disconnect"
+        how = Ending.DISCONNECT
         try:
             while (request := await peer.next()) is not None:
                 phase = request.WhichOneof("request") or "unknown"
@@ -43,12 +44,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 elif (response := stream.handle(phase, request)) is not None:
                     yield response
                 if stream.finished:
-                    how = "rejected"
+                    how = Ending.REJECTED
                     return
         except asyncio.CancelledError:
             raise
         except Exception:
-            how = "error"
+            how = Ending.ERROR
             log.exception("ext_proc stream failed")
             raise
         finally:

@@ -30,7 +30,7 @@ def tick(rt: Runtime) -> int:
     handed = 0
     for name, be in list(rt.backends.items()):
         try:
-            handed += be.tick(now)
+            handed += be.queue.tick(now)
         except Exception:  # noqa: BLE001 - one backend's bug must not stop the others' deadlines
             log.exception("admission tick of backend %s failed", name)
     return handed
@@ -42,7 +42,7 @@ async def run_ticker(rt: Runtime, interval_s: float = TICK_S, idle_s: float = ID
     while True:
         wake.clear()
         for be in rt.backends.values():
-            be.on_enqueue = wake.set
+            be.queue.on_enqueue = wake.set
         tick(rt)
         if any(be.queue.depth() for be in rt.backends.values()):
             await asyncio.sleep(interval_s)

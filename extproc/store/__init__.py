@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 
 from extproc.policy.gate import LocalState
-from extproc.policy.model import Gateway
+from extproc.policy.schema import Gateway
 from extproc.policy.state import TokenState
 
 ENV_URL = "SLUICE_REDIS_URL"

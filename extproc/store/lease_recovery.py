@@ -59,12 +59,11 @@ log = logging.getLogger("sluice.store")
 
 
 class LeaseRecovery:
-    """The recovery part of ``SlotLeases`` (its base class: the same leases and registry)."""
+    """The recovery part of one replica's ``SlotLeases``: it reads the same leases and registry."""
 
-    registry: Registry
-    leases: dict[str, PoolLease]
-
-    def __init__(self, ttl_s: float, recover_s: float | None) -> None:
+    def __init__(self, registry: Registry, leases: dict[str, PoolLease], ttl_s: float,
+                 recover_s: float | None) -> None:
+        self.registry, self.leases = registry, leases
         # Redis back without the leases (see the module docstring): each lease capped at its
         # claim (what it held when the loss was found) until every replica has reported on
         # its pool, or recover_s (ttl/2) has passed.
@@ -75,7 +74,7 @@ class LeaseRecovery:
         self.recoveries = 0  # times this replica found its leases lost (fenced)
         self._fences = 0  # the registry's fences already acted on (it counts from 0 too)
 
-    def _recover(self, now: float) -> None:
+    def recover(self, now: float) -> None:
         """This replica's leases are no longer in Redis (its member was fenced: Redis restarted
         empty, or froze past the ttl): claim what it holds now, and re-assert it at once."""
         for ls in self.leases.values():
@@ -89,11 +88,11 @@ class LeaseRecovery:
         log.warning("slot leases: Redis lost this replica's leases; holding at most %s until the %d replicas "
                     "seen have reported (or %.1fs)", self.claims, self.recover_n, self.recover_s)
 
-    def _notice_fence(self, now: float) -> None:
+    def notice_fence(self, now: float) -> None:
         """The heartbeat registered this replica again (Redis lost its member): so are its leases."""
         if self.registry.fences != self._fences:
             self._fences = self.registry.fences
-            self._recover(now)
+            self.recover(now)
 
     def cap(self, name: str, now: float, in_use: tuple[int, int] = (0, 0)) -> tuple[int, int] | None:
         """The most lease ``name`` may ask for while recovering (None: not recovering): its claim,
@@ -108,7 +107,7 @@ class LeaseRecovery:
         s, k = self.claims.get(name, (0, 0))
         return max(s, in_use[0]), max(k, in_use[1])
 
-    def _reported(self, name: str, ls: PoolLease) -> None:
+    def reported(self, name: str, ls: PoolLease) -> None:
         """An exchange while recovering: every registered replica (and as many as before the
         loss) has reported on this pool, so Redis knows all it must: the claim is lifted."""
         if name in self.claims and ls.reported >= max(ls.registered, self.recover_n):

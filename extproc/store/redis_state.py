@@ -34,7 +34,8 @@ from redis.backoff import NoBackoff
 from extproc.policy.bucket import Ledger
 from extproc.policy.gate import RateView, Verdict
 from extproc.policy.lease import TenantLease, local_share
-from extproc.policy.model import Limits
+from extproc.policy.reasons import Reason
+from extproc.policy.schema import Limits
 from extproc.store.breaker import StoreBreaker
 from extproc.store.exchange import STORE_ERRORS, Exchanges
 from extproc.store.registry import Registry
@@ -93,7 +94,7 @@ class RedisState(Exchanges):
         ls = self._lease(tenant, limits, scale)
         if not force and cost > limits.burst_tokens:
             tv, rv = ls.view(now)
-            return Verdict(False, tv, rv, "tpm_request_too_large",
+            return Verdict(False, tv, rv, Reason.TPM_REQUEST_TOO_LARGE,
                            f"Request needs {cost} tokens, more than the {limits.burst_tokens} this key may use "
                            "at once. Lower max_tokens or shorten the prompt.", math.inf)
         if ls.try_spend(limits, cost, ls.scale, now):
@@ -214,15 +215,15 @@ class RedisState(Exchanges):
         tv, rv = ls.view(now)
         lim = ls.limits
         if rpm_wait >= tpm_wait:
-            return Verdict(False, tv, rv, "rpm", f"Rate limit reached: {lim.rpm} requests per minute.", rpm_wait)
-        return Verdict(False, tv, rv, "tpm",
+            return Verdict(False, tv, rv, Reason.RPM, f"Rate limit reached: {lim.rpm} requests per minute.", rpm_wait)
+        return Verdict(False, tv, rv, Reason.TPM,
                        f"Rate limit reached: {lim.tpm} tokens per minute; this request needs {cost}.", tpm_wait)
 
     def _from_local_share(self, ls: TenantLease, cost: int, now: float) -> Verdict:
         n = self.registry.most_seen(now)
         if self.fail_closed or n is None:
             tv, rv = ls.view(now)
-            return Verdict(False, tv, rv, "state_store_down",
+            return Verdict(False, tv, rv, Reason.STATE_STORE_DOWN,
                            "The shared rate-limit store is unreachable; retry shortly.", 1.0)
         if ls.fallback is None:
             ls.fallback = local_share(ls, ls.limits, n, now)

@@ -135,17 +135,17 @@ def want(pool: int, in_use: int, held: int, live: int) -> int | None:
     return None
 
 
-class SlotLeases(LeaseRecovery):
+class SlotLeases:
     """Every backend's pool lease of one replica; ``run`` keeps them (see the module docstring;
-    Redis back without the leases: the base class)."""
+    Redis back without the leases: ``recovery``)."""
 
     def __init__(self, client: Any, registry: Registry, prefix: str = "sluice", *, ttl_s: float = 10.0,
                  check_s: float = 0.05, timeout_s: float = 0.1, recover_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.client, self.registry, self.prefix = client, registry, prefix
         self.ttl_s, self.check_s, self.timeout_s, self.clock = ttl_s, check_s, timeout_s, clock
-        LeaseRecovery.__init__(self, ttl_s, recover_s)
         self.leases: dict[str, PoolLease] = {}
+        self.recovery = LeaseRecovery(registry, self.leases, ttl_s, recover_s)
         self.fenced = 0  # times an exchange found this replica's member gone
         self.errors = 0
         self.wakes = 0  # checks run early because an acquire found its lease short
@@ -256,7 +256,7 @@ class SlotLeases(LeaseRecovery):
             return ls
         if gs < 0:
             self.fenced += 1
-            self._recover(now)
+            self.recovery.recover(now)
             log.warning("slot leases: replica %s is fenced (its registration expired): %s lease dropped until "
                         "it registers again", member, backend)
             self.registry.beat_at = -math.inf  # the store's next heartbeat finds it fenced and registers anew
@@ -286,7 +286,7 @@ class SlotLeases(LeaseRecovery):
         gives the rest away), a grant when it arrives. Returns the leases that changed.
         """
         live = self.registry.live
-        self._notice_fence(self.clock())
+        self.recovery.notice_fence(self.clock())
         changed: dict[str, PoolLease] = {}
         grew = False
         for name in [n for n in self.leases if n not in usage]:
@@ -308,8 +308,8 @@ class SlotLeases(LeaseRecovery):
             now = self.clock()
             # before each lease, not once a check: the heartbeat may land while an earlier lease's
             # exchange is awaited, and this one would go out under the new member uncapped
-            self._notice_fence(now)
-            cap = self.cap(name, now, busy)
+            self.recovery.notice_fence(now)
+            cap = self.recovery.cap(name, now, busy)
             # recovering and wanting more than the claim: exchange every check, to learn when it is lifted
             pressed = cap is not None and ((ws or 0) > cap[0] or (wk or 0) > cap[1])
             if ws is None and wk is None and now < ls.renew_at and not pressed:
@@ -324,7 +324,7 @@ class SlotLeases(LeaseRecovery):
                 await self.exchange(name, ask_s, ask_k)
                 self.failing = False
                 if cap is not None:
-                    self._reported(name, ls)
+                    self.recovery.reported(name, ls)
             except Exception as exc:  # noqa: BLE001 - any store failure: keep the lease until it expires
                 self.errors += 1
                 self.failing = True
@@ -343,7 +343,7 @@ class SlotLeases(LeaseRecovery):
 
     def snapshot(self) -> dict[str, Any]:
         return {"fenced": self.fenced, "errors": self.errors, "wakes": self.wakes,
-                "recoveries": self.recoveries, "recovering": dict(self.claims),
+                "recoveries": self.recovery.recoveries, "recovering": dict(self.recovery.claims),
                 "pools": {n: {"pool": ls.pool_slots, "leased": ls.slots, "others": ls.others,
                               "pool_kv": ls.pool_kv, "leased_kv": ls.kv, "others_kv": ls.others_kv}
                           for n, ls in self.leases.items()}}

@@ -111,9 +111,9 @@ def slices(text: str, size: int = SLICE_CHARS) -> Iterator[tuple[str, bool]]:
 
 
 def _tiktoken_counter(name: str) -> Callable[[str], int]:
-    from extproc.tokens import encodings as tokens
+    from extproc.tokens import encodings
 
-    enc = tokens.get_encoding(name)
+    enc = encodings.get_encoding(name)
     return lambda s: len(enc.encode_ordinary(s))
 
 
@@ -146,7 +146,7 @@ def _bpe_counter(name: str) -> Callable[[str], int] | None:
     return tok.count
 
 
-class Counter:
+class TokenCounter:
     """Counts tokens of one encoding. ``count`` is exact except for hard cuts (see above)."""
 
     def __init__(self, name: str, *, backend: str = "auto") -> None:
@@ -199,7 +199,7 @@ class CountJob:
     __slots__ = ("counter", "limit", "counted", "hard_cuts", "chars_done", "seconds", "_slices", "_next",
                  "_done", "_complete")
 
-    def __init__(self, counter: Counter, texts: list[str], limit: int | None) -> None:
+    def __init__(self, counter: TokenCounter, texts: list[str], limit: int | None) -> None:
         self.counter, self.limit = counter, limit
         self.counted = self.hard_cuts = self.chars_done = 0
         self.seconds = 0.0

@@ -11,6 +11,7 @@ from typing import Any
 from extproc.backends.hold import Hold
 from extproc.backends.state import BackendState
 from extproc.policy.schema import build_policy
+from tests.backend_ops import try_acquire
 from tests.console.conftest import Console, text_of
 from tests.console.test_status import post_status, report
 from tests.test_pool import doc
@@ -28,7 +29,7 @@ def sim_status(affinity: bool) -> dict[str, Any]:
     d["backends"][0]["name"] = "sim"
     p = build_policy(d)
     be = BackendState.create(p.backends[0], p, 0.0)
-    holds = [be.try_acquire("t", "a", None, kv, 0.0, prefix) for kv, prefix in
+    holds = [try_acquire(be, "t", "a", None, kv, 0.0, prefix) for kv, prefix in
              [(2500, P), (100, P), (100, P), (900, P), (50, Q)]]
     assert all(isinstance(h, Hold) for h in holds)
     status = json.loads(json.dumps(be.status(0.0)))  # as it crosses the wire

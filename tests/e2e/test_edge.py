@@ -1,4 +1,4 @@
-"""Edge hygiene of the generated Envoy config, through the real Envoy (issue 8, item 7).
+"""Edge hygiene of the generated Envoy config, through the real Envoy.
 
 Client-sent internal headers are not trusted, credentials in query strings are neither
 logged nor forwarded, and slow or piled-up connections are cut off by the gateway's

@@ -1,4 +1,4 @@
-"""Three extproc replicas behind one Envoy, one tenant, 64 concurrent streams (issue 10).
+"""Three extproc replicas behind one Envoy, one tenant, 64 concurrent streams.
 
 The tenant's bucket is time-scaled: ``B`` = 2 s of its rate (``r`` = 600 tokens/s), so
 a run of ~45 s is ~22 bucket lengths, as many minutes with the usual one-minute bucket.

@@ -1,6 +1,6 @@
 """Redis frozen (SIGSTOP) and killed (SIGKILL, then restarted empty on its port) under
 load, three extproc replicas behind one Envoy sharing a tenant's TPM bucket and a
-backend's 12 slots (issue 10, "Redis down").
+backend's 12 slots while the shared store is down.
 
 Each outage lasts 14 s, past the slot leases' ttl (10 s), so the replicas first admit
 from their unexpired leases and then from the local share: ``floor(12 / 3)`` slots and

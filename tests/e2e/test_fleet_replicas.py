@@ -1,5 +1,5 @@
 """A replica of three behind one Envoy dies (SIGKILL) or freezes past its ttl (SIGSTOP)
-while holding slot leases (issue 10, "SIGKILL a replica holding slots mid-stream").
+while holding slot leases (a replica SIGKILLed holding slots mid-stream).
 
 Redis's own view of the pool (the holders' sorted set and their amounts, read
 directly) is sampled every 10 ms beside the replicas' ``/debug/state``: the leases

@@ -1,4 +1,4 @@
-"""Oversized uploads get a readable 413, through the real Envoy (issue 8, item 2).
+"""Oversized uploads get a readable 413, through the real Envoy.
 
 Envoy replying before the body is read closes with unread data and the kernel's RST
 destroys the 413; so the generated config routes a content-length over the cap to the

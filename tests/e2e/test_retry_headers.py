@@ -1,4 +1,4 @@
-"""A client cannot make Envoy retry (issue 11), through the real Envoy.
+"""A client cannot make Envoy retry (a failed generation replayed, billed once), through the real Envoy.
 
 Envoy's router honours x-envoy-retry-on, x-envoy-max-retries and their kin: a tenant that
 could send them would have a failed generation replayed (run twice, billed once) or its

@@ -1,4 +1,4 @@
-"""Failure attribution end to end (issue 8 item 4): one tenant's failures do not open
+"""Failure attribution end to end: one tenant's failures do not open
 the breaker for everyone, and a backend failing for everyone still trips it.
 
 Two simulated backends behind the real Envoy: ``sim`` (the primary) and ``sim-fb``
@@ -133,7 +133,7 @@ def test_one_tenants_failures_do_not_degrade_the_others(stack: TwoBackends) -> N
 
     with ThreadPoolExecutor(8) as pool:
         good = [pool.submit(good_traffic, t) for t in ("premium", "batch")]
-        # Issue 8: six free-key requests the backend answers with 500, at once.
+        # One tenant: six free-key requests the backend answers with 500, at once.
         bad = list(pool.map(lambda _: chat(stack, "free", fail=True), range(6)))
         bad += [chat(stack, "free", fail=True) for _ in range(3)]
         served = [r for f in good for r in f.result()]
