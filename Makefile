@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# setuptools says "Editable installation ... be careful with folders in your working
+# directory with the same name as your package" on every editable install: here those
+# folders are the packages. Only that notice is filtered; real warnings still show.
+PIP_WARNINGS := ignore:Editable installation
 
 # Debian packages by what needs them: the browser test drives Debian's chromium (never a
 # downloaded browser) and needs a font to render text; the shared-state tests start redis-server.
@@ -18,10 +22,11 @@ BENCH_SYSTEM_PACKAGES := redis-server
 .PHONY: install system-packages-test system-packages-demo system-packages-bench demo test test-unit test-e2e bench lint docs envoy-config clean
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
-	touch $(STAMP)
+	@echo "installing Sluice and its Python packages into $(VENV)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+	@PYTHONWARNINGS="$(PIP_WARNINGS)" $(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
 
 install: $(STAMP)
 
@@ -36,7 +41,7 @@ system-packages-bench:
 	@sh bench/system_packages.sh $(BENCH_SYSTEM_PACKAGES)
 
 demo: install system-packages-demo
-	$(PY) -m bench.demo --replicas $(REPLICAS)
+	@$(PY) -m bench.demo --replicas $(REPLICAS)
 
 test: install system-packages-test
 	$(PY) -m pytest -q
