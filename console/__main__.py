@@ -7,7 +7,7 @@ Secrets can come from the environment or a file instead of the command line (whe
 ``ps`` shows them): ``SLUICE_CONSOLE_TOKEN`` or ``--api-token-file`` /
 ``SLUICE_CONSOLE_TOKEN_FILE`` (the replicas' bearer token),
 ``SLUICE_CONSOLE_SECRET`` (the session key), ``SLUICE_CONSOLE_PASSWORD``
-(for create-user).
+(for create-user), ``SLUICE_CONSOLE_DEMO_PASSWORD`` (for ``serve --demo``).
 """
 
 from __future__ import annotations
@@ -42,10 +42,13 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         lines = []
         if args.demo:
-            password = args.demo_password or secrets.token_urlsafe(9)
+            given = args.demo_password or os.environ.get("SLUICE_CONSOLE_DEMO_PASSWORD")
+            password = given or secrets.token_urlsafe(9)
             users.create(sluice.store, args.demo_user, password, "operator", replace=True)
-            lines += [f"  demo operator: {args.demo_user} / {password}",
-                      f"  replica API token: {sluice.api_token}"]
+            if not given:  # whoever chose the password knows it; a made-up one must be shown
+                lines.append(f"  demo operator: {args.demo_user} / {password}")
+        if args.show_token:  # a terminal's scrollback is no place for a bearer token unless asked
+            lines.append(f"  replica API token: {sluice.api_token}")
         # Long-polls from replicas each hold a thread for up to 30 s: keep plenty.
         server = waitress.create_server(app, host=args.host, port=args.port, threads=args.threads,
                                         ident="sluice-console")
@@ -104,9 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "$SLUICE_CONSOLE_TOKEN; default: one stored in the DB)")
     s.add_argument("--api-token-file", default=None,
                    help="read the bearer token from this file (or $SLUICE_CONSOLE_TOKEN_FILE)")
-    s.add_argument("--demo", action="store_true", help="create/reset a demo operator and print its credentials")
+    s.add_argument("--demo", action="store_true", help="create/reset a demo operator (its credentials are "
+                   "printed when the password is made up here)")
     s.add_argument("--demo-user", default="demo")
-    s.add_argument("--demo-password", default=None, help="default: a random one, printed")
+    s.add_argument("--demo-password", default=None,
+                   help="default: $SLUICE_CONSOLE_DEMO_PASSWORD, else a random one, printed")
+    s.add_argument("--show-token", action="store_true", help="print the replicas' API token at start")
     s.add_argument("--threads", type=int, default=16)
     s.add_argument("--reload-interval", type=float, default=1.0, help="seconds between checks of the files")
     s.add_argument("--secure-cookies", action="store_true", help="session cookie only over HTTPS")

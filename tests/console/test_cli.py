@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -49,7 +50,7 @@ def test_serve_demo_with_waitress(tmp_path: Path) -> None:
     policy = write_policy(tmp_path / "policies")
     proc = subprocess.Popen(
         [sys.executable, "-m", "console", "serve", "--db", str(tmp_path / "c.db"), "--policy", str(policy),
-         "--port", "0", "--demo", "--api-token", "tok-123"],
+         "--port", "0", "--demo", "--api-token", "tok-123", "--show-token"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert proc.stdout is not None
@@ -75,6 +76,30 @@ def test_serve_demo_with_waitress(tmp_path: Path) -> None:
         proc.terminate()
         proc.wait(10)
     assert proc.returncode == 0
+
+
+def test_serve_demo_keeps_a_given_password_and_the_token_out_of_the_terminal(tmp_path: Path) -> None:
+    policy = write_policy(tmp_path / "policies")
+    env = {**os.environ, "SLUICE_CONSOLE_DEMO_PASSWORD": "chosen-by-the-demo", "SLUICE_CONSOLE_TOKEN": "tok-456"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "console", "serve", "--db", str(tmp_path / "c.db"), "--policy", str(policy),
+         "--port", "0", "--demo"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        url = re.search(r"(http://127\.0\.0\.1:\d+)/", first)
+        assert url, first
+        # The line is printed once the socket is bound: /healthz answers from here on.
+        with urllib.request.urlopen(url.group(1) + "/healthz", timeout=5) as r:
+            assert r.status == 200
+        store = Store(tmp_path / "c.db")
+        assert users.authenticate(store, "demo", "chosen-by-the-demo") is not None
+        store.close()
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=10)
+    assert "chosen-by-the-demo" not in first + out and "tok-456" not in first + out
+    assert "demo operator" not in first + out
 
 
 def test_every_option_is_documented_on_the_console_page() -> None:
