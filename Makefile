@@ -15,6 +15,8 @@ TEST_SYSTEM_PACKAGES := chromium fonts-dejavu-core redis-server
 # `make demo REPLICAS=3`: three extproc replicas behind one Envoy, sharing a local
 # redis-server (port 6380, bench/demo.py), which is then installed too.
 REPLICAS ?= 1
+# More flags for bench.demo, e.g. `make demo DEMO_ARGS=--show-token` (the replicas' API token in the banner).
+DEMO_ARGS ?=
 DEMO_SYSTEM_PACKAGES := $(if $(filter-out 1,$(REPLICAS)),redis-server,)
 # `make bench` measures the Redis state store (bench.state_store) against a local redis-server.
 BENCH_SYSTEM_PACKAGES := redis-server
@@ -41,7 +43,7 @@ system-packages-bench:
 	@sh bench/system_packages.sh $(BENCH_SYSTEM_PACKAGES)
 
 demo: install system-packages-demo
-	@$(PY) -m bench.demo --replicas $(REPLICAS)
+	@$(PY) -m bench.demo --replicas $(REPLICAS) $(DEMO_ARGS)
 
 test: install system-packages-test
 	$(PY) -m pytest -q
