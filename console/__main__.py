@@ -58,9 +58,13 @@ def _serve(args: argparse.Namespace) -> int:
             print(line, flush=True)
 
         def stop(*_: object) -> NoReturn:
+            # Before waitress's own shutdown, which waits up to 5 s for busy threads: the
+            # replicas' long-polls answer now instead of holding theirs for up to 30 s.
+            sluice.store.stop_waiting()
             raise SystemExit(0)
 
         signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
         try:
             server.run()
         except KeyboardInterrupt:

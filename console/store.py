@@ -103,6 +103,7 @@ class Store:
         # Notified after every write that changes the effective policy (long-polls wait on it).
         self.changes = threading.Condition()
         self.generation = 0
+        self.closing = False  # set at shutdown: long-polls answer now instead of holding a thread
 
     # -- reading -------------------------------------------------------------
     @property
@@ -138,8 +139,14 @@ class Store:
 
     def wait_for_change(self, generation: int, timeout: float) -> int:
         with self.changes:
-            self.changes.wait_for(lambda: self.generation != generation, timeout=timeout)
+            self.changes.wait_for(lambda: self.generation != generation or self.closing, timeout=timeout)
             return self.generation
+
+    def stop_waiting(self) -> None:
+        """Release every long-poll (shutdown): the server then stops without waiting them out."""
+        with self.changes:
+            self.closing = True
+            self.changes.notify_all()
 
     def check(self) -> str | None:
         """What is wrong with the database, or None: for ``/healthz``. A read through this
