@@ -76,6 +76,14 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cli_actor() -> str:
+    """Who ran the CLI, for the audit log."""
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):
+        return f"cli:uid {os.getuid()}"
+
+
 def _create_user(args: argparse.Namespace) -> int:
     from console import users
     from console.store import Store
@@ -88,7 +96,7 @@ def _create_user(args: argparse.Namespace) -> int:
             return 1
     store = Store(Path(args.db))
     try:
-        user = users.create(store, args.name, password, args.role, replace=args.replace)
+        user = users.create(store, args.name, password, args.role, replace=args.replace, actor=_cli_actor())
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -132,8 +132,9 @@ def test_the_cli_against_a_live_console_then_the_console_still_reads_and_writes(
     assert api.status_code == 200, api.text
     ops0 = log_in(url, "ops0", "long-enough-2")  # the console sees the CLI's write
     statuses = [c.get(path).status_code for c in (olga, ops0) for path in ("/", "/tenants", "/tiers", "/breakers",
-                                                                           "/audit", "/export")]
+                                                                           "/audit", "/export", "/users")]
     assert statuses == [200] * len(statuses)
     assert httpx.get(f"{url}/healthz", timeout=5).json() == {"status": "ok"}
+    assert "ops2" in olga.get("/users").text
     olga.close()
     ops0.close()
