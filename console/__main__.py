@@ -30,13 +30,19 @@ def _serve(args: argparse.Namespace) -> int:
     from console import users
     from console.app import create_app
     from console.config import ConsoleConfig, read_secret_file
+    from console.proxies import parse_networks
 
     token = args.api_token or (read_secret_file(args.api_token_file) if args.api_token_file else None)
-    cfg = ConsoleConfig.from_env(args.db, args.policy, api_token=token,
-                                 reload_interval=args.reload_interval, secure_cookies=args.secure_cookies,
-                                 replica_hide_after_s=args.replica_hide_after,
-                                 replica_forget_after_s=args.replica_forget_after,
-                                 login_concurrency=args.login_concurrency)
+    try:
+        proxies = parse_networks(args.trusted_proxy) or None
+        cfg = ConsoleConfig.from_env(args.db, args.policy, api_token=token,
+                                     reload_interval=args.reload_interval, secure_cookies=args.secure_cookies,
+                                     replica_hide_after_s=args.replica_hide_after,
+                                     replica_forget_after_s=args.replica_forget_after,
+                                     login_concurrency=args.login_concurrency, trusted_proxies=proxies)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     app = create_app(cfg)
     sluice = app.extensions["sluice"]
     try:
@@ -134,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds without a report before a replica is deleted (default 3600)")
     s.add_argument("--login-concurrency", type=int, default=None,
                    help="password checks (scrypt) run at once; more get 429 (default 1)")
+    s.add_argument("--trusted-proxy", action="append", default=[], metavar="CIDR",
+                   help="a reverse proxy whose X-Forwarded-For names the client for the login throttle "
+                        "(repeatable, or comma-separated in $SLUICE_CONSOLE_TRUSTED_PROXIES); default: none, "
+                        "the peer address counts")
     u = sub.add_parser("create-user", help="create an operator or viewer account")
     u.add_argument("name")
     u.add_argument("--role", choices=("operator", "viewer"), required=True)
