@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import json
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.e2e.harness import TEST_KEYS, eventually, free_port, running
+from tests.e2e.harness import TEST_KEYS, eventually
 from tests.e2e.test_console_browser import browser, log_in, new_page  # noqa: F401 - browser: the shared fixture
-from tests.e2e.test_console_browser_pool import PoolConsoleStack, pool_policy
+from tests.e2e.test_console_browser_pool import PoolConsoleStack
+from tests.e2e.test_console_browser_pool import stack as stack  # noqa: F401 - a module-scoped stack of its own
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser]
 FIELDS = ("used", "reserved", "capacity", "running", "waiting")
@@ -31,16 +31,6 @@ READ_ROWS = """() => {
   const eps = [...document.querySelectorAll('tr.endpoint[id^="endpoint-sim-"]')];
   return {pool: read(pool), badge: pool.querySelector('th').innerText, endpoints: eps.map(read)};
 }""".replace("FIELDS", json.dumps(list(FIELDS)))
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolConsoleStack]:
-    s = PoolConsoleStack(tmp_path_factory.mktemp("console-pool-rows"))
-    s.big_port = free_port()
-    s.policy_doc = pool_policy(s.sim_port, s.big_port)
-    with running(s) as started:
-        assert isinstance(started, PoolConsoleStack)
-        yield started
 
 
 def sim_config(url: str, **update: Any) -> None:
