@@ -42,14 +42,17 @@ def exit_message(c: Component, code: int, root: Path) -> str:
         shown = c.log.relative_to(root) if c.log.is_relative_to(root) else c.log
         where = f" Its output: {shown}."
     then = "stopping the demo" if c.essential else "the rest keep running"
-    return f"demo: {c.name} (pid {c.popen.pid}) exited, {how_it_ended(code)}: {c.consequence}; {then}.{where}"
+    ended = how_it_ended(code)
+    return f"demo: {c.name} (pid {c.popen.pid}) exited, {ended}: {c.consequence}; {then}.{where}"
 
 
 @dataclass
 class Watch:
     root: Path
     components: list[Component] = field(default_factory=list)
-    say: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr, flush=True))
+    say: Callable[[str], None] = field(
+        default=lambda line: print(line, file=sys.stderr, flush=True)
+    )
     _reported: set[int] = field(default_factory=set)
 
     def add(self, c: Component) -> Component:

@@ -64,8 +64,9 @@ def _scopes(name: str, b: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
     return out
 
 
-def tenant_breakers(names: list[str], reps: list[Replica]) -> tuple[list[TenantBreakerRow],
-                                                                     dict[str, TenantBreakerCounts]]:
+def tenant_breakers(
+    names: list[str], reps: list[Replica]
+) -> tuple[list[TenantBreakerRow], dict[str, TenantBreakerCounts]]:
     """The tenants whose breaker is not closed on some replica, and per backend the counts."""
     rows: dict[tuple[str, str], TenantBreakerRow] = {}
     counts: dict[str, TenantBreakerCounts] = {}
@@ -78,6 +79,8 @@ def tenant_breakers(names: list[str], reps: list[Replica]) -> tuple[list[TenantB
                 c.failing += int(num(tb.get("failing_tenants")) or 0)
                 c.breakers += int(num(tb.get("breakers")) or 0)
                 for tenant, br in as_map(tb.get("tripped")).items():
-                    row = rows.setdefault((scope, str(tenant)), TenantBreakerRow(scope, str(tenant)))
+                    row = rows.setdefault(
+                        (scope, str(tenant)), TenantBreakerRow(scope, str(tenant))
+                    )
                     row.by_replica[r.id] = as_map(br)
     return sorted(rows.values(), key=lambda row: (row.scope, row.tenant)), counts

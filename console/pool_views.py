@@ -43,16 +43,28 @@ def endpoint_views(value: Any) -> list[EndpointView]:
         if not isinstance(address, str):
             continue
         kv, slots, repicks = as_map(e.get("kv")), as_map(e.get("slots")), as_map(e.get("repicks"))
-        out.append(EndpointView(
-            address=address, usable=e.get("usable") is True, draining=e.get("draining") is True,
-            unreadable=e.get("unreadable") is True or e.get("metrics_reason") == "unreachable",
-            kv_usage=num(e.get("kv_usage")), kv_source=text(e.get("kv_source")),
-            metrics_reason=text(e.get("metrics_reason")), used_tokens=num(kv.get("used_tokens")),
-            reserved_tokens=num(kv.get("reserved_tokens")), capacity_tokens=num(kv.get("capacity_tokens")),
-            slots_in_use=num(slots.get("in_use")), slots_total=num(slots.get("total")),
-            running=num(e.get("running")), waiting=num(e.get("waiting")), scale=num(e.get("scale")),
-            breaker=text(as_map(e.get("breaker")).get("state")),
-            repicked_away=num(repicks.get("away")), repicked_here=num(repicks.get("here"))))
+        out.append(
+            EndpointView(
+                address=address,
+                usable=e.get("usable") is True,
+                draining=e.get("draining") is True,
+                unreadable=e.get("unreadable") is True or e.get("metrics_reason") == "unreachable",
+                kv_usage=num(e.get("kv_usage")),
+                kv_source=text(e.get("kv_source")),
+                metrics_reason=text(e.get("metrics_reason")),
+                used_tokens=num(kv.get("used_tokens")),
+                reserved_tokens=num(kv.get("reserved_tokens")),
+                capacity_tokens=num(kv.get("capacity_tokens")),
+                slots_in_use=num(slots.get("in_use")),
+                slots_total=num(slots.get("total")),
+                running=num(e.get("running")),
+                waiting=num(e.get("waiting")),
+                scale=num(e.get("scale")),
+                breaker=text(as_map(e.get("breaker")).get("state")),
+                repicked_away=num(repicks.get("away")),
+                repicked_here=num(repicks.get("here")),
+            )
+        )
     return out
 
 
@@ -86,13 +98,21 @@ def pool_view(value: Any) -> PoolView | None:
         return None
     bad = p.get("unreadable_endpoints")
     return PoolView(
-        endpoints=int(num(p.get("endpoints")) or 0), usable=int(num(p.get("usable")) or 0),
+        endpoints=int(num(p.get("endpoints")) or 0),
+        usable=int(num(p.get("usable")) or 0),
         unreadable=int(num(p.get("unreadable")) or 0),
-        unreadable_endpoints=[a for a in bad if isinstance(a, str)] if isinstance(bad, list) else [],
-        kv_used_tokens=num(p.get("kv_used_tokens")), kv_reserved_tokens=num(p.get("kv_reserved_tokens")),
-        kv_capacity_tokens=num(p.get("kv_capacity_tokens")), kv_usage=num(p.get("kv_usage")),
-        kv_usage_max=num(p.get("kv_usage_max")), kv_usage_max_endpoint=text(p.get("kv_usage_max_endpoint")),
-        running=num(p.get("running")), waiting=num(p.get("waiting")))
+        unreadable_endpoints=[a for a in bad if isinstance(a, str)]
+        if isinstance(bad, list)
+        else [],
+        kv_used_tokens=num(p.get("kv_used_tokens")),
+        kv_reserved_tokens=num(p.get("kv_reserved_tokens")),
+        kv_capacity_tokens=num(p.get("kv_capacity_tokens")),
+        kv_usage=num(p.get("kv_usage")),
+        kv_usage_max=num(p.get("kv_usage_max")),
+        kv_usage_max_endpoint=text(p.get("kv_usage_max_endpoint")),
+        running=num(p.get("running")),
+        waiting=num(p.get("waiting")),
+    )
 
 
 @dataclass

@@ -27,14 +27,16 @@ def parse_networks(values: Iterable[str]) -> tuple[Network, ...]:
                 try:
                     out.append(ipaddress.ip_network(part.strip(), strict=False))
                 except ValueError:
-                    raise ValueError(f"trusted proxy: {part.strip()!r} is not an address or a CIDR range") from None
+                    raise ValueError(
+                        f"trusted proxy: {part.strip()!r} is not an address or a CIDR range"
+                    ) from None
     return tuple(out)
 
 
 def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     text = text.strip()
     if text.startswith("[") and "]" in text:  # [v6]:port
-        text = text[1:text.index("]")]
+        text = text[1 : text.index("]")]
     elif text.count(":") == 1:  # v4:port
         text = text.split(":", 1)[0]
     try:
@@ -43,7 +45,9 @@ def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
         return None
 
 
-def _trusted(addr: ipaddress.IPv4Address | ipaddress.IPv6Address, proxies: Sequence[Network]) -> bool:
+def _trusted(
+    addr: ipaddress.IPv4Address | ipaddress.IPv6Address, proxies: Sequence[Network]
+) -> bool:
     return any(addr.version == net.version and addr in net for net in proxies)
 
 

@@ -20,7 +20,9 @@ def make_var(name: str) -> str:
 
 
 def test_the_makefile_installs_editable_with_the_notice_filtered() -> None:
-    recipe = (ROOT / "Makefile").read_text().split("$(STAMP): pyproject.toml", 1)[1].split("\n\n", 1)[0]
+    recipe = (
+        (ROOT / "Makefile").read_text().split("$(STAMP): pyproject.toml", 1)[1].split("\n\n", 1)[0]
+    )
     assert "PYTHONWARNINGS=\"$(PIP_WARNINGS)\" $(PY) -m pip install -q -e '.[test]'" in recipe
     assert make_var("PIP_WARNINGS") == "ignore:Editable installation"
 
@@ -29,9 +31,27 @@ def test_an_editable_install_prints_nothing(tmp_path: Path) -> None:
     # The venv's setuptools (the test extra's) builds it, so no index is needed; the
     # project is installed into a scratch prefix, never over the running venv.
     env = {**os.environ, "PYTHONWARNINGS": make_var("PIP_WARNINGS")}
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                           "--disable-pip-version-check", "-e", str(ROOT), "--prefix", str(tmp_path / "prefix")],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "-e",
+            str(ROOT),
+            "--prefix",
+            str(tmp_path / "prefix"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout + done.stderr == "", done.stdout + done.stderr
     assert list((tmp_path / "prefix").rglob("__editable__.sluice-*.pth")), "nothing was installed"
@@ -42,5 +62,7 @@ def test_the_license_is_an_spdx_expression() -> None:
 
     doc = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert doc["project"]["license"] == "Apache-2.0"
-    assert any(re.match(r"setuptools>=(\d+)", r) and int(re.match(r"setuptools>=(\d+)", r)[1]) >= 77
-               for r in doc["build-system"]["requires"])
+    assert any(
+        re.match(r"setuptools>=(\d+)", r) and int(re.match(r"setuptools>=(\d+)", r)[1]) >= 77
+        for r in doc["build-system"]["requires"]
+    )

@@ -20,8 +20,15 @@ bp = Blueprint("users", __name__)
 
 
 def _context(**extra: Any) -> dict[str, Any]:
-    return {"accounts": users.accounts(sluice().store), "roles": users.ROLES, "new_form": {}, "new_errors": {},
-            "role_errors": {}, "done": None, **extra}
+    return {
+        "accounts": users.accounts(sluice().store),
+        "roles": users.ROLES,
+        "new_form": {},
+        "new_errors": {},
+        "role_errors": {},
+        "done": None,
+        **extra,
+    }
 
 
 def _answer(status: int = 200, **extra: Any) -> Response | tuple[str, int]:
@@ -38,7 +45,10 @@ def page() -> tuple[str, int]:
 @bp.post("/users")
 @operator_required
 def create() -> Response | tuple[str, int]:
-    form = {"name": " ".join((request.form.get("name") or "").split()), "role": request.form.get("role") or ""}
+    form = {
+        "name": " ".join((request.form.get("name") or "").split()),
+        "role": request.form.get("role") or "",
+    }
     password, again = request.form.get("password") or "", request.form.get("again") or ""
     errors: dict[str, list[str]] = {}
     if password != again:
@@ -49,9 +59,17 @@ def create() -> Response | tuple[str, int]:
             errors[""] = ["the console is busy checking passwords: try again"]
         else:
             try:
-                users.create(s.store, form["name"], password, form["role"], actor=actor(), now=s.now())
+                users.create(
+                    s.store, form["name"], password, form["role"], actor=actor(), now=s.now()
+                )
             except ValueError as exc:
-                field = "password" if "password" in str(exc) else "role" if "role" in str(exc) else "name"
+                field = (
+                    "password"
+                    if "password" in str(exc)
+                    else "role"
+                    if "role" in str(exc)
+                    else "name"
+                )
                 errors[field] = [str(exc)]
             finally:
                 s.hashing.leave()

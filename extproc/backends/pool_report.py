@@ -39,10 +39,14 @@ def endpoint_figures(st: EndpointState) -> EndpointFigures:
     # A sample that read the exposition (ok, no_series) is readable; none yet is not a failure.
     unreadable = has_metrics and sample is not None and not sample.ok
     return EndpointFigures(
-        kv_usage=kv, kv_used_tokens=None if kv is None or cap is None else round(kv * cap),
-        kv_reserved_tokens=st.kv_in_use, kv_capacity_tokens=cap,
+        kv_usage=kv,
+        kv_used_tokens=None if kv is None or cap is None else round(kv * cap),
+        kv_reserved_tokens=st.kv_in_use,
+        kv_capacity_tokens=cap,
         running=sample.running if sample is not None and sample.ok else None,
-        waiting=sample.waiting if sample is not None and sample.ok else None, unreadable=unreadable)
+        waiting=sample.waiting if sample is not None and sample.ok else None,
+        unreadable=unreadable,
+    )
 
 
 def _total(values: list[float | None]) -> float | None:
@@ -57,7 +61,9 @@ def pool_summary(eps: EndpointSet, now: float) -> dict[str, Any]:
     caps = [f.kv_capacity_tokens for f in figs.values()]
     # The pool's fraction covers the endpoints that have both a reading and a capacity.
     both = [(u, c) for u, c in zip(used, caps, strict=True) if u is not None and c]
-    fullest = max(((f.kv_usage, key) for key, f in figs.items() if f.kv_usage is not None), default=None)
+    fullest = max(
+        ((f.kv_usage, key) for key, f in figs.items() if f.kv_usage is not None), default=None
+    )
     unreadable = sorted(key for key, f in figs.items() if f.unreadable)
     return {
         "endpoints": len(figs),
@@ -80,11 +86,25 @@ def pool_status_fields(eps: EndpointSet, now: float) -> dict[str, Any]:
     single engine's come from its own scrape), plus the whole summary under ``pool``."""
     s = pool_summary(eps, now)
     scraped = any(isinstance(st.sample, Sample) for st in eps.by_key.values())
-    state = None if not scraped else "ok" if s["unreadable"] == 0 else \
-        "unreachable" if s["unreadable"] == s["endpoints"] else "partial"
-    return {"kv_usage": s["kv_usage"], "kv_source": "endpoints", "metrics_state": state, "metrics_problem": None,
-            "running": s["running"], "waiting": s["waiting"],
-            "scrape_ok": None if not scraped else s["unreadable"] == 0, "pool": s}
+    state = (
+        None
+        if not scraped
+        else "ok"
+        if s["unreadable"] == 0
+        else "unreachable"
+        if s["unreadable"] == s["endpoints"]
+        else "partial"
+    )
+    return {
+        "kv_usage": s["kv_usage"],
+        "kv_source": "endpoints",
+        "metrics_state": state,
+        "metrics_problem": None,
+        "running": s["running"],
+        "waiting": s["waiting"],
+        "scrape_ok": None if not scraped else s["unreadable"] == 0,
+        "pool": s,
+    }
 
 
 def endpoint_status(st: EndpointState, now: float) -> dict[str, object]:
@@ -92,22 +112,40 @@ def endpoint_status(st: EndpointState, now: float) -> dict[str, object]:
     snap = st.breaker.snapshot(now)
     figs = endpoint_figures(st)
     return {
-        "address": st.key, "destination": st.destination if st.ip is not None else None, "draining": st.draining, "usable": st.usable(now),
-        **scrape_status(st.sample, st.kv_in_use, st.spec.kv_capacity_tokens, st.spec.metrics_url is not None),
+        "address": st.key,
+        "destination": st.destination if st.ip is not None else None,
+        "draining": st.draining,
+        "usable": st.usable(now),
+        **scrape_status(
+            st.sample, st.kv_in_use, st.spec.kv_capacity_tokens, st.spec.metrics_url is not None
+        ),
         "metrics_reason": st.metrics_state(now),
         "unreadable": figs.unreadable,
         "waiting": getattr(st.sample, "waiting", None),
         "running": getattr(st.sample, "running", None),
         "preemptions": getattr(st.sample, "preemptions", None),
         "scale": round(st.scale(now), 4),
-        "breaker": {"state": snap.get("state"), "retry_after_s": snap.get("cooldown_left_s"),
-                    "trips": snap.get("trips", 0), "manual": snap.get("manual")},
+        "breaker": {
+            "state": snap.get("state"),
+            "retry_after_s": snap.get("cooldown_left_s"),
+            "trips": snap.get("trips", 0),
+            "manual": snap.get("manual"),
+        },
         "slots": {"total": st.spec.max_concurrency, "in_use": st.in_flight},
-        "kv": {"capacity_tokens": st.spec.kv_capacity_tokens, "reserved_tokens": st.kv_in_use,
-               "used_tokens": figs.kv_used_tokens},
+        "kv": {
+            "capacity_tokens": st.spec.kv_capacity_tokens,
+            "reserved_tokens": st.kv_in_use,
+            "used_tokens": figs.kv_used_tokens,
+        },
         "repicks": {"away": st.repicked_away, "here": st.repicked_here},
-        "lease": None if st.leased_slots is None else {
-            "slots": st.leased_slots, "kv": st.leased_kv, "others_slots": st.others_slots, "others_kv": st.others_kv},
+        "lease": None
+        if st.leased_slots is None
+        else {
+            "slots": st.leased_slots,
+            "kv": st.leased_kv,
+            "others_slots": st.others_slots,
+            "others_kv": st.others_kv,
+        },
     }
 
 

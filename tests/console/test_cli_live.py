@@ -28,8 +28,13 @@ SIDECARS = ("console.db-wal", "console.db-shm")
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([sys.executable, "-m", "console", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "console", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return done
 
@@ -44,12 +49,23 @@ def in_new_thread(store: Store, sql: str) -> list[dict[str, object]]:
     return out[0]
 
 
-def test_create_user_beside_an_open_store_leaves_its_files_and_connections_working(tmp_path: Path) -> None:
+def test_create_user_beside_an_open_store_leaves_its_files_and_connections_working(
+    tmp_path: Path,
+) -> None:
     db = tmp_path / "var" / "console.db"
     store = Store(db)
     store.setting_or_create("first", lambda: "1")
     for i in range(3):
-        cli("create-user", f"user{i}", "--role", "viewer", "--password", "long-enough-1", "--db", str(db))
+        cli(
+            "create-user",
+            f"user{i}",
+            "--role",
+            "viewer",
+            "--password",
+            "long-enough-1",
+            "--db",
+            str(db),
+        )
         assert all((db.parent / name).exists() for name in SIDECARS), sorted(os.listdir(db.parent))
         with store.write() as w:
             w.execute("INSERT INTO settings (key, value) VALUES (?, ?)", [f"after{i}", str(i)])
@@ -59,7 +75,9 @@ def test_create_user_beside_an_open_store_leaves_its_files_and_connections_worki
     assert store.setting("after2") == "2"
 
 
-def test_healthz_fails_when_the_database_files_are_deleted_under_the_console(make_console: MakeConsole) -> None:
+def test_healthz_fails_when_the_database_files_are_deleted_under_the_console(
+    make_console: MakeConsole,
+) -> None:
     c = make_console()
     assert c.client.get("/healthz").status_code == 200
     db = c.sluice.store.path
@@ -84,14 +102,36 @@ def test_healthz_fails_when_reads_fail(make_console: MakeConsole) -> None:
 
 # -- the real console (waitress) and the real CLI at once ---------------------------------
 
+
 @pytest.fixture
 def live_console(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     db = tmp_path / "var" / "console.db"
     policy = write_policy(tmp_path / "policies")
-    proc = subprocess.Popen([sys.executable, "-m", "console", "serve", "--db", str(db), "--policy", str(policy),
-                             "--port", "0", "--api-token", TOKEN, "--demo", "--demo-user", "olga",
-                             "--demo-password", "operator-pass-1"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "console",
+            "serve",
+            "--db",
+            str(db),
+            "--policy",
+            str(policy),
+            "--port",
+            "0",
+            "--api-token",
+            TOKEN,
+            "--demo",
+            "--demo-user",
+            "olga",
+            "--demo-password",
+            "operator-pass-1",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         first = proc.stdout.readline()
@@ -114,25 +154,57 @@ def log_in(url: str, name: str, password: str) -> httpx.Client:
 
 
 def test_the_cli_against_a_live_console_then_the_console_still_reads_and_writes(
-        live_console: tuple[str, Path]) -> None:
+    live_console: tuple[str, Path],
+) -> None:
     url, db = live_console
-    assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200  # up once it printed its address
+    assert (
+        httpx.get(f"{url}/healthz", timeout=5).status_code == 200
+    )  # up once it printed its address
     olga = log_in(url, "olga", "operator-pass-1")
     assert olga.get("/").status_code == 200
 
     for i in range(3):
-        cli("create-user", f"ops{i}", "--role", "viewer", "--password", "long-enough-1", "--db", str(db))
-    cli("create-user", "ops0", "--role", "operator", "--password", "long-enough-2", "--db", str(db), "--replace")
+        cli(
+            "create-user",
+            f"ops{i}",
+            "--role",
+            "viewer",
+            "--password",
+            "long-enough-1",
+            "--db",
+            str(db),
+        )
+    cli(
+        "create-user",
+        "ops0",
+        "--role",
+        "operator",
+        "--password",
+        "long-enough-2",
+        "--db",
+        str(db),
+        "--replace",
+    )
     assert all((db.parent / name).exists() for name in SIDECARS)
 
     # Writes through the console: a replica report, a login (a session row), a password change.
-    report = {"policy_etag": None, "backends": {"sim": {"kv_usage": 0.25, "running": 2, "waiting": 0}}}
-    api = httpx.post(f"{url}/api/v1/replicas/r1/status", json=report, timeout=10,
-                     headers={"Authorization": f"Bearer {TOKEN}"})
+    report = {
+        "policy_etag": None,
+        "backends": {"sim": {"kv_usage": 0.25, "running": 2, "waiting": 0}},
+    }
+    api = httpx.post(
+        f"{url}/api/v1/replicas/r1/status",
+        json=report,
+        timeout=10,
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
     assert api.status_code == 200, api.text
     ops0 = log_in(url, "ops0", "long-enough-2")  # the console sees the CLI's write
-    statuses = [c.get(path).status_code for c in (olga, ops0) for path in ("/", "/tenants", "/tiers", "/breakers",
-                                                                           "/audit", "/export", "/users")]
+    statuses = [
+        c.get(path).status_code
+        for c in (olga, ops0)
+        for path in ("/", "/tenants", "/tiers", "/breakers", "/audit", "/export", "/users")
+    ]
     assert statuses == [200] * len(statuses)
     assert httpx.get(f"{url}/healthz", timeout=5).json() == {"status": "ok"}
     assert "ops2" in olga.get("/users").text

@@ -29,9 +29,24 @@ class DemoRun:
 
     def start(self) -> DemoRun:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.demo", "--free-ports", "--workdir", str(self.workdir),
-             "--replicas", str(self.replicas), "--time-scale", "4"],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+            [
+                sys.executable,
+                "-m",
+                "bench.demo",
+                "--free-ports",
+                "--workdir",
+                str(self.workdir),
+                "--replicas",
+                str(self.replicas),
+                "--time-scale",
+                "4",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        )
         threading.Thread(target=self._read, daemon=True).start()
         return self
 
@@ -51,18 +66,24 @@ class DemoRun:
                 raise AssertionError(f"the demo exited with {self.proc.returncode}:\n{self.output}")
             return BANNER in self.lines
 
-        eventually(up, timeout, lambda: f"the demo's banner; printed so far:\n{self.output}", interval=0.2)
+        eventually(
+            up, timeout, lambda: f"the demo's banner; printed so far:\n{self.output}", interval=0.2
+        )
 
     def wait_line(self, pattern: str, timeout: float = 30) -> str:
         rx = re.compile(pattern)
-        return eventually(lambda: next((ln for ln in self.lines if rx.search(ln)), None), timeout,
-                          lambda: f"a line matching {pattern!r}; printed:\n{self.output}", interval=0.1)
+        return eventually(
+            lambda: next((ln for ln in self.lines if rx.search(ln)), None),
+            timeout,
+            lambda: f"a line matching {pattern!r}; printed:\n{self.output}",
+            interval=0.1,
+        )
 
     def before_banner(self) -> list[str]:
         return self.lines[: self.lines.index(BANNER)]
 
     def banner_value(self, pattern: str) -> str:
-        m = re.search(pattern, self.output[self.output.index(BANNER):])
+        m = re.search(pattern, self.output[self.output.index(BANNER) :])
         assert m, f"{pattern!r} not in the banner:\n{self.output}"
         return m.group(1)
 
@@ -76,7 +97,10 @@ class DemoRun:
 
     @property
     def login(self) -> tuple[str, str]:
-        return (self.banner_value(r"log in as (\S+) / "), self.banner_value(r"log in as \S+ / (\S+)"))
+        return (
+            self.banner_value(r"log in as (\S+) / "),
+            self.banner_value(r"log in as \S+ / (\S+)"),
+        )
 
     def admin_url(self, replica: int) -> str:
         return self.banner_value(rf"demo-{replica}: gRPC \S+, (http://127\.0\.0\.1:\d+)/metrics")
@@ -91,13 +115,19 @@ class DemoRun:
         for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
             for pid in (task / "children").read_text().split():
                 try:
-                    out[int(pid)] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                    out[int(pid)] = (
+                        Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                    )
                 except FileNotFoundError:
                     continue
         return out
 
     def child(self, *words: str) -> int:
-        found = [pid for pid, cmd in self.children().items() if all(f" {w} " in f" {cmd} " for w in words)]
+        found = [
+            pid
+            for pid, cmd in self.children().items()
+            if all(f" {w} " in f" {cmd} " for w in words)
+        ]
         assert len(found) == 1, (words, self.children())
         return found[0]
 

@@ -34,23 +34,38 @@ READ_ROWS = """() => {
 
 
 def sim_config(url: str, **update: Any) -> None:
-    req = urllib.request.Request(f"{url}/admin/config", data=json.dumps(update).encode(),
-                                 headers={"content-type": "application/json"}, method="POST")
+    req = urllib.request.Request(
+        f"{url}/admin/config",
+        data=json.dumps(update).encode(),
+        headers={"content-type": "application/json"},
+        method="POST",
+    )
     urllib.request.urlopen(req, timeout=5).read()
 
 
 def stream(stack: PoolConsoleStack) -> int:
-    body = {"model": "sim-llama-8b", "max_tokens": 400, "stream": True,
-            "messages": [{"role": "user", "content": "a long answer please"}]}
-    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body, timeout=60,
-                      headers={"authorization": f"Bearer {TEST_KEYS['premium']}", "x-sim-tokens": "300"}) as r:
+    body = {
+        "model": "sim-llama-8b",
+        "max_tokens": 400,
+        "stream": True,
+        "messages": [{"role": "user", "content": "a long answer please"}],
+    }
+    with httpx.stream(
+        "POST",
+        f"{stack.url}/v1/chat/completions",
+        json=body,
+        timeout=60,
+        headers={"authorization": f"Bearer {TEST_KEYS['premium']}", "x-sim-tokens": "300"},
+    ) as r:
         for _ in r.iter_bytes():
             pass
         return r.status_code
 
 
 def test_the_pool_row_is_the_sum_of_its_endpoints_and_names_an_unreadable_one(
-        stack: PoolConsoleStack, browser: Any) -> None:  # noqa: F811
+    stack: PoolConsoleStack,
+    browser: Any,  # noqa: F811 - the shared fixture
+) -> None:
     from playwright.sync_api import expect
 
     sim_config(stack.sim_url, kv_usage_override=0.3)
@@ -66,8 +81,11 @@ def test_the_pool_row_is_the_sum_of_its_endpoints_and_names_an_unreadable_one(
 
             def busy() -> dict[str, Any] | None:
                 rows = page.evaluate(READ_ROWS)
-                return rows if (rows["pool"]["running"] or 0) >= 1 and (rows["pool"]["reserved"] or 0) > 0 \
+                return (
+                    rows
+                    if (rows["pool"]["running"] or 0) >= 1 and (rows["pool"]["reserved"] or 0) > 0
                     else None
+                )
 
             rows = eventually(busy, 20, "the pool row showing the streams running")
             assert [f.result() for f in streams] == [200] * 4
@@ -83,7 +101,9 @@ def test_the_pool_row_is_the_sum_of_its_endpoints_and_names_an_unreadable_one(
         stack.procs["sim-big"].stop()
         big = page.locator("#endpoint-sim-127-0-0-1-" + str(stack.big_port))
         small = page.locator("#endpoint-sim-127-0-0-1-" + str(stack.sim_port))
-        expect(pool_row.locator("th")).to_contain_text("1 of 2 endpoints unreadable", timeout=15_000)
+        expect(pool_row.locator("th")).to_contain_text(
+            "1 of 2 endpoints unreadable", timeout=15_000
+        )
         expect(big).to_contain_text("metrics unreadable")
         expect(big).to_contain_text("unreachable")
         expect(small).not_to_contain_text("unreadable")

@@ -24,10 +24,14 @@ pytestmark = pytest.mark.e2e
 # Every line a healthy start may print before the banner; anything else is noise to remove
 # (or, if it must be there, to add here with the reason).
 EXPECTED_BEFORE_BANNER = [
-    re.compile(r"starting the Sluice demo: 3 simulated engines, the console, 1 extproc replica and Envoy "
-               r"\(output in \S+/log/\)"),
-    re.compile(r"starting the Sluice demo: 3 simulated engines, the console, 3 extproc replicas sharing a "
-               r"redis-server and Envoy \(output in \S+/log/\)"),
+    re.compile(
+        r"starting the Sluice demo: 3 simulated engines, the console, 1 extproc replica and Envoy "
+        r"\(output in \S+/log/\)"
+    ),
+    re.compile(
+        r"starting the Sluice demo: 3 simulated engines, the console, 3 extproc replicas sharing a "
+        r"redis-server and Envoy \(output in \S+/log/\)"
+    ),
     re.compile(r""),  # the blank line that opens the banner
 ]
 PREMIUM = {"authorization": "Bearer sk-demo-premium"}
@@ -37,9 +41,17 @@ def unexpected(lines: list[str]) -> list[str]:
     return [ln for ln in lines if not any(rx.fullmatch(ln) for rx in EXPECTED_BEFORE_BANNER)]
 
 
-def chat(demo: DemoRun, model: str = "sim-llama-8b", content: str = "hello", max_tokens: int = 8) -> httpx.Response:
-    body = {"model": model, "max_tokens": max_tokens, "messages": [{"role": "user", "content": content}]}
-    return httpx.post(f"{demo.client_url}/v1/chat/completions", json=body, headers=PREMIUM, timeout=60)
+def chat(
+    demo: DemoRun, model: str = "sim-llama-8b", content: str = "hello", max_tokens: int = 8
+) -> httpx.Response:
+    body = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": content}],
+    }
+    return httpx.post(
+        f"{demo.client_url}/v1/chat/completions", json=body, headers=PREMIUM, timeout=60
+    )
 
 
 def log_in(demo: DemoRun) -> httpx.Client:
@@ -77,13 +89,15 @@ def test_a_healthy_start_prints_one_line_then_the_banner_with_the_login(demo: De
 
 
 def test_the_long_context_model_is_served_as_long_as_the_policy_declares(demo: DemoRun) -> None:
-    # sim-llama-8b-long: 32k in the policy; a 20k-token prompt passes Sluice's check and the engine's.
+    # sim-llama-8b-long: 32k in the policy; a 20k-token prompt passes Sluice and the engine.
     long = chat(demo, "sim-llama-8b-long", "hello " * 20_000)
     assert long.status_code == 200, long.text
     assert long.json()["usage"]["prompt_tokens"] > 16_384  # more than the smaller engine could hold
     # sim-llama-8b keeps its 8k window: Sluice refuses before any engine sees it.
     short = chat(demo, "sim-llama-8b", "hello " * 9_000)
-    assert short.status_code == 400 and short.headers["x-sluice-reason"] == "context_length", short.text
+    assert short.status_code == 400 and short.headers["x-sluice-reason"] == "context_length", (
+        short.text
+    )
 
 
 @pytest.mark.parametrize("demo", [3], indirect=True)
@@ -95,10 +109,14 @@ def test_three_replicas_keep_serving_when_a_replica_and_an_engine_die(demo: Demo
     engine = demo.child("bench.simbackend", "--port", str(demo.engine_port(2)))
     os.kill(replica, signal.SIGKILL)
     os.kill(engine, signal.SIGKILL)
-    demo.wait_line(rf"^demo: extproc replica demo-2 \(pid {replica}\) exited, killed by SIGKILL: Envoy sends its "
-                   r"streams to the other replicas; the rest keep running\.")
-    demo.wait_line(rf"^demo: engine 2 of the sim pool \(127\.0\.0\.1:{demo.engine_port(2)}\) \(pid {engine}\) "
-                   r"exited, killed by SIGKILL: Sluice ejects it from the pool")
+    demo.wait_line(
+        rf"^demo: extproc replica demo-2 \(pid {replica}\) exited, killed by SIGKILL: "
+        r"Envoy sends its streams to the other replicas; the rest keep running\."
+    )
+    demo.wait_line(
+        rf"^demo: engine 2 of the sim pool \(127\.0\.0\.1:{demo.engine_port(2)}\) \(pid {engine}\) "
+        r"exited, killed by SIGKILL: Sluice ejects it from the pool"
+    )
     assert demo.proc is not None and demo.proc.poll() is None, "the demo stopped"
 
     def all_served() -> bool:
@@ -109,6 +127,8 @@ def test_three_replicas_keep_serving_when_a_replica_and_an_engine_die(demo: Demo
 
     def ejected() -> bool:
         state = httpx.get(f"{demo.admin_url(1)}/debug/state", timeout=5).json()
-        return any(e["address"] == ep and not e["usable"] for e in state["backends"]["sim"]["endpoints"])
+        return any(
+            e["address"] == ep and not e["usable"] for e in state["backends"]["sim"]["endpoints"]
+        )
 
     eventually(ejected, 30, f"{ep} ejected from the pool on demo-1")
