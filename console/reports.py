@@ -83,10 +83,11 @@ def parse(raw: bytes) -> tuple[Any, Violation | None]:
     try:
         body = json.loads(raw, parse_constant=_not_json, object_pairs_hook=_unique_keys)
     except _DuplicateKey as exc:
-        return None, Violation("duplicate_key", f"a status report names the key {exc.key!r} more than once in "
-                               "one object", exc.key[:MAX_STRING])
+        return None, Violation("duplicate_key", f"a status report names the key {exc.key!r} more "
+                               "than once in one object", exc.key[:MAX_STRING])
     except _NotJson as exc:
-        return None, Violation("invalid_json", f"{exc} is not a JSON value (a number must be finite)")
+        return None, Violation("invalid_json",
+                               f"{exc} is not a JSON value (a number must be finite)")
     except (ValueError, RecursionError):
         return None, Violation("invalid_json", "expected a JSON object")
     if not isinstance(body, dict):

@@ -139,7 +139,8 @@ class Store:
 
     def wait_for_change(self, generation: int, timeout: float) -> int:
         with self.changes:
-            self.changes.wait_for(lambda: self.generation != generation or self.closing, timeout=timeout)
+            self.changes.wait_for(lambda: self.generation != generation or self.closing,
+                                  timeout=timeout)
             return self.generation
 
     def stop_waiting(self) -> None:

@@ -56,9 +56,10 @@ def create(store: Store, name: str, password: str, role: str, *, replace: bool =
                        [name, hashed, role, at])
         row = next(db.query("SELECT id, name, role FROM users WHERE name = ?", [name]))
         if actor is not None:
-            what = f"password reset, role {role}; the user's sessions ended" if exists else f"created as {role}"
-            audit.record(db, at=at, actor=actor, kind="user.replace" if exists else "user.create", target=name,
-                         summary=f"user {name!r} {what}", detail={"role": role})
+            what = f"password reset, role {role}; the user's sessions ended" if exists else \
+                f"created as {role}"
+            audit.record(db, at=at, actor=actor, kind="user.replace" if exists else "user.create",
+                         target=name, summary=f"user {name!r} {what}", detail={"role": role})
     return User(row["id"], row["name"], row["role"])
 
 
@@ -92,8 +93,8 @@ def change_password(store: Store, user_id: int, password: str, *, keep_session: 
         sessions.end_others(db, user_id, keep_session)
 
 
-def set_role(store: Store, name: str, role: str, *, actor: str | None = None, now: float | None = None,
-             keep_an_operator: bool = False) -> User:
+def set_role(store: Store, name: str, role: str, *, actor: str | None = None,
+             now: float | None = None, keep_an_operator: bool = False) -> User:
     """Change a user's role; all of the user's sessions end. ``keep_an_operator``: refuse to
     take the role from the last operator (the page's rule: the CLI is how to recover)."""
     if role not in ROLES:
@@ -109,10 +110,12 @@ def set_role(store: Store, name: str, role: str, *, actor: str | None = None, no
         if keep_an_operator and before == "operator" and operators <= 1:
             raise ValueError(f"{name!r} is the last operator: make another user operator first")
         db.execute("UPDATE users SET role = ? WHERE id = ?", [role, rows[0]["id"]])
-        ended = next(db.query("SELECT COUNT(*) AS n FROM sessions WHERE user_id = ?", [rows[0]["id"]]))["n"]
+        ended = next(db.query("SELECT COUNT(*) AS n FROM sessions WHERE user_id = ?",
+                              [rows[0]["id"]]))["n"]
         sessions.end_others(db, rows[0]["id"])
         if actor is not None:
-            audit.record(db, at=time.time() if now is None else now, actor=actor, kind="user.role", target=name,
+            audit.record(db, at=time.time() if now is None else now, actor=actor, kind="user.role",
+                         target=name,
                          summary=f"user {name!r}: {before} -> {role}; {ended} session(s) ended",
                          detail={"from": before, "to": role, "sessions_ended": ended})
     return User(rows[0]["id"], name, role)

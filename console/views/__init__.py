@@ -16,5 +16,5 @@ from console.views import (
     users,
 )
 
-BLUEPRINTS = [auth.bp, overview.bp, tenants.bp, keys.bp, tiers.bp, breakers.bp, endpoint_breakers.bp, audit.bp, users.bp,
-              export.bp, api.bp]
+BLUEPRINTS = [auth.bp, overview.bp, tenants.bp, keys.bp, tiers.bp, breakers.bp,
+              endpoint_breakers.bp, audit.bp, users.bp, export.bp, api.bp]

@@ -29,16 +29,17 @@ def _history() -> list[dict[str, Any]]:
     s = sluice()
     since = s.now() - HISTORY_S
     items = [{"at": e["at"], "backend": _which(e), "who": f"replica {e['replica']}",
-              "kind": "endpoint" if e.get("endpoint") else "tenant" if e.get("tenant") else "backend",
+              "kind": "endpoint" if e.get("endpoint") else "tenant" if e.get("tenant") else
+              "backend",
               "what": f"{e['from_state'] or '—'} → {e['to_state']}",
               "why": f"trips: {e['trips']}" if e["trips"] is not None else ""}
              for e in breaker_events.history(s.store, since)]
     for a in audit.query(s.store, audit.Filter(kind="breaker", limit=200)):
         if a["at"] >= since:
             endpoint = a["detail"].get("endpoint") if isinstance(a["detail"], dict) else None
-            items.append({"at": a["at"], "backend": f"{a['target']} endpoint {endpoint}" if endpoint else a["target"],
-                          "who": a["actor"], "what": a["summary"], "kind": "endpoint" if endpoint else "backend",
-                          "why": a["reason"]})
+            which = f"{a['target']} endpoint {endpoint}" if endpoint else a["target"]
+            items.append({"at": a["at"], "backend": which, "who": a["actor"], "what": a["summary"],
+                          "kind": "endpoint" if endpoint else "backend", "why": a["reason"]})
     return sorted(items, key=lambda i: i["at"], reverse=True)[:200]
 
 

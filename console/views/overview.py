@@ -44,8 +44,9 @@ def _sparks(store: Any, backends: list[live.BackendView], now: float) -> dict[st
                                     label=f"{what} of {b.name}, last 15 min")
         for e in b.endpoints:
             key = endpoint_series_key(b.name, e.address)
-            out[key] = sparkline.svg(live.kv_series(store, key, since), since, now, width=120, height=24,
-                                     label=f"KV usage of {e.address} in {b.name}, last 15 min")
+            label = f"KV usage of {e.address} in {b.name}, last 15 min"
+            out[key] = sparkline.svg(live.kv_series(store, key, since), since, now, width=120,
+                                     height=24, label=label)
     return out
 
 

@@ -272,11 +272,12 @@ class BackendState(BackendQueue):
         limits = self.pool.effective_limits(self.slot_scale(now))
         routes = {model: {**_breaker_summary(b.snapshot(now)), "tenant_breakers": self.tenants_for(model).snapshot(now)}
                   for model, b in self.route_breakers.items()}
-        # A pool has no scrape of its own: its line is its endpoints' sums (extproc.backends.pool_summary).
-        own = {**scrape_status(sample, self.kv_in_use, self.spec.kv_capacity_tokens, self.has_metrics),
-               "waiting": getattr(sample, "waiting", None), "running": getattr(sample, "running", None),
-               "scrape_ok": bool(getattr(sample, "ok", False))} if self.endpoints is None else \
-            pool_status_fields(self.endpoints, now)
+        # A pool has no scrape of its own: its line is its endpoints' sums (backends.pool_report).
+        own = pool_status_fields(self.endpoints, now) if self.endpoints is not None else {
+            **scrape_status(sample, self.kv_in_use, self.spec.kv_capacity_tokens, self.has_metrics),
+            "waiting": getattr(sample, "waiting", None),
+            "running": getattr(sample, "running", None),
+            "scrape_ok": bool(getattr(sample, "ok", False))}
         return {
             **own,
             "scale": round(self.scale(now), 4),

@@ -20,7 +20,8 @@ CHANGES = [
     ("/overrides/1/keep", {"reason": "test"}),
     ("/tenants", {"name": "newco", "tier": "free", "reason": "test"}),
     ("/tenants/acme/keys", {"reason": "test"}),
-    ("/users", {"name": "newbie", "role": "operator", "password": "long-enough-1", "again": "long-enough-1"}),
+    ("/users", {"name": "newbie", "role": "operator", "password": "long-enough-1",
+                "again": "long-enough-1"}),
     ("/users/vic/role", {"role": "operator"}),
 ]
 

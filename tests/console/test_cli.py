@@ -78,12 +78,15 @@ def test_serve_demo_with_waitress(tmp_path: Path) -> None:
     assert proc.returncode == 0
 
 
-def test_serve_demo_keeps_a_given_password_and_the_token_out_of_the_terminal(tmp_path: Path) -> None:
+def test_serve_demo_keeps_a_given_password_and_the_token_out_of_the_terminal(
+        tmp_path: Path) -> None:
     policy = write_policy(tmp_path / "policies")
-    env = {**os.environ, "SLUICE_CONSOLE_DEMO_PASSWORD": "chosen-by-the-demo", "SLUICE_CONSOLE_TOKEN": "tok-456"}
+    env = {**os.environ, "SLUICE_CONSOLE_DEMO_PASSWORD": "chosen-by-the-demo",
+           "SLUICE_CONSOLE_TOKEN": "tok-456"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "console", "serve", "--db", str(tmp_path / "c.db"), "--policy", str(policy),
-         "--port", "0", "--demo"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        [sys.executable, "-m", "console", "serve", "--db", str(tmp_path / "c.db"),
+         "--policy", str(policy), "--port", "0", "--demo"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         assert proc.stdout is not None
         first = proc.stdout.readline()
@@ -122,7 +125,8 @@ def _server_has_read(server_port: int, client_port: int) -> bool:
     """The console's end of this connection has nothing left unread: it took the request."""
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
         local, remote, _, queues = line.split()[1:5]
-        if int(local.split(":")[1], 16) == server_port and int(remote.split(":")[1], 16) == client_port:
+        ours = (int(local.split(":")[1], 16), int(remote.split(":")[1], 16))
+        if ours == (server_port, client_port):
             return int(queues.split(":")[1], 16) == 0
     return False
 
@@ -134,9 +138,9 @@ def test_sigterm_releases_long_polls_and_stops_quietly(tmp_path: Path) -> None:
 
     policy = write_policy(tmp_path / "policies")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "console", "serve", "--db", str(tmp_path / "c.db"), "--policy", str(policy),
-         "--port", "0", "--api-token", "tok-123"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True)
+        [sys.executable, "-m", "console", "serve", "--db", str(tmp_path / "c.db"),
+         "--policy", str(policy), "--port", "0", "--api-token", "tok-123"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     url = re.search(r"http://127\.0\.0\.1:(\d+)/", proc.stdout.readline())
     assert url

@@ -128,8 +128,9 @@ def test_a_report_with_a_key_twice_in_one_object_is_400(console: Console) -> Non
 def test_a_replica_reports_null_where_it_has_no_finite_number(console: Console) -> None:
     from extproc.service.console_client import finite
 
-    doc = finite({"backends": {"sim": {"kv_usage": float("nan"), "running": 2, "waiting": float("inf"),
-                                       "endpoints": [{"kv_usage": float("-inf")}, {"kv_usage": 0.5}]}}})
+    endpoints = [{"kv_usage": float("-inf")}, {"kv_usage": 0.5}]
+    doc = finite({"backends": {"sim": {"kv_usage": float("nan"), "running": 2,
+                                       "waiting": float("inf"), "endpoints": endpoints}}})
     assert doc == {"backends": {"sim": {"kv_usage": None, "running": 2, "waiting": None,
                                         "endpoints": [{"kv_usage": None}, {"kv_usage": 0.5}]}}}
     assert raw_status(console, json.dumps(doc, allow_nan=False).encode()).status_code == 200
