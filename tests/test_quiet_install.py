@@ -29,7 +29,8 @@ def test_the_makefile_installs_editable_with_the_notice_filtered() -> None:
 
 def test_an_editable_install_prints_nothing(tmp_path: Path) -> None:
     # The venv's setuptools (the test extra's) builds it, so no index is needed; the
-    # project is installed into a scratch prefix, never over the running venv.
+    # project is installed into a scratch prefix, never over the running venv
+    # (--ignore-installed: without it pip first uninstalls the venv's own editable install).
     env = {**os.environ, "PYTHONWARNINGS": make_var("PIP_WARNINGS")}
     done = subprocess.run(
         [
@@ -40,6 +41,7 @@ def test_an_editable_install_prints_nothing(tmp_path: Path) -> None:
             "-q",
             "--no-deps",
             "--no-build-isolation",
+            "--ignore-installed",
             "--disable-pip-version-check",
             "-e",
             str(ROOT),
@@ -55,6 +57,10 @@ def test_an_editable_install_prints_nothing(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout + done.stderr == "", done.stdout + done.stderr
     assert list((tmp_path / "prefix").rglob("__editable__.sluice-*.pth")), "nothing was installed"
+    # The venv's own install is untouched: the project still imports from outside the tree.
+    here = subprocess.run([sys.executable, "-c", "import extproc, console; print(extproc.__file__)"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert here.returncode == 0 and str(ROOT) in here.stdout, here.stderr
 
 
 def test_the_license_is_an_spdx_expression() -> None:
