@@ -39,6 +39,11 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return done
 
 
+def create_user(db: Path, name: str, role: str = "viewer", password: str = "long-enough-1",
+                *more: str) -> None:
+    cli("create-user", name, "--role", role, "--password", password, "--db", str(db), *more)
+
+
 def in_new_thread(store: Store, sql: str) -> list[dict[str, object]]:
     """A query on a fresh reader connection, as a waitress thread that has not read yet."""
     out: list[list[dict[str, object]]] = []
@@ -56,16 +61,7 @@ def test_create_user_beside_an_open_store_leaves_its_files_and_connections_worki
     store = Store(db)
     store.setting_or_create("first", lambda: "1")
     for i in range(3):
-        cli(
-            "create-user",
-            f"user{i}",
-            "--role",
-            "viewer",
-            "--password",
-            "long-enough-1",
-            "--db",
-            str(db),
-        )
+        create_user(db, f"user{i}")
         assert all((db.parent / name).exists() for name in SIDECARS), sorted(os.listdir(db.parent))
         with store.write() as w:
             w.execute("INSERT INTO settings (key, value) VALUES (?, ?)", [f"after{i}", str(i)])
@@ -84,7 +80,7 @@ def test_healthz_fails_when_the_database_files_are_deleted_under_the_console(
     # What the old Store did after connecting: open and close the file, dropping the
     # process's locks; the CLI's exit then deletes the -wal and -shm files.
     os.close(os.open(db, os.O_RDWR))
-    cli("create-user", "late", "--role", "viewer", "--password", "long-enough-1", "--db", str(db))
+    create_user(db, "late")
     assert not any((db.parent / name).exists() for name in SIDECARS)
     r = c.client.get("/healthz")
     assert r.status_code == 503, r.text
@@ -107,31 +103,10 @@ def test_healthz_fails_when_reads_fail(make_console: MakeConsole) -> None:
 def live_console(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     db = tmp_path / "var" / "console.db"
     policy = write_policy(tmp_path / "policies")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "console",
-            "serve",
-            "--db",
-            str(db),
-            "--policy",
-            str(policy),
-            "--port",
-            "0",
-            "--api-token",
-            TOKEN,
-            "--demo",
-            "--demo-user",
-            "olga",
-            "--demo-password",
-            "operator-pass-1",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    serve = (f"serve --db {db} --policy {policy} --port 0 --api-token {TOKEN} --demo "
+             "--demo-user olga --demo-password operator-pass-1").split()
+    proc = subprocess.Popen([sys.executable, "-m", "console", *serve], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert proc.stdout is not None
         first = proc.stdout.readline()
@@ -164,27 +139,8 @@ def test_the_cli_against_a_live_console_then_the_console_still_reads_and_writes(
     assert olga.get("/").status_code == 200
 
     for i in range(3):
-        cli(
-            "create-user",
-            f"ops{i}",
-            "--role",
-            "viewer",
-            "--password",
-            "long-enough-1",
-            "--db",
-            str(db),
-        )
-    cli(
-        "create-user",
-        "ops0",
-        "--role",
-        "operator",
-        "--password",
-        "long-enough-2",
-        "--db",
-        str(db),
-        "--replace",
-    )
+        create_user(db, f"ops{i}")
+    create_user(db, "ops0", "operator", "long-enough-2", "--replace")
     assert all((db.parent / name).exists() for name in SIDECARS)
 
     # Writes through the console: a replica report, a login (a session row), a password change.

@@ -106,21 +106,8 @@ def test_the_cli_is_audited_like_the_page(console: Console) -> None:
     from console.__main__ import main
 
     db = console.sluice.store.path
-    assert (
-        main(
-            [
-                "create-user",
-                "cli-made",
-                "--role",
-                "viewer",
-                "--password",
-                "long-enough-1",
-                "--db",
-                str(db),
-            ]
-        )
-        == 0
-    )
+    argv = f"create-user cli-made --role viewer --password long-enough-1 --db {db}".split()
+    assert main(argv) == 0
     (row,) = [a for a in console.audit_rows() if a["kind"] == "user.create"]
     assert row["actor"].startswith("cli:") and row["target"] == "cli-made"
     users.create(
