@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# setuptools says "Editable installation ... be careful with folders in your working
+# directory with the same name as your package" on every editable install: here those
+# folders are the packages. Only that notice is filtered; real warnings still show.
+PIP_WARNINGS := ignore:Editable installation
 
 # Debian packages by what needs them: the browser test drives Debian's chromium (never a
 # downloaded browser) and needs a font to render text; the shared-state tests start redis-server.
@@ -11,6 +15,8 @@ TEST_SYSTEM_PACKAGES := chromium fonts-dejavu-core redis-server
 # `make demo REPLICAS=3`: three extproc replicas behind one Envoy, sharing a local
 # redis-server (port 6380, bench/demo.py), which is then installed too.
 REPLICAS ?= 1
+# More flags for bench.demo, e.g. `make demo DEMO_ARGS=--show-token` (the replicas' API token in the banner).
+DEMO_ARGS ?=
 DEMO_SYSTEM_PACKAGES := $(if $(filter-out 1,$(REPLICAS)),redis-server,)
 # `make bench` measures the Redis state store (bench.state_store) against a local redis-server.
 BENCH_SYSTEM_PACKAGES := redis-server
@@ -18,10 +24,11 @@ BENCH_SYSTEM_PACKAGES := redis-server
 .PHONY: install system-packages-test system-packages-demo system-packages-bench demo test test-unit test-e2e bench lint docs envoy-config clean
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
-	touch $(STAMP)
+	@echo "installing Sluice and its Python packages into $(VENV)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+	@PYTHONWARNINGS="$(PIP_WARNINGS)" $(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
 
 install: $(STAMP)
 
@@ -36,7 +43,7 @@ system-packages-bench:
 	@sh bench/system_packages.sh $(BENCH_SYSTEM_PACKAGES)
 
 demo: install system-packages-demo
-	$(PY) -m bench.demo --replicas $(REPLICAS)
+	@$(PY) -m bench.demo --replicas $(REPLICAS) $(DEMO_ARGS)
 
 test: install system-packages-test
 	$(PY) -m pytest -q

@@ -24,9 +24,10 @@ def redis_binary() -> str:
 class RedisServer:
     """Started with no persistence; may be frozen (SIGSTOP), killed and started again on its port."""
 
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
+    def __init__(self, workdir: Path, port: int | None = None, own_group: bool = False) -> None:
         self.workdir = workdir
         self.port = port or free_port()
+        self.own_group = own_group  # its own process group: a terminal's Ctrl-C does not reach it
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -38,7 +39,8 @@ class RedisServer:
         log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 - the child keeps it
         self.proc = subprocess.Popen(
             [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir)], stdout=log, stderr=subprocess.STDOUT)
+             "--dir", str(self.workdir)], stdout=log, stderr=subprocess.STDOUT,
+            process_group=0 if self.own_group else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

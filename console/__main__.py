@@ -7,7 +7,7 @@ Secrets can come from the environment or a file instead of the command line (whe
 ``ps`` shows them): ``SLUICE_CONSOLE_TOKEN`` or ``--api-token-file`` /
 ``SLUICE_CONSOLE_TOKEN_FILE`` (the replicas' bearer token),
 ``SLUICE_CONSOLE_SECRET`` (the session key), ``SLUICE_CONSOLE_PASSWORD``
-(for create-user).
+(for create-user), ``SLUICE_CONSOLE_DEMO_PASSWORD`` (for ``serve --demo``).
 """
 
 from __future__ import annotations
@@ -30,22 +30,31 @@ def _serve(args: argparse.Namespace) -> int:
     from console import users
     from console.app import create_app
     from console.config import ConsoleConfig, read_secret_file
+    from console.proxies import parse_networks
 
     token = args.api_token or (read_secret_file(args.api_token_file) if args.api_token_file else None)
-    cfg = ConsoleConfig.from_env(args.db, args.policy, api_token=token,
-                                 reload_interval=args.reload_interval, secure_cookies=args.secure_cookies,
-                                 replica_hide_after_s=args.replica_hide_after,
-                                 replica_forget_after_s=args.replica_forget_after,
-                                 login_concurrency=args.login_concurrency)
+    try:
+        proxies = parse_networks(args.trusted_proxy) or None
+        cfg = ConsoleConfig.from_env(
+            args.db, args.policy, api_token=token, reload_interval=args.reload_interval,
+            secure_cookies=args.secure_cookies, replica_hide_after_s=args.replica_hide_after,
+            replica_forget_after_s=args.replica_forget_after,
+            login_concurrency=args.login_concurrency, trusted_proxies=proxies)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     app = create_app(cfg)
     sluice = app.extensions["sluice"]
     try:
         lines = []
         if args.demo:
-            password = args.demo_password or secrets.token_urlsafe(9)
+            given = args.demo_password or os.environ.get("SLUICE_CONSOLE_DEMO_PASSWORD")
+            password = given or secrets.token_urlsafe(9)
             users.create(sluice.store, args.demo_user, password, "operator", replace=True)
-            lines += [f"  demo operator: {args.demo_user} / {password}",
-                      f"  replica API token: {sluice.api_token}"]
+            if not given:  # whoever chose the password knows it; a made-up one must be shown
+                lines.append(f"  demo operator: {args.demo_user} / {password}")
+        if args.show_token:  # a terminal's scrollback is no place for a bearer token unless asked
+            lines.append(f"  replica API token: {sluice.api_token}")
         # Long-polls from replicas each hold a thread for up to 30 s: keep plenty.
         server = waitress.create_server(app, host=args.host, port=args.port, threads=args.threads,
                                         ident="sluice-console")
@@ -55,9 +64,13 @@ def _serve(args: argparse.Namespace) -> int:
             print(line, flush=True)
 
         def stop(*_: object) -> NoReturn:
+            # Before waitress's own shutdown, which waits up to 5 s for busy threads: the
+            # replicas' long-polls answer now instead of holding theirs for up to 30 s.
+            sluice.store.stop_waiting()
             raise SystemExit(0)
 
         signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
         try:
             server.run()
         except KeyboardInterrupt:
@@ -67,6 +80,14 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         sluice.close()
     return 0
+
+
+def _cli_actor() -> str:
+    """Who ran the CLI, for the audit log."""
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):
+        return f"cli:uid {os.getuid()}"
 
 
 def _create_user(args: argparse.Namespace) -> int:
@@ -81,7 +102,8 @@ def _create_user(args: argparse.Namespace) -> int:
             return 1
     store = Store(Path(args.db))
     try:
-        user = users.create(store, args.name, password, args.role, replace=args.replace)
+        user = users.create(store, args.name, password, args.role, replace=args.replace,
+                            actor=_cli_actor())
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -104,9 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "$SLUICE_CONSOLE_TOKEN; default: one stored in the DB)")
     s.add_argument("--api-token-file", default=None,
                    help="read the bearer token from this file (or $SLUICE_CONSOLE_TOKEN_FILE)")
-    s.add_argument("--demo", action="store_true", help="create/reset a demo operator and print its credentials")
+    s.add_argument("--demo", action="store_true",
+                   help="create/reset a demo operator (its credentials are printed when the "
+                        "password is made up here)")
     s.add_argument("--demo-user", default="demo")
-    s.add_argument("--demo-password", default=None, help="default: a random one, printed")
+    s.add_argument("--demo-password", default=None,
+                   help="default: $SLUICE_CONSOLE_DEMO_PASSWORD, else a random one, printed")
+    s.add_argument("--show-token", action="store_true",
+                   help="print the replicas' API token at start")
     s.add_argument("--threads", type=int, default=16)
     s.add_argument("--reload-interval", type=float, default=1.0, help="seconds between checks of the files")
     s.add_argument("--secure-cookies", action="store_true", help="session cookie only over HTTPS")
@@ -116,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds without a report before a replica is deleted (default 3600)")
     s.add_argument("--login-concurrency", type=int, default=None,
                    help="password checks (scrypt) run at once; more get 429 (default 1)")
+    s.add_argument("--trusted-proxy", action="append", default=[], metavar="CIDR",
+                   help="a reverse proxy whose X-Forwarded-For names the client for the login "
+                        "throttle (repeatable, or comma-separated in "
+                        "$SLUICE_CONSOLE_TRUSTED_PROXIES); default: none, the peer address counts")
     u = sub.add_parser("create-user", help="create an operator or viewer account")
     u.add_argument("name")
     u.add_argument("--role", choices=("operator", "viewer"), required=True)

@@ -55,7 +55,11 @@ def create_app(config: ConsoleConfig) -> Flask:
         app.register_blueprint(bp)
 
     @app.get("/healthz")
-    def health() -> Response:
+    def health() -> Response | tuple[Response, int]:
+        # A console whose database fails serves 500s and may lose writes: not healthy.
+        problem = store.check()
+        if problem is not None:
+            return jsonify({"status": "failing", "problem": problem}), 503
         return jsonify({"status": "ok"})
 
     @app.errorhandler(HTTPException)

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from console.proxies import Network, parse_networks
+
 
 @dataclass
 class ConsoleConfig:
@@ -32,6 +34,8 @@ class ConsoleConfig:
     login_window_s: float = 900.0
     login_max_delay_s: float = 900.0
     login_concurrency: int = 1
+    # Reverse proxies whose X-Forwarded-For names the client (console.proxies); none: the peer is.
+    trusted_proxies: tuple[Network, ...] = ()
     clock: Callable[[], float] | None = field(default=None, repr=False)
 
     @classmethod
@@ -43,6 +47,7 @@ class ConsoleConfig:
         if cfg.api_token is None and token_file:
             cfg.api_token = read_secret_file(token_file)
         cfg.secret_key = os.environ.get("SLUICE_CONSOLE_SECRET") or None
+        cfg.trusted_proxies = parse_networks([os.environ.get("SLUICE_CONSOLE_TRUSTED_PROXIES", "")])
         for key, value in overrides.items():
             if value is not None:
                 setattr(cfg, key, value)

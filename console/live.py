@@ -9,28 +9,24 @@ a sum over rows, and a restarted replica (counter went down) starts from zero.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlite_utils import Database
-
-from console import ttft
+from console import breaker_events, ttft
+from console.pool_views import (
+    AffinityView,
+    EndpointView,
+    PoolView,
+    endpoint_series_key,
+    endpoint_views,
+    pool_view,
+)
+from console.report_values import as_map, num
 from console.store import Store
 
 SAMPLE_KEEP_S = 3600.0
 EVENT_KEEP_S = 7 * 86400.0
-
-
-def num(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
-def as_map(value: Any) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}
 
 
 def _counters(value: Any) -> dict[str, int]:
@@ -55,11 +51,13 @@ def ingest(store: Store, replica: str, status: Mapping[str, Any], now: float,
             b = as_map(b)
             ttft.ingest_backend(db, now, replica, str(name), b.get("ttft_counts"),
                                 as_map(as_map(prev.get("backends")).get(name)).get("ttft_counts"), bounds, prev_bounds)
-            db.execute("INSERT INTO kv_samples (at, replica, backend, kv_usage, running, waiting, scale) "
-                       "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                       [now, replica, str(name), num(b.get("kv_usage")), num(b.get("running")),
-                        num(b.get("waiting")), num(b.get("scale"))])
-            _breaker_transition(db, now, replica, str(name), b, as_map(as_map(prev.get("backends")).get(name)))
+            _sample(db, now, replica, str(name), b)
+            for e in b.get("endpoints") if isinstance(b.get("endpoints"), list) else []:
+                e = as_map(e)
+                if isinstance(e.get("address"), str):  # a pool endpoint's own sparkline
+                    _sample(db, now, replica, endpoint_series_key(str(name), e["address"]), e)
+            before = as_map(as_map(prev.get("backends")).get(name))
+            breaker_events.record(db, now, replica, str(name), b, before)
         prev_tenants = as_map(prev.get("tenants"))
         for tenant, t in as_map(status.get("tenants")).items():
             old = as_map(prev_tenants.get(tenant))
@@ -73,16 +71,11 @@ def ingest(store: Store, replica: str, status: Mapping[str, Any], now: float,
                                    "VALUES (?, ?, ?, ?, ?, ?)", [now, replica, str(tenant), kind, reason, delta])
 
 
-def _breaker_transition(db: Database, now: float, replica: str, backend: str, b: Mapping[str, Any],
-                        old: Mapping[str, Any]) -> None:
-    state = as_map(b.get("breaker")).get("state")
-    before = as_map(old.get("breaker")).get("state") if old else None
-    if isinstance(state, str) and state != before:
-        trips = num(as_map(b.get("breaker")).get("trips"))
-        db.execute("INSERT INTO breaker_events (at, replica, backend, from_state, to_state, trips) "
-                   "VALUES (?, ?, ?, ?, ?, ?)",
-                   [now, replica, backend, before if isinstance(before, str) else None, state,
-                    int(trips) if trips is not None else None])
+def _sample(db: Any, now: float, replica: str, series: str, b: Mapping[str, Any]) -> None:
+    db.execute("INSERT INTO kv_samples (at, replica, backend, kv_usage, running, waiting, scale) "
+               "VALUES (?, ?, ?, ?, ?, ?, ?)",
+               [now, replica, series, num(b.get("kv_usage")), num(b.get("running")),
+                num(b.get("waiting")), num(b.get("scale"))])
 
 
 FORGET_AFTER_S = 3600.0
@@ -128,77 +121,6 @@ def replicas(store: Store, now: float, stale_after: float, hide_after: float = H
 
 
 @dataclass
-class EndpointView:
-    """One endpoint of a pool, as the freshest replica reporting it sees it."""
-
-    address: str
-    usable: bool = False
-    draining: bool = False
-    kv_usage: float | None = None
-    kv_source: str | None = None
-    metrics_reason: str | None = None  # ok | kv | queue | stale | unreachable | no_data | ...
-    reserved_tokens: float | None = None
-    capacity_tokens: float | None = None
-    slots_in_use: float | None = None
-    slots_total: float | None = None
-    waiting: float | None = None
-    breaker: str | None = None
-    # Requests Envoy re-picked off this endpoint (it refused the connection) and onto it.
-    repicked_away: float | None = None
-    repicked_here: float | None = None
-
-
-def endpoint_views(value: Any) -> list[EndpointView]:
-    out = []
-    for e in value if isinstance(value, list) else []:
-        e = as_map(e)
-        address = e.get("address")
-        if not isinstance(address, str):
-            continue
-        kv, slots, repicks = as_map(e.get("kv")), as_map(e.get("slots")), as_map(e.get("repicks"))
-        reason, source, state = e.get("metrics_reason"), e.get("kv_source"), as_map(e.get("breaker")).get("state")
-        out.append(EndpointView(
-            address=address, usable=e.get("usable") is True, draining=e.get("draining") is True,
-            kv_usage=num(e.get("kv_usage")), kv_source=source if isinstance(source, str) else None,
-            metrics_reason=reason if isinstance(reason, str) else None,
-            reserved_tokens=num(kv.get("reserved_tokens")), capacity_tokens=num(kv.get("capacity_tokens")),
-            slots_in_use=num(slots.get("in_use")), slots_total=num(slots.get("total")),
-            waiting=num(e.get("waiting")), breaker=state if isinstance(state, str) else None,
-            repicked_away=num(repicks.get("away")), repicked_here=num(repicks.get("here"))))
-    return out
-
-
-@dataclass
-class AffinityView:
-    """A pool's prefix affinity (``placement.prefix_affinity``): placements by result since
-    each replica started (every replica keeps its own map), summed over the fresh reports.
-
-    hit: placed on the endpoint that last served its prefix; spill: that endpoint had no
-    room, placed by the score; miss: no part of the prefix was known."""
-
-    hit: int = 0
-    spill: int = 0
-    miss: int = 0
-    keys: int = 0  # prefix block keys remembered, summed over the replicas' maps
-    replicas: int = 0
-
-    def add(self, report: Mapping[str, Any]) -> None:
-        self.hit += int(num(report.get("hit")) or 0)
-        self.spill += int(num(report.get("spill")) or 0)
-        self.miss += int(num(report.get("miss")) or 0)
-        self.keys += int(num(report.get("keys")) or 0)
-        self.replicas += 1
-
-    @property
-    def placed(self) -> int:
-        return self.hit + self.spill + self.miss
-
-    @property
-    def hit_share(self) -> float | None:
-        return self.hit / self.placed if self.placed else None
-
-
-@dataclass
 class BackendView:
     name: str
     kv_usage: float | None = None
@@ -213,6 +135,7 @@ class BackendView:
     slots: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # replica -> slots
     queue: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # replica -> queue
     endpoints: list[EndpointView] = field(default_factory=list)  # a pool's, from the freshest report
+    pool: PoolView | None = None  # a pool's own line: its endpoints' sums, from the freshest report
     affinity: AffinityView | None = None  # a pool's prefix affinity; None while no replica has it on
 
     @property
@@ -242,6 +165,7 @@ def backend_views(names: list[str], reps: list[Replica]) -> list[BackendView]:
             v.slots[r.id] = as_map(b.get("slots"))
             v.queue[r.id] = as_map(b.get("queue"))
             v.endpoints = endpoint_views(b.get("endpoints"))
+            v.pool = pool_view(b.get("pool"))
             if isinstance(b.get("prefix_affinity"), Mapping):
                 v.affinity = v.affinity or AffinityView()
                 v.affinity.add(b["prefix_affinity"])
@@ -295,7 +219,3 @@ def tenant_live(store: Store, reps: list[Replica], since: float) -> dict[str, Te
         live = out.setdefault(row["tenant"], TenantLive())
         (live.rejections if row["kind"] == "rejection" else live.degraded)[row["reason"]] = row["n"]
     return out
-
-
-def breaker_events(store: Store, since: float, limit: int = 200) -> list[dict[str, Any]]:
-    return store.query("SELECT * FROM breaker_events WHERE at >= ? ORDER BY at DESC LIMIT ?", [since, limit])

@@ -164,11 +164,21 @@ def _ttft_samples(db: Database) -> None:
     """)
 
 
+def _breaker_scopes(db: Database) -> None:
+    _statements(db, """
+    -- A pool endpoint's breaker (endpoint: host:port) or a tenant's own breaker on a
+    -- backend (tenant), beside the backend's (both null).
+    ALTER TABLE breaker_events ADD COLUMN endpoint TEXT;
+    ALTER TABLE breaker_events ADD COLUMN tenant TEXT
+    """)
+
+
 MIGRATIONS: list[Migration] = [
     (1, "initial schema", _initial),
     (2, "server-side sessions and login throttling", _sessions),
     (3, "tenants and keys as overrides", _tenant_overrides),
     (4, "TTFT bucket increments per backend and tier", _ttft_samples),
+    (5, "endpoint and tenant breakers in the breaker history", _breaker_scopes),
 ]
 
 

@@ -176,6 +176,6 @@ class PolicyState:
             generation = self.store.generation
             snap = self.snapshot()
             remaining = deadline - time.monotonic()
-            if snap.etag not in etags or remaining <= 0:
+            if snap.etag not in etags or remaining <= 0 or self.store.closing:
                 return snap
             self.store.wait_for_change(generation, min(remaining, tick))

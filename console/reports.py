@@ -45,6 +45,34 @@ def nesting_depth(raw: bytes) -> int:
     return deepest
 
 
+class _NotJson(ValueError):
+    pass
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _not_json(name: str) -> float:
+    # Python reads NaN and Infinity, JSON has neither: a gauge of NaN would be stored and
+    # shown as a number, and sort and sum as none.
+    raise _NotJson(name)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # Python keeps the last of repeated keys; which one the replica meant is unknowable.
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return d
+
+
 def parse(raw: bytes) -> tuple[Any, Violation | None]:
     """The report as JSON, or why it is refused."""
     if len(raw) > MAX_BYTES:
@@ -53,7 +81,13 @@ def parse(raw: bytes) -> tuple[Any, Violation | None]:
     if depth > MAX_DEPTH:
         return None, Violation("report_too_deep", f"a status report nests at most {MAX_DEPTH} levels, got {depth}")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_not_json, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        return None, Violation("duplicate_key", f"a status report names the key {exc.key!r} more "
+                               "than once in one object", exc.key[:MAX_STRING])
+    except _NotJson as exc:
+        return None, Violation("invalid_json",
+                               f"{exc} is not a JSON value (a number must be finite)")
     except (ValueError, RecursionError):
         return None, Violation("invalid_json", "expected a JSON object")
     if not isinstance(body, dict):

@@ -40,15 +40,38 @@ def _private_dir(directory: Path) -> None:
 def _private_files(path: Path) -> None:
     """The database holds the session key and password hashes: 0600, and so do its WAL
     and shared-memory files (SQLite gives them the main file's mode; tightened here in
-    case they were left over with another one)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    os.close(fd)
-    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+    case they were left over with another one).
+
+    Only a missing file is opened here, and by path only otherwise: closing any
+    descriptor of a file drops every POSIX lock this process holds on it, SQLite's
+    included. Without its shared lock, the next other process to close the database
+    (``create-user`` while the console runs) thinks it is the last, checkpoints and
+    deletes the -wal and -shm files under the running console, which then answers
+    ``disk I/O error`` and may lose writes."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        os.close(fd)
+    for p in (path, *_sidecars(path)):
         try:
             if stat.S_IMODE(p.stat().st_mode) & 0o077:
                 os.chmod(p, 0o600)
         except FileNotFoundError:
             continue
+
+
+def _sidecars(path: Path) -> tuple[Path, Path]:
+    """The WAL and shared-memory files SQLite keeps beside ``path`` while it is open."""
+    return path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
 
 
 def _connect(path: Path) -> Database:
@@ -70,6 +93,9 @@ class Store:
         self._writer.execute("PRAGMA synchronous = NORMAL")  # safe with WAL; fsync per checkpoint
         migrations.apply(self._writer)
         _private_files(self.path)  # the -wal and -shm files exist now
+        # The writer stays open for the store's life, so SQLite keeps these very files
+        # (it reuses the WAL, never replaces it): another inode means someone deleted them.
+        self._sidecar_inodes = [_inode(p) for p in _sidecars(self.path)]
         self._local = threading.local()
         self._readers: list[Database] = []
         self._readers_lock = threading.Lock()
@@ -77,6 +103,7 @@ class Store:
         # Notified after every write that changes the effective policy (long-polls wait on it).
         self.changes = threading.Condition()
         self.generation = 0
+        self.closing = False  # set at shutdown: long-polls answer now instead of holding a thread
 
     # -- reading -------------------------------------------------------------
     @property
@@ -112,8 +139,31 @@ class Store:
 
     def wait_for_change(self, generation: int, timeout: float) -> int:
         with self.changes:
-            self.changes.wait_for(lambda: self.generation != generation, timeout=timeout)
+            self.changes.wait_for(lambda: self.generation != generation or self.closing,
+                                  timeout=timeout)
             return self.generation
+
+    def stop_waiting(self) -> None:
+        """Release every long-poll (shutdown): the server then stops without waiting them out."""
+        with self.changes:
+            self.closing = True
+            self.changes.notify_all()
+
+    def check(self) -> str | None:
+        """What is wrong with the database, or None: for ``/healthz``. A read through this
+        thread's connection, and the WAL and shared-memory files on disk are still the
+        ones this process writes through (not deleted or replaced under it)."""
+        try:
+            self.query("SELECT COUNT(*) AS n FROM migrations")
+        except sqlite3.Error as exc:
+            return f"database read failed: {exc}"
+        for i, p in enumerate(_sidecars(self.path)):
+            known, now = self._sidecar_inodes[i], _inode(p)
+            if known is None:
+                self._sidecar_inodes[i] = now  # not created yet at start
+            elif now != known:
+                return f"{p.name} was deleted or replaced while the console had the database open"
+        return None
 
     # -- settings ------------------------------------------------------------
     def setting(self, key: str) -> str | None:

@@ -1,4 +1,9 @@
-"""Operator accounts: scrypt password hashes (werkzeug), two roles."""
+"""Operator accounts: scrypt password hashes (werkzeug), two roles.
+
+Creating a user, replacing one's password and role, and changing a role are audited in the
+same transaction, with who did it (a console user, or ``cli:<os user>``); a new password or
+role ends the user's sessions. The CLI and the Users page go through the same functions.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from dataclasses import dataclass
 
 from werkzeug.security import check_password_hash, generate_password_hash
 
-from console import sessions
+from console import audit, sessions
 from console.store import Store
 
 ROLES = ("operator", "viewer")
@@ -27,8 +32,9 @@ class User:
 
 
 def create(store: Store, name: str, password: str, role: str, *, replace: bool = False,
-           method: str = "scrypt") -> User:
-    """``method`` is werkzeug's; tests pass a cheap one, everything else keeps scrypt."""
+           method: str = "scrypt", actor: str | None = None, now: float | None = None) -> User:
+    """``method`` is werkzeug's; tests pass a cheap one, everything else keeps scrypt.
+    ``actor``: who, for the audit log (None: not audited, the demo's own operator)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}")
     if not name or len(name) > 64 or not name.isprintable():
@@ -40,14 +46,20 @@ def create(store: Store, name: str, password: str, role: str, *, replace: bool =
         exists = list(db.query("SELECT id FROM users WHERE name = ?", [name]))
         if exists and not replace:
             raise ValueError(f"user {name!r} already exists")
+        at = time.time() if now is None else now
         if exists:
             db.execute("UPDATE users SET password_hash = ?, role = ? WHERE name = ?", [hashed, role, name])
             # A reset password or a new role: whoever is logged in as this user logs in again.
             sessions.end_others(db, exists[0]["id"])
         else:
             db.execute("INSERT INTO users (name, password_hash, role, created_at) VALUES (?, ?, ?, ?)",
-                       [name, hashed, role, time.time()])
+                       [name, hashed, role, at])
         row = next(db.query("SELECT id, name, role FROM users WHERE name = ?", [name]))
+        if actor is not None:
+            what = f"password reset, role {role}; the user's sessions ended" if exists else \
+                f"created as {role}"
+            audit.record(db, at=at, actor=actor, kind="user.replace" if exists else "user.create",
+                         target=name, summary=f"user {name!r} {what}", detail={"role": role})
     return User(row["id"], row["name"], row["role"])
 
 
@@ -81,17 +93,48 @@ def change_password(store: Store, user_id: int, password: str, *, keep_session: 
         sessions.end_others(db, user_id, keep_session)
 
 
-def set_role(store: Store, name: str, role: str) -> User:
-    """Change a user's role; all of the user's sessions end."""
+def set_role(store: Store, name: str, role: str, *, actor: str | None = None,
+             now: float | None = None, keep_an_operator: bool = False) -> User:
+    """Change a user's role; all of the user's sessions end. ``keep_an_operator``: refuse to
+    take the role from the last operator (the page's rule: the CLI is how to recover)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}")
     with store.write() as db:
-        rows = list(db.query("SELECT id FROM users WHERE name = ?", [name]))
+        rows = list(db.query("SELECT id, role FROM users WHERE name = ?", [name]))
         if not rows:
             raise ValueError(f"no user {name!r}")
+        before = rows[0]["role"]
+        if before == role:
+            raise ValueError(f"{name!r} is already {role}")
+        operators = next(db.query("SELECT COUNT(*) AS n FROM users WHERE role = 'operator'"))["n"]
+        if keep_an_operator and before == "operator" and operators <= 1:
+            raise ValueError(f"{name!r} is the last operator: make another user operator first")
         db.execute("UPDATE users SET role = ? WHERE id = ?", [role, rows[0]["id"]])
+        ended = next(db.query("SELECT COUNT(*) AS n FROM sessions WHERE user_id = ?",
+                              [rows[0]["id"]]))["n"]
         sessions.end_others(db, rows[0]["id"])
+        if actor is not None:
+            audit.record(db, at=time.time() if now is None else now, actor=actor, kind="user.role",
+                         target=name,
+                         summary=f"user {name!r}: {before} -> {role}; {ended} session(s) ended",
+                         detail={"from": before, "to": role, "sessions_ended": ended})
     return User(rows[0]["id"], name, role)
+
+
+@dataclass(frozen=True)
+class Account:
+    """A user as the Users page lists it."""
+
+    name: str
+    role: str
+    created_at: float
+    sessions: int
+
+
+def accounts(store: Store) -> list[Account]:
+    rows = store.query("SELECT u.name, u.role, u.created_at, COUNT(s.id) AS sessions FROM users u "
+                       "LEFT JOIN sessions s ON s.user_id = u.id GROUP BY u.id ORDER BY u.name")
+    return [Account(r["name"], r["role"], r["created_at"], r["sessions"]) for r in rows]
 
 
 def verify(store: Store, user_id: int, password: str) -> bool:

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from extproc.backends.endpoints import pool_status
 from extproc.backends.hold import Hold
+from extproc.backends.pool_report import pool_status
 from extproc.backends.state import BackendState
 from extproc.policy.breaker import BreakerState, Outcome
 from extproc.policy.schema import PolicyError, build_policy

@@ -15,7 +15,7 @@ from typing import Any
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.backends.endpoints import endpoint_status
+from extproc.backends.pool_report import endpoint_status
 from extproc.envoy.headers import CLIENT_RETRY_HEADERS, ENDPOINT_HEADER, MAX_RETRIES_HEADER
 from extproc.policy.breaker import BreakerState
 from extproc.policy.schema import build_policy, hash_key

@@ -13,6 +13,8 @@ from console.views import (
     overview,
     tenants,
     tiers,
+    users,
 )
 
-BLUEPRINTS = [auth.bp, overview.bp, tenants.bp, keys.bp, tiers.bp, breakers.bp, endpoint_breakers.bp, audit.bp, export.bp, api.bp]
+BLUEPRINTS = [auth.bp, overview.bp, tenants.bp, keys.bp, tiers.bp, breakers.bp,
+              endpoint_breakers.bp, audit.bp, users.bp, export.bp, api.bp]

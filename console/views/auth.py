@@ -5,7 +5,7 @@ from __future__ import annotations
 from flask import Blueprint, current_app, g, redirect, render_template, request, session, url_for
 from werkzeug.wrappers import Response
 
-from console import audit, security, sessions, throttle, users
+from console import audit, proxies, security, sessions, throttle, users
 from console.views.common import install_context, sluice
 
 bp = Blueprint("auth", __name__)
@@ -13,9 +13,12 @@ install_context(bp)
 
 
 def _addr() -> str:
-    # The peer address. Behind a reverse proxy every login shares the proxy's address:
-    # the per-address limit then covers them all, the per-account limit still holds.
-    return (request.remote_addr or "")[:64]
+    # The peer address, or behind a configured reverse proxy the client's from its
+    # X-Forwarded-For (console.proxies). Behind a proxy that is not configured every login
+    # shares the proxy's address: the per-address limit then covers them all.
+    peer = request.remote_addr or ""
+    return proxies.client_address(peer, request.headers.getlist("X-Forwarded-For"),
+                                  sluice().config.trusted_proxies)[:64]
 
 
 def _throttled(next_url: str, name: str, seconds: float, why: str) -> tuple[str, int, dict[str, str]]:

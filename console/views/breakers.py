@@ -7,7 +7,7 @@ from typing import Any
 from flask import Blueprint, abort, redirect, request, url_for
 from werkzeug.wrappers import Response
 
-from console import audit, edits, live
+from console import audit, breaker_events, breaker_views, edits, live
 from console.security import is_htmx, operator_required
 from console.views.common import actor, reason_field, region, sluice, snapshot
 
@@ -16,17 +16,30 @@ HISTORY_S = 24 * 3600
 MAX_MINUTES = 7 * 24 * 60
 
 
+def _which(e: dict[str, Any]) -> str:
+    """The breaker an event is about: a backend's, one endpoint's or one tenant's."""
+    if e.get("endpoint"):
+        return f"{e['backend']} endpoint {e['endpoint']}"
+    if e.get("tenant"):
+        return f"{e['backend']} tenant {e['tenant']}"
+    return str(e["backend"])
+
+
 def _history() -> list[dict[str, Any]]:
     s = sluice()
     since = s.now() - HISTORY_S
-    items = [{"at": e["at"], "backend": e["backend"], "who": f"replica {e['replica']}",
+    items = [{"at": e["at"], "backend": _which(e), "who": f"replica {e['replica']}",
+              "kind": "endpoint" if e.get("endpoint") else "tenant" if e.get("tenant") else
+              "backend",
               "what": f"{e['from_state'] or '—'} → {e['to_state']}",
               "why": f"trips: {e['trips']}" if e["trips"] is not None else ""}
-             for e in live.breaker_events(s.store, since)]
+             for e in breaker_events.history(s.store, since)]
     for a in audit.query(s.store, audit.Filter(kind="breaker", limit=200)):
         if a["at"] >= since:
-            items.append({"at": a["at"], "backend": a["target"], "who": a["actor"], "what": a["summary"],
-                          "why": a["reason"]})
+            endpoint = a["detail"].get("endpoint") if isinstance(a["detail"], dict) else None
+            which = f"{a['target']} endpoint {endpoint}" if endpoint else a["target"]
+            items.append({"at": a["at"], "backend": which, "who": a["actor"], "what": a["summary"],
+                          "kind": "endpoint" if endpoint else "backend", "why": a["reason"]})
     return sorted(items, key=lambda i: i["at"], reverse=True)[:200]
 
 
@@ -38,8 +51,11 @@ def _context(*, history: bool = True, **extra: Any) -> dict[str, Any]:
     names = [b.name for b in snap.policy.backends] if snap else []
     reps = live.replicas(s.store, s.now(), s.config.stale_after_s, s.config.replica_hide_after_s)
     manual = backend_manual(snap.doc) if snap else {}
+    tenant_rows, tenant_counts = breaker_views.tenant_breakers(names, reps)
     return {"names": names, "backends": live.backend_views(names, reps), "manual": manual, "now": s.now(),
             "manual_endpoints": manual_by_endpoint(snap.doc) if snap else {},
+            "endpoint_breakers": breaker_views.endpoint_breakers(names, reps),
+            "tenant_breakers": tenant_rows, "tenant_counts": tenant_counts,
             "history": _history() if history else [], "forms": {}, **extra}
 
 

@@ -7,6 +7,7 @@ from typing import Any
 from flask import Blueprint
 
 from console import live, sparkline, ttft
+from console.pool_views import endpoint_series_key
 from console.security import is_htmx
 from console.views.breakers import backend_manual, manual_by_endpoint
 from console.views.common import region, sluice, snapshot
@@ -24,14 +25,29 @@ def _context(*, charts: bool = True) -> dict[str, Any]:
     reps = live.replicas(s.store, now, s.config.stale_after_s, s.config.replica_hide_after_s)
     names = [b.name for b in snap.policy.backends] if snap else []
     backends = live.backend_views(names, reps)
-    sparks = {b.name: sparkline.svg(live.kv_series(s.store, b.name, now - SPARK_WINDOW_S), now - SPARK_WINDOW_S,
-                                    now, label=f"KV usage of {b.name}, last 15 min") for b in backends} if charts else {}
+    sparks = _sparks(s.store, backends, now) if charts else {}
     slos = {name: t.ttft_p99_ms for name, t in snap.policy.tiers.items()} if snap else {}
     ttfts = {b.name: _ttft_rows(s.store, b.name, now, slos) for b in backends} if charts else {}
     manual = backend_manual(snap.doc) if snap else {}
     return {"backends": backends, "sparks": sparks, "ttfts": ttfts, "replicas": reps, "manual": manual,
             "manual_endpoints": manual_by_endpoint(snap.doc) if snap else {},
             "etag": snap.etag if snap else None, "stale_after": s.config.stale_after_s}
+
+
+def _sparks(store: Any, backends: list[live.BackendView], now: float) -> dict[str, Any]:
+    """Each backend's KV sparkline, and each pool endpoint's (keyed ``backend@host:port``)."""
+    since = now - SPARK_WINDOW_S
+    out = {}
+    for b in backends:
+        what = "the pool's KV used over its capacity" if b.pool else "KV usage"
+        out[b.name] = sparkline.svg(live.kv_series(store, b.name, since), since, now,
+                                    label=f"{what} of {b.name}, last 15 min")
+        for e in b.endpoints:
+            key = endpoint_series_key(b.name, e.address)
+            label = f"KV usage of {e.address} in {b.name}, last 15 min"
+            out[key] = sparkline.svg(live.kv_series(store, key, since), since, now, width=120,
+                                     height=24, label=label)
+    return out
 
 
 def _ttft_rows(store: Any, backend: str, now: float, slos: dict[str, Any]) -> list[dict[str, Any]]:

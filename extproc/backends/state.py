@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.backends import build
-from extproc.backends.endpoints import EndpointSet, affinity_status, pool_status
+from extproc.backends.endpoints import EndpointSet
 from extproc.backends.hold import Hold
+from extproc.backends.pool_report import affinity_status, pool_status, pool_status_fields
 from extproc.backends.queue import BackendQueue, Waiter
 from extproc.backends.scrape import scrape_status
 from extproc.policy import admit
@@ -257,11 +258,14 @@ class BackendState:
         limits = self.pool.effective_limits(self.slot_scale(now))
         routes = {model: {**_breaker_summary(b.snapshot(now)), "tenant_breakers": self.tenants_for(model).snapshot(now)}
                   for model, b in self.route_breakers.items()}
-        return {
+        # A pool has no scrape of its own: its line is its endpoints' sums (backends.pool_report).
+        own = pool_status_fields(self.endpoints, now) if self.endpoints is not None else {
             **scrape_status(sample, self.kv_in_use, self.spec.kv_capacity_tokens, self.has_metrics),
             "waiting": getattr(sample, "waiting", None),
             "running": getattr(sample, "running", None),
-            "scrape_ok": bool(getattr(sample, "ok", False)),
+            "scrape_ok": bool(getattr(sample, "ok", False))}
+        return {
+            **own,
             "scale": round(self.scale(now), 4),
             "breaker": _breaker_summary(self.breaker.snapshot(now)),
             "route_breakers": routes,

@@ -137,6 +137,10 @@ class Metrics:
                                         "and not yet finished.", ["backend", "endpoint"], registry=r)
         self.endpoint_kv_reserved = Gauge("sluice_endpoint_kv_reserved_tokens", "KV footprints reserved on a pool "
                                           "endpoint.", ["backend", "endpoint"], registry=r)
+        self.pool_endpoints = Gauge("sluice_pool_endpoints", "A pool's endpoints by state: "
+                                    "total, usable (may be picked) and unreadable (scraped, but "
+                                    "the metrics could not be used).", ["backend", "state"],
+                                    registry=r)
         self.endpoint_usable = Gauge("sluice_endpoint_usable", "1 while a pool endpoint may be picked (breaker "
                                      "not open, metrics fresh, not draining).", ["backend", "endpoint"], registry=r)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any
 
@@ -19,6 +20,18 @@ from extproc.runtime.runtime import Runtime
 
 log = logging.getLogger("sluice.console")
 LONG_POLL_S = 25
+
+
+def finite(value: Any) -> Any:
+    """``value`` with every NaN or infinity replaced by None: JSON has neither, and the
+    console refuses a report that carries them (one bad gauge must not cost the whole report)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
 
 
 class ConsoleClient:
@@ -77,7 +90,7 @@ class ConsoleClient:
         st = self.rt.status()
         st["replica"] = self.replica
         st["at"] = time.time()
-        return st
+        return finite(st)
 
     async def report_status(self, session: aiohttp.ClientSession) -> None:
         while True:

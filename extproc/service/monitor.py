@@ -15,6 +15,7 @@ import logging
 import aiohttp
 
 from extproc.backends.endpoints import EndpointState, resolve_later
+from extproc.backends.pool_report import pool_summary
 from extproc.backends.scrape import (
     Sample,
     engine_metrics,
@@ -177,6 +178,14 @@ def refresh(rt: Runtime) -> None:
 
 def refresh_endpoints(m: Metrics, name: str, be: BackendState, now: float) -> None:
     assert be.endpoints is not None
+    # The pool's own KV and queue series are its endpoints' sums (it has no scrape of its own).
+    pool = pool_summary(be.endpoints, now)
+    if pool["kv_usage"] is not None:
+        m.kv_usage.labels(name).set(pool["kv_usage"])
+    if pool["waiting"] is not None:
+        m.backend_waiting.labels(name).set(pool["waiting"])
+    for state in ("total", "usable", "unreadable"):
+        m.pool_endpoints.labels(name, state).set(pool["endpoints" if state == "total" else state])
     for key, st in be.endpoints.by_key.items():
         m.endpoint_in_flight.labels(name, key).set(st.in_flight)
         m.endpoint_kv_reserved.labels(name, key).set(st.kv_in_use)

@@ -9,7 +9,7 @@ from tests.console.conftest import PASSWORDS, Console, csrf, text_of
 
 PAGES = ["/", "/tenants", "/tiers", "/breakers", "/audit", "/export", "/overview/backends", "/overview/replicas",
          "/tenants/live", "/breakers/state", "/breakers/history", "/export/policy.yaml", "/export/policy.diff",
-         "/tenants/acme", "/tiers/free"]
+         "/tenants/acme", "/tiers/free", "/users"]
 
 # Every route that changes state, with a valid body: viewers must get 403 from each.
 CHANGES = [
@@ -20,6 +20,9 @@ CHANGES = [
     ("/overrides/1/keep", {"reason": "test"}),
     ("/tenants", {"name": "newco", "tier": "free", "reason": "test"}),
     ("/tenants/acme/keys", {"reason": "test"}),
+    ("/users", {"name": "newbie", "role": "operator", "password": "long-enough-1",
+                "again": "long-enough-1"}),
+    ("/users/vic/role", {"role": "operator"}),
 ]
 
 

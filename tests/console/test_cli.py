@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -49,7 +50,7 @@ def test_serve_demo_with_waitress(tmp_path: Path) -> None:
     policy = write_policy(tmp_path / "policies")
     proc = subprocess.Popen(
         [sys.executable, "-m", "console", "serve", "--db", str(tmp_path / "c.db"), "--policy", str(policy),
-         "--port", "0", "--demo", "--api-token", "tok-123"],
+         "--port", "0", "--demo", "--api-token", "tok-123", "--show-token"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert proc.stdout is not None
@@ -77,6 +78,33 @@ def test_serve_demo_with_waitress(tmp_path: Path) -> None:
     assert proc.returncode == 0
 
 
+def test_serve_demo_keeps_a_given_password_and_the_token_out_of_the_terminal(
+        tmp_path: Path) -> None:
+    policy = write_policy(tmp_path / "policies")
+    env = {**os.environ, "SLUICE_CONSOLE_DEMO_PASSWORD": "chosen-by-the-demo",
+           "SLUICE_CONSOLE_TOKEN": "tok-456"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "console", "serve", "--db", str(tmp_path / "c.db"),
+         "--policy", str(policy), "--port", "0", "--demo"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        url = re.search(r"(http://127\.0\.0\.1:\d+)/", first)
+        assert url, first
+        # The line is printed once the socket is bound: /healthz answers from here on.
+        with urllib.request.urlopen(url.group(1) + "/healthz", timeout=5) as r:
+            assert r.status == 200
+        store = Store(tmp_path / "c.db")
+        assert users.authenticate(store, "demo", "chosen-by-the-demo") is not None
+        store.close()
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=10)
+    assert "chosen-by-the-demo" not in first + out and "tok-456" not in first + out
+    assert "demo operator" not in first + out
+
+
 def test_every_option_is_documented_on_the_console_page() -> None:
     import argparse
 
@@ -91,3 +119,49 @@ def test_every_option_is_documented_on_the_console_page() -> None:
             for option in action.option_strings:
                 if option.startswith("--") and option != "--help":
                     assert option in section, f"{name} {option} is not in docs/console.md"
+
+
+def _server_has_read(server_port: int, client_port: int) -> bool:
+    """The console's end of this connection has nothing left unread: it took the request."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, remote, _, queues = line.split()[1:5]
+        ours = (int(local.split(":")[1], 16), int(remote.split(":")[1], 16))
+        if ours == (server_port, client_port):
+            return int(queues.split(":")[1], 16) == 0
+    return False
+
+
+def test_sigterm_releases_long_polls_and_stops_quietly(tmp_path: Path) -> None:
+    import http.client
+    import threading
+    import time
+
+    policy = write_policy(tmp_path / "policies")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "console", "serve", "--db", str(tmp_path / "c.db"),
+         "--policy", str(policy), "--port", "0", "--api-token", "tok-123"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    url = re.search(r"http://127\.0\.0\.1:(\d+)/", proc.stdout.readline())
+    assert url
+    port = int(url.group(1))
+    auth = {"Authorization": "Bearer tok-123"}
+    first = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    first.request("GET", "/api/v1/policy", headers=auth)
+    etag = first.getresponse().headers["ETag"]
+    first.close()
+    poll = http.client.HTTPConnection("127.0.0.1", port, timeout=40)
+    poll.request("GET", "/api/v1/policy?wait=30", headers={**auth, "If-None-Match": etag})
+    assert poll.sock is not None
+    client_port = poll.sock.getsockname()[1]
+    eventually(lambda: _server_has_read(port, client_port), 10, "the console reading the long-poll")
+    answered: list[int] = []
+    t = threading.Thread(target=lambda: answered.append(poll.getresponse().status))
+    t.start()
+    started = time.monotonic()
+    proc.terminate()
+    out, _ = proc.communicate(timeout=20)
+    t.join(10)
+    assert time.monotonic() - started < 4, f"the console waited the long-poll out: {answered} {out}"
+    assert answered == [304]
+    assert "still running" not in out and "Traceback" not in out, out

@@ -105,3 +105,32 @@ def test_backends_not_in_the_policy_cost_no_rows_and_no_page_size(operator: Cons
         body = operator.client.get(path).get_data(as_text=True)
         assert "f007" not in body, path
     assert len(operator.client.get("/").get_data()) < baseline + 10_000
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_a_report_with_nan_or_infinity_is_400(console: Console, constant: str) -> None:
+    body = b'{"backends": {"sim": {"kv_usage": ' + constant.encode() + b', "running": 1}}}'
+    err = assert_refused(raw_status(console, body), "invalid_json")
+    assert constant.lstrip("-") in err["message"]
+    assert console.sluice.store.one("SELECT * FROM replicas") is None
+
+
+def test_a_report_with_a_key_twice_in_one_object_is_400(console: Console) -> None:
+    body = b'{"backends": {"sim": {"kv_usage": 0.1, "kv_usage": 0.9}}}'
+    err = assert_refused(raw_status(console, body), "duplicate_key")
+    assert err["param"] == "kv_usage"
+    assert console.sluice.store.one("SELECT * FROM replicas") is None
+    # The same key in two objects is not a repeat.
+    ok = raw_status(console, b'{"backends": {"a": {"kv_usage": 0.1}, "b": {"kv_usage": 0.2}}}')
+    assert ok.status_code == 200, ok.get_data(as_text=True)
+
+
+def test_a_replica_reports_null_where_it_has_no_finite_number(console: Console) -> None:
+    from extproc.service.console_client import finite
+
+    endpoints = [{"kv_usage": float("-inf")}, {"kv_usage": 0.5}]
+    doc = finite({"backends": {"sim": {"kv_usage": float("nan"), "running": 2,
+                                       "waiting": float("inf"), "endpoints": endpoints}}})
+    assert doc == {"backends": {"sim": {"kv_usage": None, "running": 2, "waiting": None,
+                                        "endpoints": [{"kv_usage": None}, {"kv_usage": 0.5}]}}}
+    assert raw_status(console, json.dumps(doc, allow_nan=False).encode()).status_code == 200
