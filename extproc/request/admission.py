@@ -122,7 +122,7 @@ class Admission:
         ticket.verdict = verdict
         ticket.kv = kvmath.footprint(prompt + req.n * reserve.kv_completion, ticket.backend_state.kv_block_size)
         slot = SlotWait(self.rt, self.tier, self.tenant.name, self.limits.max_concurrency, self.peer,
-                                self._unless_shadowed)
+                        self._unless_shadowed)
         wait_s = slot.acquire(ticket, now)
         if wait_s is not None:
             yield Wait(wait_s)

@@ -21,7 +21,7 @@ from extproc.envoy import usage_record
 from extproc.envoy.headers import UPSTREAM_ATTRIBUTE
 from extproc.openai_api.errors import error_body, ratelimit_headers
 from extproc.openai_api.usage import JSONTracker, SSETracker
-from extproc.policy.reasons import Ending
+from extproc.policy.reasons import Ending, Reason
 from extproc.policy.schema import Limits, Tenant
 from extproc.request import intake, upstream
 from extproc.request.admission import Admission, Wait
@@ -106,7 +106,7 @@ class StreamProcessor:
         """The answer to a refusal; anything held after a pre-charge goes back first."""
         self.finished = True
         self.settle(Ending.REJECTED)
-        if rej.reason == "client_gone":
+        if rej.reason is Reason.CLIENT_GONE:
             return None  # never reached the backend: nothing to bill, nobody to answer
         s = self.settlement
         if s is not None:
