@@ -4,8 +4,8 @@
 
 For a pool of 8, 64 and 512 endpoints and 10,000 tenants (each its own key), per request:
 
-    place     Admission.route + charge + acquire_slot (the breakers, the ladder, the TPM
-              bucket, the slot decision and the pick among the endpoints) + the release
+    place     admission's route (the breakers, the ladder) + the TPM charge + the slot decision
+              and the pick among the endpoints (``SlotWait.acquire``) + the release
     request   the whole picker request side through ``PickerProcessor``: request headers,
               body (parse, count, admit, place), the routed answers, settle at the end
 
@@ -31,8 +31,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc.policy import kv as kvmath
 from extproc.policy.schema import Policy, build_policy, hash_key
-from extproc.request.admission import Admission
+from extproc.request.admission import SlotWait, route
 from extproc.request.picker import PickerOptions
 from extproc.runtime.runtime import Runtime
 from extproc.service.picker_server import PickerProcessor
@@ -59,31 +60,33 @@ async def _nothing() -> AsyncIterator[pb.ProcessingRequest]:
 
 
 def place_round(rt: Runtime, p: Policy, n: int) -> float:
-    """µs per route + charge + acquire_slot + release, with HELD requests held."""
-    be = p.backends[0]
-    model = be.models[0]
-    peer = PeerStream(_nothing())
+    """µs per route (breakers, ladder) + TPM charge + slot and placement + release, with HELD
+    requests held, tenants round-robin (``bench.admit_bench``'s steps, on a pool)."""
+    be_spec = p.backends[0]
+    model = be_spec.models[0]
+    be = rt.backends[be_spec.name]
     tenants = list(p.tenants.values())
+    peer = PeerStream(_nothing())
+    kv = kvmath.footprint(200, be.kv_block_size)
     held: deque[Any] = deque()
     t0 = time.perf_counter()
     for i in range(n):
         tenant = tenants[i % len(tenants)]
-        adm = Admission(rt, p, tenant, p.limits(tenant), peer)
+        limits, tier = p.limits(tenant), p.tiers[tenant.tier]
         now = rt.clock()
-        ticket = adm.route(be, model, 128, now)
-        adm.charge(ticket, 200, now)
-        adm.acquire_slot(ticket, 200, now)
+        ticket = route(rt, p, tier, tenant.name, be_spec, model, 128, now)
+        v = rt.state.admit(tenant.name, limits, 200, now, scale=be.scale(now))
+        assert getattr(v, "admitted", True)
+        ticket.kv = kv
+        SlotWait(rt, tier, tenant.name, limits.max_concurrency, peer, lambda _: False).acquire(ticket, now)
         held.append((ticket, tenant))
         if len(held) > HELD:
             old, who = held.popleft()
-            if old.hold is not None:
-                old.runtime.release(old.hold, now)
+            old.give_back(now)
             rt.state.settle(who.name, 200, 150, now)
     dt = time.perf_counter() - t0
     while held:
-        old, who = held.popleft()
-        if old.hold is not None:
-            old.runtime.release(old.hold, rt.clock())
+        held.popleft()[0].give_back(rt.clock())
     return dt / n * 1e6
 
 
