@@ -36,6 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # share a redis-server on 6380 (not 6379, where a system Redis may already run).
 GRPC_PORT, ADMIN_PORT, REDIS_PORT = 50051, 9100, 6380
 ENVOY_PORT, ENVOY_ADMIN_PORT, CONSOLE_PORT = 10000, 9901, 8080
+# The first replica also serves as a Gateway API Inference Extension endpoint picker, on the
+# Inference Extension's ports (docs/picker.md).
+PICKER_PORT, PICKER_HEALTH_PORT, PICKER_METRICS_PORT = 9002, 9003, 9090
 EDS_DIR = "var/eds"  # the pool's endpoint set for Envoy (extproc.envoy.eds), relative to ROOT
 # The simulated engines, by the port the policy names: the sim pool's two (the second
 # with half the KV cache of the first) model vLLM's prefix cache, which the policy's
@@ -72,6 +75,7 @@ class Ports:
     redis: int = REDIS_PORT
     grpc: tuple[int, ...] = (GRPC_PORT,)
     admin: tuple[int, ...] = (ADMIN_PORT,)
+    picker: tuple[int, int, int] = (PICKER_PORT, PICKER_HEALTH_PORT, PICKER_METRICS_PORT)  # ext_proc, health, metrics
     # The port the policy names -> the port the engine runs on.
     engines: dict[int, int] = field(default_factory=lambda: {p: p for p in ENGINES})
 
@@ -91,6 +95,7 @@ class Ports:
             redis=free_port(),
             grpc=tuple(free_port() for _ in range(replicas)),
             admin=tuple(free_port() for _ in range(replicas)),
+            picker=(free_port(), free_port(), free_port()),
             engines={p: free_port() for p in ENGINES},
         )
 
@@ -137,6 +142,12 @@ def private_file(path: Path, text: str) -> Path:
     return path
 
 
+def picker_args(ports: Ports) -> tuple[str, ...]:
+    grpc, health, metrics = ports.picker
+    return ("--picker", f"127.0.0.1:{grpc}", "--picker-health", f"127.0.0.1:{health}",
+            "--picker-metrics", f"127.0.0.1:{metrics}")
+
+
 def shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
@@ -172,6 +183,9 @@ Sluice demo is up (Ctrl-C stops everything):
               {token_line}
 {lines}
   envoy    -> http://127.0.0.1:{ports.envoy_admin}/
+  picker   -> demo-1 as an endpoint picker: ext_proc 127.0.0.1:{ports.picker[0]} (TLS), health {ports.picker[1]}, metrics {ports.picker[2]}
+              GIE's reference Envoy in front of it (clients on 127.0.0.1:8081):
+                .venv/bin/python -m bench.gie_envoy --picker 127.0.0.1:{ports.picker[0]}
   backends -> sim-llama-8b: a pool of two simulated vLLM engines, Sluice picks the endpoint;
               prefix affinity on: a prompt prefix goes back to the engine that served it,
               both engines run with --enable-prefix-caching (Overview: hit / spill / miss)
@@ -373,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--log-level",
                 "WARNING",
                 *eds,
+                *(picker_args(ports) if i == 0 else ()),
                 env={**secret, **store},
             )
             wait(f"http://127.0.0.1:{ports.admin[i]}/healthz", ep.popen, ep.name, ep.log)

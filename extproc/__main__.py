@@ -19,6 +19,8 @@ from extproc.policyfile import load_policy
 if TYPE_CHECKING:
     from extproc.envoy.eds import EdsWriter
     from extproc.runtime.runtime import Runtime
+    from extproc.service.kube_pool import ClusterPool
+    from extproc.service.picker_server import PickerServers
 
 
 def _hostport(value: str) -> tuple[str, int]:
@@ -74,6 +76,15 @@ async def _serve(args: argparse.Namespace) -> int:
     health = Health()
     server = await serve(runtime, ghost, gport, reuse_port=args.worker_index is not None, health=health)
     admin = await start_admin(runtime, ahost, aport)
+    cluster = _cluster_pool(runtime, args)
+    picker = await _start_picker(runtime, args, cluster)
+    if cluster is not None:
+        if picker is not None:
+            from extproc.wire.health import NOT_SERVING, SERVING
+
+            picker.health.status = NOT_SERVING  # ready once the pool and its pods are listed
+            cluster.on_ready = lambda: setattr(picker.health, "status", SERVING)
+        cluster.start()
     if client is None:
         watcher = asyncio.create_task(watch_policy_dir(runtime, Path(args.policy), args.reload_interval))
     else:
@@ -82,6 +93,9 @@ async def _serve(args: argparse.Namespace) -> int:
     ticker = asyncio.create_task(run_ticker(runtime))  # queue deadlines and pumping
     eds = asyncio.create_task(_keep_eds(runtime, eds_writer)) if eds_writer is not None else None
     print(f"sluice extproc: gRPC {ghost}:{gport}, admin http://{ahost}:{aport}/metrics", flush=True)
+    if picker is not None:
+        print(f"sluice picker: ext_proc {args.picker} ({'plaintext' if args.picker_plaintext else 'TLS'}), "
+              f"health {args.picker_health}, metrics {args.picker_metrics}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -90,7 +104,10 @@ async def _serve(args: argparse.Namespace) -> int:
     # NOT_SERVING first, still serving: Envoy moves new streams to the other replicas
     # before this one stops accepting them (at most (threshold + 1) health intervals).
     gw = runtime.policy.gateway
-    waited = await health.drain(gw.extproc_health_interval_s, gw.extproc_unhealthy_threshold)
+    drains = [health.drain(gw.extproc_health_interval_s, gw.extproc_unhealthy_threshold)]
+    if picker is not None:
+        drains.append(picker.health.drain(gw.extproc_health_interval_s, gw.extproc_unhealthy_threshold))
+    waited = max(await asyncio.gather(*drains))
     logging.getLogger("sluice.server").info("draining: NOT_SERVING seen by the health checkers after %.2f s",
                                             waited)
     watcher.cancel()
@@ -102,9 +119,45 @@ async def _serve(args: argparse.Namespace) -> int:
         leases.cancel()
     # Let in-flight streams finish their current message; Envoy retries nothing, so be brief.
     await server.stop(grace=2)
+    if cluster is not None:
+        cluster.stop()
+    if picker is not None:
+        await picker.stop(grace=2)
     await admin.cleanup()
     runtime.close()
     return 0
+
+
+def _off_or_hostport(value: str) -> tuple[str, int] | None:
+    return None if value in ("", "off") else _hostport(value)
+
+
+def _cluster_pool(runtime: Runtime, args: argparse.Namespace) -> ClusterPool | None:
+    """``--inference-pool``: a pool's endpoints from the cluster (extproc.service.kube_pool)."""
+    if not args.inference_pool:
+        return None
+    from extproc.service.kube_pool import ClusterPool, PoolRef, api_client
+
+    ref = PoolRef.parse(args.inference_pool, os.environ.get("POD_NAMESPACE", "default"))
+    if ref.backend not in {b.name for b in runtime.policy.backends if b.is_pool}:
+        raise SystemExit(f"--inference-pool: {ref.backend!r} is not a pool of the policy (a backend with endpoints:)")
+    return ClusterPool(runtime, ref, api_client(args.kubeconfig), on_ready=lambda: None)
+
+
+async def _start_picker(runtime: Runtime, args: argparse.Namespace,
+                        cluster: ClusterPool | None = None) -> PickerServers | None:
+    """``--picker``: the Inference Extension endpoint picker's ports (extproc.service.picker_server)."""
+    if not args.picker:
+        return None
+    from extproc.request.picker import PickerOptions
+    from extproc.service.picker_server import PickerPorts, start_picker
+
+    ports = PickerPorts(grpc=_hostport(args.picker), health=_off_or_hostport(args.picker_health),
+                        metrics=_off_or_hostport(args.picker_metrics), plaintext=args.picker_plaintext,
+                        cert_file=args.picker_cert, key_file=args.picker_key,
+                        options=PickerOptions(fallback_list=args.picker_fallback_list,
+                                              objective_tier=cluster.objective_tier if cluster else None))
+    return await start_picker(runtime, ports)
 
 
 def _eds_writer(runtime: Runtime, directory: str | None) -> EdsWriter | None:
@@ -168,6 +221,14 @@ def _envoy_config(args: argparse.Namespace) -> int:
                         drain_host=dhost, drain_port=dport, eds_dir=eds_dir,
                         **gateway_options(policy.gateway))  # type: ignore[arg-type]
     routes = [BackendRoute(b.name, b.host, b.port, tuple(m.name for m in b.models), pool=b.is_pool) for b in policy.backends]
+    if args.pieces:
+        from extproc.envoy.pieces import render_pieces_yaml
+
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(render_pieces_yaml(routes, opts))
+        print(f"wrote {args.output}")
+        return 0
     write_config(args.output, routes, opts)
     print(f"wrote {args.output}")
     if not args.no_eds_files:
@@ -199,6 +260,23 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--eds-dir", help="write each pool's endpoint set for Envoy's EDS cluster to "
                    f"DIR/<pool>.eds.yaml on every reload (or ${EDS_DIR_ENV}); without it nothing is "
                    "written and Envoy's endpoint set must come from elsewhere")
+    s.add_argument("--picker", metavar="HOST:PORT", help="also serve as a Gateway API Inference Extension "
+                   "endpoint picker on this address (GIE's port: 9002); see docs/picker.md")
+    s.add_argument("--picker-health", default="0.0.0.0:9003", metavar="HOST:PORT|off",
+                   help="the picker's plaintext gRPC health port (liveness, readiness, ext_proc)")
+    s.add_argument("--picker-metrics", default="0.0.0.0:9090", metavar="HOST:PORT|off",
+                   help="the picker's Prometheus port (the admin port's /metrics, again)")
+    s.add_argument("--picker-plaintext", action="store_true",
+                   help="serve the picker without TLS (gateways' reference configs expect TLS)")
+    s.add_argument("--picker-cert", help="the picker's TLS certificate (PEM); without it one is generated")
+    s.add_argument("--picker-key", help="the key of --picker-cert (PEM)")
+    s.add_argument("--picker-fallback-list", action="store_true",
+                   help="name the second choice after the pick (ip:port,ip:port): only for a gateway "
+                   "whose pool honours a list (Istio's override_host); ORIGINAL_DST pools answer 503 to one")
+    s.add_argument("--inference-pool", metavar="BACKEND=[NAMESPACE/]NAME",
+                   help="take the pool BACKEND's endpoints from this InferencePool's ready pods, watched with "
+                   "the Kubernetes API (in a pod: its service account; NAMESPACE defaults to $POD_NAMESPACE)")
+    s.add_argument("--kubeconfig", help="the Kubernetes client's config outside a cluster (else $KUBECONFIG)")
     s.add_argument("--worker-index", type=int, help="set by --workers for each child: bind with SO_REUSEPORT, serve as worker i of N")
     v = sub.add_parser("validate", help="check policy files; prints file:line: message per problem")
     v.add_argument("policy")
@@ -214,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--eds-dir", help="where Envoy reads the pools' endpoint files (default: the output's "
                    "directory; a relative DIR is relative to Envoy's working directory too); the first "
                    "files are written there, serve --eds-dir keeps them current")
+    e.add_argument("--pieces", action="store_true", help="write only what to add to an Envoy config of your "
+                   "own (the filters, Sluice's clusters, the response headers, the usage filter for the "
+                   "model servers' clusters) instead of a whole bootstrap; see docs/deploying.md")
     e.add_argument("--no-eds-files", action="store_true", help="write no endpoint files (names that "
                    "resolve only where Envoy runs, e.g. compose: serve --eds-dir writes them there)")
     k = sub.add_parser("hash-key", help="print the sha256 form of an API key for the policy")

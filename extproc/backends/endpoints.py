@@ -274,19 +274,21 @@ class EndpointSet:
         if st.draining and st.in_flight <= 0:
             self._forget(key)
 
-    def move(self, src: str, dst: str, kv: int) -> bool:
+    def move(self, src: str, dst: str, kv: int, repick: bool = True) -> bool:
         """A request placed on ``src`` runs on ``dst`` (Envoy re-picked after a connect
-        failure): its slot and KV follow it, over ``dst``'s budget if need be (it is
-        already running there). False, and nothing moved, if ``dst`` is not in the pool."""
+        failure; or, ``repick=False``, a gateway's subset hint ruled ``src`` out): its slot
+        and KV follow it, over ``dst``'s budget if need be (it is already running there).
+        False, and nothing moved, if ``dst`` is not in the pool."""
         to = self.by_key.get(dst)
         if to is None or src == dst:
             return False
         to.kv_in_use += kv
         to.in_flight += 1
-        to.repicked_here += 1
         frm = self.by_key.get(src)
-        if frm is not None:
-            frm.repicked_away += 1
+        if repick:
+            to.repicked_here += 1
+            if frm is not None:
+                frm.repicked_away += 1
         self.release(src, kv)
         return True
 

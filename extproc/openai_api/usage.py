@@ -82,6 +82,7 @@ class SSETracker:
     responses: bool = False  # a Responses API stream: usage in its final event, never dropped
     usage: Usage | None = None
     texts: list[str] = field(default_factory=list)
+    uncounted: int = 0  # completion tokens estimated without reading their events (UsageOnlyTracker)
     _pending: bytes = b""
 
     def feed(self, chunk: bytes, end_of_stream: bool) -> bytes | None:
@@ -140,6 +141,22 @@ class SSETracker:
                 return True
         self.texts.extend(_choice_texts(obj))
         return False
+
+
+@dataclass
+class UsageOnlyTracker(SSETracker):
+    """An SSE stream watched for its usage chunk alone (picker mode: the echo of every event is
+    on the hot path). A chunk of whole events with no ``usage`` object in it is counted, not
+    parsed: ``uncounted`` completion tokens, one per event, as vLLM streams one token per
+    event; settle adds them only when no usage arrives (a stream cut short). A chunk that
+    may hold the usage, or an event split across chunks, is read as ``SSETracker`` reads it."""
+
+    def feed(self, chunk: bytes, end_of_stream: bool) -> bytes | None:
+        if not self._pending and not end_of_stream and chunk.endswith(b"\n\n") \
+                and b'"usage":{' not in chunk and b'"usage": {' not in chunk:
+            self.uncounted += chunk.count(b"data: {") + chunk.count(b"data:{")
+            return None
+        return super().feed(chunk, end_of_stream)
 
 
 @dataclass

@@ -48,6 +48,7 @@ class Reason(StrEnum):
     TENANT_BREAKER_OPEN = "tenant_breaker_open", 503, _SERVER
     OVERLOADED = "overloaded", 503, _SERVER
     STATE_STORE_DOWN = "state_store_down", 503, _SERVER
+    NO_ENDPOINT = "no_endpoint", 503, _SERVER  # picker mode: nothing the gateway may route to is ready
     # Answered by Envoy itself (extproc.envoy.replies), in the same shape.
     GATEWAY_UNAVAILABLE = "gateway_unavailable", 503, _SERVER  # extproc unreachable, failing or silent
     REQUEST_TIMEOUT = "request_timeout", 408, _INVALID  # a client too slow to send its request

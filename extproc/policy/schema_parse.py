@@ -153,6 +153,14 @@ def _endpoints(r: Reader, m: Mapping[str, Any], path: Path, max_concurrency: int
     return tuple(out)
 
 
+def pool_totals(endpoints: tuple[Endpoint, ...]) -> tuple[str, int, int, int | None]:
+    """A pool's address (its first endpoint's) and admission budget: the sums of its endpoints'
+    slots and KV (None when one has no KV capacity); placement checks each endpoint."""
+    caps = [e.kv_capacity_tokens for e in endpoints]
+    kv = None if any(c is None for c in caps) else sum(c for c in caps if c is not None)
+    return endpoints[0].host, endpoints[0].port, sum(e.max_concurrency for e in endpoints), kv
+
+
 def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
     if not isinstance(doc, list) or not doc:
         r.fail(("backends",), "expected a non-empty list of backends")
@@ -168,11 +176,7 @@ def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
         if endpoints:
             if "address" in m or "metrics_url" in m:
                 r.fail((*path, "endpoints"), "a pool lists address and metrics_url per endpoint, not on the backend")
-            # The pool's admission budget is the sum of its endpoints'; placement checks each.
-            host, port = endpoints[0].host, endpoints[0].port
-            max_concurrency = sum(e.max_concurrency for e in endpoints)
-            caps = [e.kv_capacity_tokens for e in endpoints]
-            kv_capacity = None if any(c is None for c in caps) else sum(c for c in caps if c is not None)
+            host, port, max_concurrency, kv_capacity = pool_totals(endpoints)
         else:
             host, port = _address(r, r.get(m, path, "address", str), path)
         models = []

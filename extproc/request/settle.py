@@ -152,7 +152,8 @@ class Settlement:
             # the backend may have done the prefill, so the prompt counts.
             return self.prompt_tokens if how is not Ending.END_OF_STREAM else 0
         assert self.ticket is not None
-        return self.prompt_tokens + self.rt.count_tokens_now(self.ticket.model.encoding, tr.texts)
+        uncounted = tr.uncounted if isinstance(tr, SSETracker) else 0  # events counted, not read
+        return self.prompt_tokens + self.rt.count_tokens_now(self.ticket.model.encoding, tr.texts) + uncounted
 
     def _estimated_completion(self) -> int:
         t, req, first = self.ticket, self.req, self.first_byte_s

@@ -84,6 +84,9 @@ class Runtime:
         # Called after every swap, with no await in between (serve --eds-dir writes Envoy's
         # endpoint files there, extproc.envoy.eds).
         self.on_swap: list[Callable[[], None]] = []
+        # Applied to every policy swapped in, before anything else: what a source outside the
+        # policy files adds (a pool's endpoints from the cluster, extproc.service.kube_pool).
+        self.transforms: list[Callable[[Policy], Policy]] = []
 
     def _load_encodings(self, policy: Policy) -> None:
         for _, model in policy.by_model.values():
@@ -128,6 +131,8 @@ class Runtime:
         return local
 
     def swap(self, policy: Policy, etag: str = "") -> None:
+        for transform in self.transforms:
+            policy = transform(policy)
         policy = self._local(policy)
         if state_url(policy.gateway) != self.state_url:
             log.warning("gateway.state changed to %r: restart extproc to move state there", policy.gateway.state)

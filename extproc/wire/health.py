@@ -22,11 +22,16 @@ from typing import Any
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-__all__ = ["NOT_SERVING", "SERVICE", "SERVING", "Health", "HealthCheckRequest", "HealthCheckResponse"]
+__all__ = ["LIVENESS", "NOT_SERVING", "PICKER_SERVICES", "READINESS", "SERVICE", "SERVING", "Health", "HealthCheckRequest", "HealthCheckResponse"]
 
 SERVICE = "grpc.health.v1.Health"
 # What Envoy asks by default ("": the whole server) and the service it checks for.
 SERVICES = ("", "envoy.service.ext_proc.v3.ExternalProcessor")
+# What an Inference Extension picker answers besides (its kubelet probes and gateways ask
+# these): liveness is SERVING while the process answers at all, even while it drains;
+# readiness follows the status, as the ext_proc service does.
+LIVENESS, READINESS = "liveness", "readiness"
+PICKER_SERVICES = (*SERVICES, LIVENESS, READINESS)
 UNKNOWN, SERVING, NOT_SERVING = 0, 1, 2
 _MAX_PEERS, _FORGET_S = 64, 60.0
 
@@ -55,15 +60,19 @@ HealthCheckRequest, HealthCheckResponse = _messages()
 class Health:
     """SERVING until ``drain``; counts the checks each peer (an Envoy's connection) made."""
 
-    def __init__(self, clock: Any = time.monotonic) -> None:
-        self.status = SERVING
+    def __init__(self, clock: Any = time.monotonic, services: tuple[str, ...] = SERVICES,
+                 status: int = SERVING) -> None:
+        self.status = status
+        self.services = services
         self.clock = clock
         # peer -> (time of its last check, NOT_SERVING answers it has had)
         self.peers: dict[str, tuple[float, int]] = {}
 
     async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802 - gRPC name
-        if request.service not in SERVICES:
+        if request.service not in self.services:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        if request.service == LIVENESS:
+            return HealthCheckResponse(status=SERVING)
         now = self.clock()
         _, told = self.peers.get(context.peer(), (0.0, 0))
         self.peers[context.peer()] = (now, told + (self.status == NOT_SERVING))

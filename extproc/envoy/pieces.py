@@ -1,0 +1,63 @@
+"""``extproc envoy-config --pieces``: what to add to an Envoy config of one's own.
+
+Cut from the bootstrap Sluice renders for itself (``extproc.envoy.bootstrap``), so the two
+cannot drift: the HTTP filters (the ext_proc filter and, under ``usage_trailers``, the Lua
+filter that hides the usage chunk Sluice asked for), Sluice's ext_proc cluster, the pools'
+clusters, the response headers that carry what Sluice decided (``x-ratelimit-*``) from
+dynamic metadata, and the upstream filters (Envoy's usage extraction) for each backend
+cluster. What stays out is what only Sluice's own listener can have: its routes by
+``x-sluice-backend``, the drain route for oversized uploads, the edge settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from extproc.envoy.bootstrap import ROUTER_FILTER, render_bootstrap
+from extproc.envoy.clusters import DRAIN_CLUSTER
+from extproc.envoy.extproc_filter import EXTPROC_CLUSTER
+from extproc.envoy.options import BackendRoute, EnvoyOptions
+
+HEADER = """\
+# Sluice's pieces for an Envoy config of your own (python -m extproc envoy-config --pieces).
+# docs/deploying.md ("Sluice inside your own Envoy") says where each goes:
+#   http_filters            into your HTTP connection manager, after your own auth filters
+#                           (RBAC, JWT: a request they refuse never costs a token), before the router
+#   clusters                into static_resources.clusters
+#   response_headers_to_add onto the routes (or virtual hosts) that reach your model servers
+#   upstream_http_filters   (usage_trailers) as http_filters of each model server cluster's
+#                           envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+#   routes that must not be admitted (a health check): typed_per_filter_config
+#     {"envoy.filters.http.ext_proc": {"@type": type.googleapis.com/envoy.config.route.v3.FilterConfig,
+#      "disabled": true}}
+"""
+
+
+def render_pieces(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> dict[str, Any]:
+    cfg = render_bootstrap(backends, opts)
+    res = cfg["static_resources"]
+    hcm = res["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    filters = [f for f in hcm["http_filters"] if f["name"] != ROUTER_FILTER]
+    names = {b.name for b in backends}
+    pools = {b.name for b in backends if b.pool}
+    clusters = [c for c in res["clusters"] if c["name"] == EXTPROC_CLUSTER or c["name"] in pools]
+    upstream: list[Any] = []
+    for c in res["clusters"]:
+        if c["name"] in names and c["name"] != DRAIN_CLUSTER:
+            for o in c.get("typed_extension_protocol_options", {}).values():
+                upstream = o.get("http_filters") or upstream
+    out: dict[str, Any] = {
+        "http_filters": filters,
+        "clusters": clusters,
+        "response_headers_to_add": hcm["route_config"].get("response_headers_to_add", []),
+    }
+    if upstream:
+        out["upstream_http_filters"] = upstream
+    return out
+
+
+def render_pieces_yaml(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> str:
+    return HEADER + yaml.safe_dump(render_pieces(backends, opts), sort_keys=False)
