@@ -21,6 +21,7 @@ from tests.redis_replicas import (
     replicas,
     server_fixture,  # noqa: F401 - the server fixture (a Redis of the test's own)
 )
+from tests.waiting import eventually_async
 
 
 def test_redis_frozen_then_killed_admission_stays_within_the_local_share(server: RedisServer) -> None:
@@ -201,7 +202,10 @@ def test_a_local_share_admission_refunded_at_once_costs_nothing_when_redis_retur
                 refunded += 50
             await asyncio.sleep(0.005)
         await asyncio.to_thread(server.start)
-        await asyncio.sleep(0.5)  # reconciled
+        ls = s._tenants["t"]
+        # reconciled: the store's probe closed its breaker and the tenant's next exchange
+        # carried every charge made on the local share (it leaves the share then)
+        await eventually_async(lambda: s.up and ls.fallback is None, 10, "Redis back and the tenant reconciled")
         await s.sync(time.monotonic())
         level = s._tenants["t"].level_t or 0.0
         big = await admit(s, 500, lim)

@@ -17,6 +17,7 @@ from extproc.store import ENV_URL
 from extproc.store.redis_state import RedisState
 from tests.redis_replicas import server_fixture  # noqa: F401 - the server fixture (a Redis of the test's own)
 from tests.redis_server import redis_server_fixture  # noqa: F401 - the redis_server fixture
+from tests.waiting import eventually_async
 
 
 def _policy(state: str | None) -> dict[str, object]:
@@ -107,7 +108,7 @@ def test_fail_closed_answers_503_through_the_stream_path(server: RedisServer, mo
     async def main() -> tuple[Any, Runtime]:
         rt = Runtime(build_policy(doc), replica_id="closed-stream")
         rt.backends["b"].has_metrics = False
-        await asyncio.sleep(0.2)  # registered
+        await eventually_async(lambda: rt.state.registry.member, 5, "the replica registered in Redis")
         server.kill()
         out = await exchange(rt, hdr, body(10))
         return out[-1].immediate_response, rt

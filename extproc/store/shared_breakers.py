@@ -32,6 +32,7 @@ class SharedBreakers:
         self._applied: dict[str, str] = {}  # breaker key -> the published value already applied
         self.published = 0
         self.applied = 0
+        self.syncs = 0  # finished: the sync loop is alive (and a waiter can count rounds)
 
     def key(self, name: str) -> str:
         return f"{self.prefix}:breaker:{name}"
@@ -56,6 +57,7 @@ class SharedBreakers:
         if publish:
             await asyncio.wait_for(pipe.execute(), self.timeout_s)
         if not names:
+            self.syncs += 1
             return
         values = await asyncio.wait_for(self.client.mget([self.key(n) for n in names]), self.timeout_s)
         for name, raw in zip(names, values, strict=True):
@@ -73,6 +75,7 @@ class SharedBreakers:
                 self._trips[name] = int(b.snapshot(now)["trips"])
                 self.applied += 1
                 log.warning("breaker %s: tripped by another replica (%s); open here too", name, value)
+        self.syncs += 1
 
     def snapshot(self) -> dict[str, int]:
-        return {"published": self.published, "applied": self.applied}
+        return {"published": self.published, "applied": self.applied, "syncs": self.syncs}
