@@ -31,6 +31,7 @@ from extproc.store.slot_leases import SlotLeases, block, want
 from tests.backend_ops import try_acquire
 from tests.redis_server import redis_server_fixture  # noqa: F401 - the redis_server fixture
 from tests.slot_lease_holder import POOL
+from tests.waiting import eventually_async
 
 
 def test_the_lease_is_kept_at_in_use_plus_a_block() -> None:
@@ -507,3 +508,66 @@ def test_a_false_alarm_of_the_token_store_does_not_skip_the_lease_wait(
     refused, waits, held, grown, admitted = asyncio.run(main())
     assert refused and waits, (refused, waits)
     assert grown >= held + 100 and admitted, (held, grown)
+
+
+@pytest.mark.parametrize("turns", [0, 1, 2, 3])
+def test_the_lease_loop_cancelled_as_a_poke_wakes_it_stops(turns: int) -> None:
+    """run_leases stops by being cancelled; a cancel that lands as a poke wakes its wait must
+    not be dropped (with Python 3.11's asyncio.wait_for it was: the loop went on for ever and
+    whoever awaited the cancelled task hung)."""
+
+    async def scenario() -> tuple[bool, bool]:
+        leases = SlotLeases(NoScripts(), registry=None)  # type: ignore[arg-type]
+        leases.check_s = 60.0
+
+        async def loop() -> None:  # as run_leases waits between its checks
+            while True:
+                await leases.wait()
+
+        task = asyncio.ensure_future(loop())
+        await asyncio.sleep(0)  # waiting for a poke
+        leases.poke()
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.wait({task}, timeout=2.0)  # a bound for a task that would run for ever
+        return task.done(), task.done() and task.cancelled()
+
+    assert asyncio.run(scenario()) == (True, True)
+
+
+def test_the_lease_task_stops_when_a_library_loses_its_cancel(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """redis-py awaits asyncio.wait_for, which in Python 3.11 returns a result that comes in
+    with a cancel instead of raising it; run_leases must stop all the same (it looped on for
+    ever, and _stop here hung, when a release's poke and the cancel met)."""
+    monkeypatch.delenv(ENV_URL, raising=False)
+    doc = _doc(redis_server.url, {"name": "lost", "address": "127.0.0.1:1", "max_concurrency": 8})
+
+    async def main() -> bool:
+        rts, tasks = await _replicas(doc, 1, "lost")
+        rt = rts[0]
+        ticking, dropped = asyncio.Event(), asyncio.Event()
+
+        async def tick_losing_the_cancel() -> int:
+            ticking.set()
+            try:
+                await asyncio.sleep(1.0)  # a round trip to Redis, in which the cancel lands
+            except asyncio.CancelledError:
+                if dropped.is_set():
+                    raise  # only the first is lost (so that a regression fails, not hangs)
+                dropped.set()  # lost: the result is returned, as 3.11's wait_for does
+            return 0
+
+        rt.lease_tick = tick_losing_the_cancel  # type: ignore[method-assign]
+        await eventually_async(lambda: rt.slot_leases is not None and rt.slot_leases.leases, 5, "a lease")
+        ticking.clear()
+        rt.slot_leases.poke()  # type: ignore[union-attr]
+        await ticking.wait()  # cancelled inside a tick, in its round trip to Redis
+        tasks[0].cancel()
+        await asyncio.wait(tasks, timeout=5.0)
+        stopped = tasks[0].done()
+        await _stop(rts, tasks)
+        return stopped and dropped.is_set()
+
+    assert asyncio.run(main())

@@ -211,8 +211,15 @@ class Runtime:
     async def run_leases(self) -> None:
         """Keep the pool leases (``extproc.store.slot_leases``) until cancelled."""
         assert self.slot_leases is not None
+        me = asyncio.current_task()
         breakers_at = 0.0
         while True:
+            if me is not None and me.cancelling():
+                # Cancelled, but the CancelledError was lost on the way: redis-py awaits
+                # asyncio.wait_for, which in Python 3.11 returns a result that comes in with
+                # the cancel instead of raising it (seen: this loop went on for ever and a
+                # test awaiting the cancelled task hung).
+                raise asyncio.CancelledError
             try:
                 await self.lease_tick()
             except Exception:  # noqa: BLE001 - a bug here must not stop the leases being renewed

@@ -54,12 +54,16 @@ class SharedBreakers:
                 self.published += 1
             self._trips[name] = trips
         names = list(breakers)
+        # asyncio.timeout, not wait_for: this runs inside run_leases, which is cancelled to
+        # stop (see SlotLeases.wait)
         if publish:
-            await asyncio.wait_for(pipe.execute(), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                await pipe.execute()
         if not names:
             self.syncs += 1
             return
-        values = await asyncio.wait_for(self.client.mget([self.key(n) for n in names]), self.timeout_s)
+        async with asyncio.timeout(self.timeout_s):
+            values = await self.client.mget([self.key(n) for n in names])
         for name, raw in zip(names, values, strict=True):
             if raw is None:
                 continue
