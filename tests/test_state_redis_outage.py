@@ -88,7 +88,7 @@ def test_fail_closed_refuses_while_redis_is_down(server: RedisServer) -> None:
         server.kill()
         down = await admit(s, 30, lim)  # more than the lease holds
         await asyncio.to_thread(server.start)
-        await asyncio.sleep(0.6)
+        await eventually_async(lambda: s.up, 10, "the store's probe found Redis back")
         back = await admit(s, 20, lim)  # the restarted Redis starts from the level this replica last saw
         await s.aclose()
         await s.client.aclose()
