@@ -45,14 +45,23 @@ system-packages-bench:
 demo: install system-packages-demo
 	@$(PY) -m bench.demo --replicas $(REPLICAS) $(DEMO_ARGS)
 
+# The suite waits on processes (Envoy, extproc, engines, Redis, chromium) far more than it
+# computes: TEST_WORKERS modules run side by side, each module on one worker (its fixtures
+# start one stack per module) and the load tests one after another on one worker
+# (tests/conftest.py), in collection order: the load tests and then the end-to-end modules,
+# the longest, go out first (xdist's default reorder, most tests first, sent them out last).
+# TEST_WORKERS=0 runs it in this process, one test at a time.
+TEST_WORKERS ?= 4
+PYTEST_PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+
 test: install system-packages-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_PARALLEL)
 
 test-unit: install
-	$(PY) -m pytest -q -m 'not e2e'
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m 'not e2e'
 
 test-e2e: install system-packages-test
-	$(PY) -m pytest -q -m e2e
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m e2e
 
 bench: install system-packages-bench
 	$(PY) -m pip install -q -e '.[bench]'

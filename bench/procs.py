@@ -8,11 +8,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterable
@@ -23,10 +25,73 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# Ports for children that bind them later. bind(port 0) draws from the kernel's ephemeral
+# range, as every outgoing connection on the machine does, so a port found free there can
+# be taken by any process before the child binds it (seen: Envoy's "Address already in use"
+# with several test runs on one machine). Below that range the kernel hands out nothing;
+# a file per port in PORT_DIR keeps every caller on the machine (pytest-xdist workers,
+# other checkouts' runs) from picking one another's ports for PORT_HOLD_S to twice that.
+PORT_DIR = Path(tempfile.gettempdir()) / "sluice-ports"
+PORT_HOLD_S = 600  # longer than any test module keeps a port it may unbind and bind again
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_rng = random.Random()
+_swept = False
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port nobody listens on, reserved against other ``free_port`` callers."""
+    span = _below_ephemeral()
+    if span is not None:
+        for _ in range(200):
+            port = _rng.randrange(*span)
+            if _reserve(port) and _bindable(port):
+                return port
+    with socket.socket() as s:  # no usable range (or all of it reserved): the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _below_ephemeral() -> tuple[int, int] | None:
+    """The 12k ports under the ephemeral range, kept above the demo's fixed ports (<= 10000)."""
+    try:
+        low = int(_EPHEMERAL.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    start = max(10_240, low - 12_288)
+    return (start, low) if low - start >= 2_048 else None
+
+
+def _reserve(port: int) -> bool:
+    """Whether ``port`` is ours: its file for this period made here (O_EXCL), and none for the
+    period before or after. Checking both neighbours after creating means two callers either
+    side of a period's end cannot both win: the later check sees the other's file."""
+    global _swept
+    PORT_DIR.mkdir(exist_ok=True)
+    period = int(time.time()) // PORT_HOLD_S
+    if not _swept:
+        _swept = True
+        for old in PORT_DIR.iterdir():
+            with contextlib.suppress(ValueError, OSError):
+                if int(old.suffix[1:]) < period - 1:
+                    old.unlink()
+    mine = PORT_DIR / f"{port}.{period}"
+    try:
+        os.close(os.open(mine, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    if (PORT_DIR / f"{port}.{period - 1}").exists() or (PORT_DIR / f"{port}.{period + 1}").exists():
+        mine.unlink()
+        return False
+    return True
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def find_envoy() -> str | None:

@@ -25,6 +25,7 @@ from extproc.runtime.runtime import Runtime
 from extproc.service import ticker
 from extproc.wire.peer import PeerStream
 from tests.backend_ops import try_acquire
+from tests.waiting import eventually_async
 
 
 def policy(wait_ms: int = 60_000, depth: int = 4) -> Any:
@@ -200,7 +201,9 @@ def test_an_idle_ticker_wakes_on_the_first_enqueue_and_then_ticks_until_the_queu
         assert isinstance(hold, Hold)
         # Idle, it would sleep a minute: only the enqueue's wake-up can make it tick in time.
         task = asyncio.create_task(ticker.run_ticker(rt, interval_s=0.01, idle_s=60))
-        await asyncio.sleep(0.05)  # the ticker found every queue empty and sleeps
+        # The ticker hooks on_enqueue before it looks; seen from here, it has looked, found every
+        # queue empty and waits for the wake-up (its only await while idle).
+        await eventually_async(lambda: be.queue.on_enqueue is not None, 5, "the ticker found every queue empty")
         w = be.queue.enqueue("t", "a", None, 10, clock())
         assert isinstance(w, Waiter)
         clock.t += 1.0  # the deadline, on the runtime's clock

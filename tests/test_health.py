@@ -18,6 +18,7 @@ from extproc.wire.health import (
     HealthCheckRequest,
     HealthCheckResponse,
 )
+from tests.waiting import eventually_async
 
 CHECK = "/grpc.health.v1.Health/Check"
 
@@ -56,7 +57,7 @@ def test_check_answers_serving_then_not_serving_and_the_drain_waits_for_the_chec
                         await asyncio.sleep(0.1)
 
                 task = asyncio.create_task(checker())
-                await asyncio.sleep(0.15)  # it has checked once: a live checker
+                await eventually_async(lambda: seen, 5, "the checker has checked once: a live checker")
                 waited = await health.drain(interval_s=0.5, threshold=2)
                 told = seen.count(NOT_SERVING)
                 task.cancel()

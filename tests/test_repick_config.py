@@ -7,7 +7,7 @@ import re
 
 from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, render_bootstrap
 from extproc.envoy.headers import CLIENT_RETRY_HEADERS, ENVOY_MUTABLE, UPSTREAM_ATTRIBUTE
-from tests.test_envoyconfig import ext_proc
+from tests.envoy_config import ext_proc
 
 ONE = (BackendRoute("sim", "127.0.0.1", 8000),)
 POOL = (BackendRoute("sim", "127.0.0.1", 8000), BackendRoute("pool", "127.0.0.1", 1, pool=True))

@@ -20,6 +20,7 @@ from extproc.store.shared_breakers import SharedBreakers
 from tests.backend_ops import try_acquire
 from tests.redis_server import redis_server_fixture  # noqa: F401 - the redis_server fixture
 from tests.test_pool import doc as pool_doc
+from tests.waiting import eventually_async
 
 
 def test_a_trip_on_one_replica_opens_the_others_once(redis_server: RedisServer) -> None:
@@ -75,7 +76,11 @@ def test_a_pool_endpoint_trip_on_one_runtime_ejects_it_on_the_other_within_a_sec
         try:
             eps0, eps1 = (rt.backends["pool"].endpoints for rt in rts)
             assert eps0 is not None and eps1 is not None
-            await asyncio.sleep(0.3)  # both have synced once: nothing is published yet
+            def synced() -> list[int]:
+                return [rt.shared_breakers.syncs for rt in rts]  # type: ignore[union-attr]
+
+            await eventually_async(lambda: min(synced()) >= 1, 5, "both replicas synced their breakers once")
+            # nothing is published yet
             assert eps1.by_key[b].breaker.state(rts[1].clock()) is BreakerState.CLOSED
             for _ in range(2):
                 eps0.record(b, Outcome.FAILURE, None, rts[0].clock())
@@ -85,7 +90,9 @@ def test_a_pool_endpoint_trip_on_one_runtime_ejects_it_on_the_other_within_a_sec
                 assert time.monotonic() - t0 < 5.0, "the trip never reached the other replica"
                 await asyncio.sleep(0.01)
             seen_after = time.monotonic() - t0
-            await asyncio.sleep(0.6)  # more syncs: the applied trip is not published back
+            before = synced()  # two more syncs each: the applied trip is not published back
+            await eventually_async(lambda: all(n >= b + 2 for n, b in zip(synced(), before, strict=True)), 5,
+                                   lambda: f"two more breaker syncs on each replica: {before} -> {synced()}")
             client = rts[0].state.client  # type: ignore[attr-defined]
             ttl = await client.pttl(f"sluice:breaker:pool@{b}")
             info = {"ttl": ttl, "stores": [rt.status()["store"]["breakers"] for rt in rts],
@@ -108,7 +115,7 @@ def test_a_pool_endpoint_trip_on_one_runtime_ejects_it_on_the_other_within_a_sec
     seen_after, info, rts = asyncio.run(main())
     assert seen_after < 1.0, seen_after  # one sync interval (250 ms) plus a round trip, on a loaded host
     assert 15000 < info["ttl"] <= 20000  # the key lives as long as replica 0's cooldown
-    assert info["stores"] == [{"published": 1, "applied": 0}, {"published": 0, "applied": 1}]
+    assert [(s["published"], s["applied"]) for s in info["stores"]] == [(1, 0), (0, 1)]
     assert info["snap1"]["last_cause"] == "shared:consecutive_failures" and info["snap1"]["trips"] == 1
     assert info["a1"] is BreakerState.CLOSED and info["pool1"] is BreakerState.CLOSED  # only B is ejected
     assert info["placed"] == a

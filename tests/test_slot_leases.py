@@ -415,33 +415,3 @@ def test_two_replicas_lease_each_pool_endpoint_separately_and_never_overfill_one
     assert {(i, k) for i in (0, 1) for k in caps} <= set(placed), placed
     assert ok > refused
     assert all(e["lease"] is not None for e in seen["snap"])
-
-
-def test_a_lease_waiter_is_woken_by_the_check_that_read_its_refusal_not_by_one_begun_before() -> None:
-    """A check already running when a request is refused may not have read the refusal;
-    a check that has read it wakes the request (the one after would shrink the lease again)."""
-    class NoScripts:
-        def register_script(self, _src: str) -> None:
-            return None
-
-    async def scenario() -> list[str]:
-        leases = SlotLeases(NoScripts(), registry=None)  # type: ignore[arg-type]
-        woke: list[str] = []
-        early = leases.begin_check()  # a check is running before the refusal
-        leases.want_more("sim", 1, 224)
-
-        async def waiter() -> None:
-            await leases.next_check(5.0)
-            woke.append("waiter")
-
-        task = asyncio.ensure_future(waiter())
-        await asyncio.sleep(0)
-        leases.end_check(early)
-        await asyncio.sleep(0)
-        woke.append("after early check")
-        seen = leases.begin_check()  # this one reads the refusal
-        leases.end_check(seen)
-        await task
-        return woke
-
-    assert asyncio.run(scenario()) == ["after early check", "waiter"]

@@ -55,8 +55,11 @@ class Handle:
     async def wait(self, timeout: float | None = None) -> None:
         """Wait for progress (or the timeout, so callers can check their connection)."""
         if not self._event.is_set():
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can drop a cancel that lands
+            # as the event is set (a stream's handler cancelled on disconnect would go on)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._event.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._event.wait()
         self._event.clear()
 
 
@@ -137,7 +140,8 @@ class Scheduler:
                 continue
             delay = max(self.clock.to_real(out.wake_at - now), 0.0005)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), delay)
+                async with asyncio.timeout(delay):  # not wait_for: see Handle.wait
+                    await self._wake.wait()
 
     def _deliver(self, out: StepOutcome) -> None:
         for seq, generated in out.emitted.items():

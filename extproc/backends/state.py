@@ -62,7 +62,8 @@ class BackendState:
     # Called when an acquire is denied for room (not a tenant cap): a shared store's
     # lease task is woken to grow the lease (extproc.runtime.leases.on_short).
     on_short: Callable[[BackendState, int, float], None] | None = None
-    # Until the lease check that on_short asked for has ended (a shared store; None: no leases).
+    # Done when the lease check that on_short asked for has ended (a shared store; None: no
+    # leases). Called at the refusal, not when awaited (SlotLeases.next_check).
     lease_wait: Callable[[], Awaitable[None]] | None = None
 
     @classmethod

@@ -267,6 +267,7 @@ class SlotWait:
             # Shared leases: the room may be in the pool but not yet in this replica's lease;
             # the refusal woke the lease task, so wait for that one check and try once more.
             ticket.lease_short = req
+            ticket.lease_checked = be.lease_wait()  # now, before the hint is sent: see next_check
             return LEASE_WAIT_HINT_S
         return self._refused(got)
 
@@ -301,9 +302,9 @@ class SlotWait:
             self.rt.metrics.queue_waited(self.tier.name, result, ticket.queued_s)
 
     async def _await_lease(self, ticket: Ticket) -> None:
-        be, req = ticket.backend_state, ticket.lease_short
-        assert be.lease_wait is not None and req is not None
-        await be.lease_wait()
+        be, req, checked = ticket.backend_state, ticket.lease_short, ticket.lease_checked
+        assert req is not None and checked is not None
+        await checked
         got = be.acquire(req, self.rt.clock(), ticket.prefix)
         if isinstance(got, Hold):
             ticket.hold = got

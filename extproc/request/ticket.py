@@ -8,6 +8,7 @@ and the breakers that let the request through hear how it ended once
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
 
 from extproc.backends.hold import Hold
@@ -37,6 +38,7 @@ class Ticket:
     route_verdict: BreakerVerdict | None = None  # the model route's own breaker, if it has one
     tenant_verdict: BreakerVerdict | None = None  # the tenant's breaker on this backend
     lease_short: SlotRequest | None = None  # refused for room in a shared lease: retried after one lease check
+    lease_checked: Awaitable[None] | None = None  # done when that check has ended (SlotLeases.next_check)
     prefix: tuple[int, ...] = ()  # prompt prefix keys when the pool has prefix affinity (extproc.openai_api.prefix_key)
 
     def report_outcome(self, outcome: Outcome, latency_s: float | None, now: float) -> None:

@@ -174,9 +174,12 @@ class Runtime:
             be.on_short = lambda b, kv, now: leases.on_short(shared, b, kv, now)
             # A tier without a queue waits for that one check rather than be refused at once
             # (bounded: a throttled wake waits check_s, the exchange timeout_s, plus loop lag).
-            # Not while the store is down: no lease can grow, and a refusal must stay quick.
-            be.lease_wait = lambda: shared.next_check(max(0.5, shared.timeout_s + 2 * shared.check_s),
-                                                      skip=not getattr(self.state, "up", True))
+            # Not while the lease exchanges fail (next_check returns at once): no lease can grow,
+            # and a refusal must stay quick. The token store's breaker is not that signal: it
+            # opens on a bucket exchange slower than admit_wait_s (8 ms; a busy host trips it
+            # without an outage), while the lease exchange, allowed timeout_s, still grows the
+            # lease: skipping the wait then refuses a KV-short request "slots" with room in the pool.
+            be.lease_wait = lambda: shared.next_check(max(0.5, shared.timeout_s + 2 * shared.check_s))
 
     def _apply_lease(self, name: str, lease: PoolLease) -> None:
         name = leases.backend_of(name)
@@ -208,8 +211,15 @@ class Runtime:
     async def run_leases(self) -> None:
         """Keep the pool leases (``extproc.store.slot_leases``) until cancelled."""
         assert self.slot_leases is not None
+        me = asyncio.current_task()
         breakers_at = 0.0
         while True:
+            if me is not None and me.cancelling():
+                # Cancelled, but the CancelledError was lost on the way: redis-py awaits
+                # asyncio.wait_for, which in Python 3.11 returns a result that comes in with
+                # the cancel instead of raising it (seen: this loop went on for ever and a
+                # test awaiting the cancelled task hung).
+                raise asyncio.CancelledError
             try:
                 await self.lease_tick()
             except Exception:  # noqa: BLE001 - a bug here must not stop the leases being renewed

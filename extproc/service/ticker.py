@@ -47,5 +47,8 @@ async def run_ticker(rt: Runtime, interval_s: float = TICK_S, idle_s: float = ID
         if any(be.queue.depth() for be in rt.backends.values()):
             await asyncio.sleep(interval_s)
         else:
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can drop the cancel that
+            # stops this loop when it lands as the wake-up does (extproc.store.slot_leases.wait)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), idle_s)
+                async with asyncio.timeout(idle_s):
+                    await wake.wait()

@@ -297,7 +297,10 @@ class RedisState(Exchanges):
                 await self._registered(now)  # shared with a request that may be registering too
             elif self.up and self.registry.due(now) or self.breaker.probe_due(now):
                 try:
-                    await asyncio.wait_for(self._beat(now), timeout=max(self.probe_s, 0.05))
+                    # asyncio.timeout, not wait_for, in a loop that is cancelled to stop: see
+                    # SlotLeases.wait (Python 3.11's wait_for can drop a cancel)
+                    async with asyncio.timeout(max(self.probe_s, 0.05)):
+                        await self._beat(now)
                 except STORE_ERRORS as exc:
                     self._trip(f"heartbeat: {type(exc).__name__}: {exc}")
                 else:
@@ -305,8 +308,9 @@ class RedisState(Exchanges):
             if self.up:
                 await self.sync(self.clock(), only_due=True)
             self._wake.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.flush_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.flush_s):
+                    await self._wake.wait()
 
     async def sync(self, now: float, tenants: list[str] | None = None, only_due: bool = False) -> None:
         """One exchange for each tenant that needs one (settles to send, a lease low or expiring)."""

@@ -32,6 +32,7 @@ class SharedBreakers:
         self._applied: dict[str, str] = {}  # breaker key -> the published value already applied
         self.published = 0
         self.applied = 0
+        self.syncs = 0  # finished: the sync loop is alive (and a waiter can count rounds)
 
     def key(self, name: str) -> str:
         return f"{self.prefix}:breaker:{name}"
@@ -53,11 +54,16 @@ class SharedBreakers:
                 self.published += 1
             self._trips[name] = trips
         names = list(breakers)
+        # asyncio.timeout, not wait_for: this runs inside run_leases, which is cancelled to
+        # stop (see SlotLeases.wait)
         if publish:
-            await asyncio.wait_for(pipe.execute(), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                await pipe.execute()
         if not names:
+            self.syncs += 1
             return
-        values = await asyncio.wait_for(self.client.mget([self.key(n) for n in names]), self.timeout_s)
+        async with asyncio.timeout(self.timeout_s):
+            values = await self.client.mget([self.key(n) for n in names])
         for name, raw in zip(names, values, strict=True):
             if raw is None:
                 continue
@@ -73,6 +79,7 @@ class SharedBreakers:
                 self._trips[name] = int(b.snapshot(now)["trips"])
                 self.applied += 1
                 log.warning("breaker %s: tripped by another replica (%s); open here too", name, value)
+        self.syncs += 1
 
     def snapshot(self) -> dict[str, int]:
-        return {"published": self.published, "applied": self.applied}
+        return {"published": self.published, "applied": self.applied, "syncs": self.syncs}

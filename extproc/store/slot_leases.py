@@ -121,6 +121,11 @@ return {gs, gk, os_, ok_, reported, redis.call('ZCOUNT', KEYS[3], nows, '+inf')}
 """
 
 
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 def block(pool: int, live: int) -> int:
     """The lease's headroom: ``ceil(pool / (4 × live))``, at least 1 (0 for an empty pool)."""
     return 0 if pool <= 0 else max(1, -(-pool // (4 * max(1, live))))
@@ -181,25 +186,36 @@ class SlotLeases:
             await asyncio.sleep(self.check_s)
             self._woken = False
         else:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.check_s)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result when the
+            # wait ends as the task is cancelled, dropping the cancel (run_leases, cancelled
+            # right after a poke, then looped on for ever: seen as a test hung in its teardown).
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.check_s):
+                    await self._wake.wait()
             self._woken = self._wake.is_set()
             if self._woken:
                 self.wakes += 1
         self._wake.clear()
 
-    async def next_check(self, timeout_s: float, skip: bool = False) -> None:
-        """Until a check that has read the caller's ``want_more`` (the last one) has ended, or
-        ``timeout_s``. Not simply the next check to end: one already running may have read it
-        (and grown the lease), and the check after that shrinks the lease again, since the
-        refusal it recorded is no longer pending. ``skip`` (the store is down; so is the last
-        exchange): return at once, no lease can grow."""
-        if skip or self.failing:
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    def next_check(self, timeout_s: float) -> asyncio.Future[None]:
+        """Done once a check that has read the caller's ``want_more`` (the last one) has ended, or
+        after ``timeout_s``. Not simply the next check to end: one already running may have read
+        it (and grown the lease), and the check after that shrinks the lease again, since the
+        refusal it recorded is no longer pending. For the same reason the wait is registered
+        here, at the call, not when it is awaited: call it in the step that was refused, before
+        any await, so that a check which reads the refusal and ends before the caller awaits
+        still counts (else the refused stream, resuming after that check has ended, would wait
+        for the next one, which shrinks the lease, and its retry would be refused). The last
+        exchange failed (Redis unreachable): done at once, no lease can grow."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        if self.failing:
+            fut.set_result(None)
+            return fut
         self._lease_waiters.append((self.asked, fut))
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(fut, timeout_s)
+        timer = loop.call_later(timeout_s, _resolve, fut)
+        fut.add_done_callback(lambda _: timer.cancel())
+        return fut
 
     def begin_check(self) -> int:
         """A check starts: it reads every ``want_more`` so far (pass the result to ``end_check``)."""
@@ -210,8 +226,7 @@ class SlotLeases:
         keep = []
         for asked, fut in self._lease_waiters:
             if asked <= seen:
-                if not fut.done():
-                    fut.set_result(None)
+                _resolve(fut)
             elif not fut.done():
                 keep.append((asked, fut))
         self._lease_waiters = keep
@@ -249,8 +264,8 @@ class SlotLeases:
         # overwrite the newer record (holding 3 while this replica holds the 7 it was then
         # granted: the others may be granted the 4). Each ask carries a sequence number and
         # the script ignores one lower than the member's last.
-        got = await asyncio.wait_for(
-            self._script(keys=self.keys(backend), args=self._args(member, slots, kv, ls)), self.timeout_s)
+        async with asyncio.timeout(self.timeout_s):  # not wait_for: see wait()
+            got = await self._script(keys=self.keys(backend), args=self._args(member, slots, kv, ls))
         gs, gk, others, others_kv, reported, registered = (int(x) for x in got)
         if gs == -2:  # never the ask awaited here (the newest): kept as is
             return ls

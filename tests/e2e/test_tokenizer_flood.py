@@ -17,7 +17,7 @@ import pytest
 
 from bench import corpus
 from extproc.policy.schema import hash_key
-from tests.e2e.harness import Stack, running
+from tests.e2e.harness import Stack, eventually, running
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
@@ -156,7 +156,8 @@ def test_a_junk_flood_does_not_slow_another_tenants_long_prompts(stack: Stack) -
     for t in threads:
         t.start()
     try:
-        time.sleep(1.0)  # the flood is under way: the free key's bucket is spent by now
+        # the flood is under way: the free key's bucket is spent, its requests refused before counting
+        eventually(lambda: statuses[(429, "tpm")] >= 1, 15, lambda: f"the flood's first 429 tpm: {dict(statuses)}")
         under_flood = premium_latencies(stack, 50, clients=2)
     finally:
         stop.set()
