@@ -1,6 +1,6 @@
 """The store's own breaker: is Redis answering? Drives ``sluice_state_store_up``.
 
-Opened by an error or an exchange unanswered within ``admit_wait_s``; closed by any
+Opened by an error or an exchange unanswered within its bound (``extproc.store.round_trips``); closed by any
 answer (a late one ends a false alarm at once) or a probe every ``probe_s``. A loaded
 host makes short false alarms, so they are logged at most once per ``LOG_EVERY_S``;
 an outage of half a second or more logs its end.

@@ -3,9 +3,10 @@
 ``_begin`` sends one ``scripts.EXCHANGE`` for a tenant with every request of it
 waiting at that moment, the settles not yet sent and the lease going back; the reply
 brings the bucket's level, a new lease and a verdict per request. A watchdog trips
-the store's breaker when no answer comes within ``admit_wait_s`` (after making sure
-it was Redis that was slow, not this event loop), and the waiting requests fall back
-to the local share. Split from ``extproc.store.redis_state`` (the TokenState protocol,
+the store's breaker when no answer comes within the bound recent answers set
+(``round_trips``: ``admit_wait_s`` on a quiet host, more on a busy one; after making
+sure it was Redis that was slow, not this event loop), and the waiting requests fall
+back to the local share. Split from ``extproc.store.redis_state`` (the TokenState protocol,
 the local pieces, the background task); the attributes below are RedisState's.
 """
 
@@ -21,6 +22,7 @@ import redis
 from extproc.policy.gate import Verdict
 from extproc.policy.lease import TenantLease
 from extproc.store.registry import Registry
+from extproc.store.round_trips import RoundTrips
 
 ADMITTED = "admitted"
 FALLBACK = "fallback"
@@ -41,6 +43,7 @@ class Exchanges:
     lease_ttl_s: float
     holder_grace_s: float
     admit_wait_s: float
+    round_trips: RoundTrips
     caller_clock: bool
     clock: Callable[[], float]
     exchanges: int
@@ -109,7 +112,7 @@ class Exchanges:
         loop = asyncio.get_running_loop()
         task = loop.create_task(self._exchange(tenant, ls, args, waiters, sent, now))
         ls.inflight = task
-        self._arm(loop, ls, task, waiters, loop.time() + self.admit_wait_s)
+        self._arm(loop, ls, task, waiters, loop.time() + self.round_trips.bound())
 
     def _arm(self, loop: asyncio.AbstractEventLoop, ls: TenantLease, task: asyncio.Task[None],
              waiters: list[tuple[int, Any]], due: float) -> None:
@@ -118,6 +121,8 @@ class Exchanges:
 
     async def _exchange(self, tenant: str, ls: TenantLease, args: list[str], waiters: list[tuple[int, Any]],
                         sent: tuple[float, float, float, float], now: float) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
             reply = await self._script(keys=[f"{self.prefix}:tb:{tenant}", self.registry.keys[0]], args=args)
         except STORE_ERRORS as exc:
@@ -130,6 +135,7 @@ class Exchanges:
             self._release(ls, waiters)  # nobody waits forever on an exchange that will not finish
             raise
         ls.inflight = None
+        self.round_trips.observe(loop.time() - started)
         self._answered()
         tl, rl, g, q = (_f(x) for x in reply[:4])
         self.registry.observe(int(_f(reply[4])), self.clock())
@@ -159,8 +165,9 @@ class Exchanges:
                  waiters: list[tuple[int, Any]], due: float, rechecks: int = 0) -> None:
         if task.done():
             return
+        bound = self.round_trips.bound()
         lag = loop.time() - due
-        if lag > self.admit_wait_s / 4 and rechecks < 4:
+        if lag > bound / 4 and rechecks < 4:
             # This loop was busy, not Redis slow: a reply may be read and not yet handled.
             self._arm_recheck(loop, ls, task, waiters, rechecks)
             return
@@ -168,12 +175,12 @@ class Exchanges:
             # One more turn of the loop: a reply read in this turn wakes its task in the next.
             loop.call_soon(self._overdue, loop, ls, task, waiters, loop.time(), 4)
             return
-        self._trip(f"no answer within {self.admit_wait_s * 1000:.0f} ms")
+        self._trip(f"no answer within {bound * 1000:.0f} ms")
         self._release(ls, waiters)
 
     def _arm_recheck(self, loop: asyncio.AbstractEventLoop, ls: TenantLease, task: asyncio.Task[None],
                      waiters: list[tuple[int, Any]], rechecks: int) -> None:
-        due = loop.time() + self.admit_wait_s / 4
+        due = loop.time() + self.round_trips.bound() / 4
         watchdog = loop.call_at(due, self._overdue, loop, ls, task, waiters, due, rechecks + 1)
         task.add_done_callback(lambda _: watchdog.cancel())
 

@@ -9,7 +9,8 @@ every request of that tenant waiting at that moment, the settles not yet sent, a
 brings back a new lease. A background task sends settles within ``flush_s``, refills
 leases running low ahead of need, renews expiring ones and heartbeats the registry.
 
-Redis unreachable (an error, or an exchange slower than ``admit_wait_s``): the store's
+Redis unreachable (an error, or an exchange slower than recent answers allow, at least
+``admit_wait_s``: ``extproc.store.round_trips``): the store's
 breaker opens, ``sluice_state_store_up`` drops to 0, and admission continues from
 unexpired leases, then from a local share of the bucket (limit / the most replicas
 seen in the last registry ttl that Redis answered, ``Registry.most_seen``), or is refused (``fail_closed``). A probe every
@@ -39,6 +40,7 @@ from extproc.policy.schema import Limits
 from extproc.store.breaker import StoreBreaker
 from extproc.store.exchange import STORE_ERRORS, Exchanges
 from extproc.store.registry import Registry
+from extproc.store.round_trips import RoundTrips
 from extproc.store.scripts import EXCHANGE
 
 log = logging.getLogger("sluice.store")
@@ -71,6 +73,9 @@ class RedisState(Exchanges):
         self.lease_ttl_s, self.flush_s, self.admit_wait_s = lease_ttl_s, flush_s, admit_wait_s
         self.probe_s, self.slice_fraction, self.holder_grace_s = probe_s, slice_fraction, holder_grace_s
         self.fail_closed, self.clock, self.socket_timeout_s = fail_closed, clock, socket_timeout_s
+        # How long an answer may take before the store counts as unreachable: admit_wait_s
+        # on a quiet host, what recent answers took on a busy one (extproc.store.round_trips).
+        self.round_trips = RoundTrips(admit_wait_s, socket_timeout_s)
         self.ledger = Ledger()
         self.in_flight = 0
         self.registry = Registry(replica_id, prefix, registry_ttl_s)
@@ -299,8 +304,10 @@ class RedisState(Exchanges):
                 try:
                     # asyncio.timeout, not wait_for, in a loop that is cancelled to stop: see
                     # SlotLeases.wait (Python 3.11's wait_for can drop a cancel)
-                    async with asyncio.timeout(max(self.probe_s, 0.05)):
+                    started = asyncio.get_running_loop().time()
+                    async with asyncio.timeout(max(self.probe_s, 0.05, 2 * self.round_trips.bound())):
                         await self._beat(now)
+                    self.round_trips.observe(asyncio.get_running_loop().time() - started)
                 except STORE_ERRORS as exc:
                     self._trip(f"heartbeat: {type(exc).__name__}: {exc}")
                 else:
