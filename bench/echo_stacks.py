@@ -112,41 +112,10 @@ class Mini:
 
     def answer_raw(self, data: bytes) -> list[Any]:
         """``answer`` for a message still in wire form: an SSE chunk's is read by hand."""
-        got = sse_chunk(data)
+        got = pp.response_chunk(data)
         if got is not None:
             return [pp.echo(pp.RESPONSE_BODY_FIELD, got[0], got[1])]
         return self.answer(pb.ProcessingRequest.FromString(data))
-
-
-_RESPONSE_BODY_TAG = 5 << 3 | 2
-
-
-def _varint(data: bytes, i: int) -> tuple[int, int]:
-    n = shift = 0
-    while True:
-        b = data[i]
-        i += 1
-        n |= (b & 0x7F) << shift
-        if b < 0x80:
-            return n, i
-        shift += 7
-
-
-def sse_chunk(data: bytes) -> tuple[bytes, bool] | None:
-    """``(body, end_of_stream)`` when ``data`` is a ProcessingRequest holding only a
-    ``response_body`` with only those two fields; None for anything else (parse it)."""
-    if not data or data[0] != _RESPONSE_BODY_TAG:
-        return None
-    n, i = _varint(data, 1)
-    if i + n != len(data):
-        return None
-    body, eos = b"", False
-    if i < len(data) and data[i] == 0x0A:
-        m, i = _varint(data, i + 1)
-        body, i = data[i:i + m], i + m
-    if i < len(data) and data[i] == 0x10:
-        eos, i = data[i + 1] == 1, i + 2
-    return (body, eos) if i == len(data) else None
 
 
 # -- the stacks ---------------------------------------------------------------------------
@@ -209,7 +178,7 @@ def own_handlers(dest: str, fast: bool) -> dict[str, Any]:
                 call.write(a)
 
     def echo(call: h2grpc.Call, data: bytes) -> bool:
-        got = sse_chunk(data)
+        got = pp.response_chunk(data)
         if got is None:
             return False
         call.write(pp.echo(pp.RESPONSE_BODY_FIELD, got[0], got[1]))
