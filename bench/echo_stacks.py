@@ -327,13 +327,14 @@ class Candidate:
     code: str = ""
 
     def argv(self, port: int, dest: str, tls: bool) -> list[str]:
-        out = [sys.executable, "-m", "bench.echo_stacks", "serve", "--stack", self.stack, "--codec", self.codec,
+        out = [sys.executable, *ECHO_SERVER, "serve", "--stack", self.stack, "--codec", self.codec,
                "--loop", self.loop, "--port", str(port), "--dest", dest, "--threads", str(self.threads)]
         for o in self.opts:
             out += ["--opt", o]
         return out + (["--tls"] if tls else [])
 
 
+ECHO_SERVER = os.environ.get("ECHO_SERVER", "-m bench.echo_stacks").split()
 BASELINE = "aio-gen"
 CANDIDATES = {c.name: c for c in (
     Candidate("aio-gen", code="grpc.aio, async-generator handler, FromString in, echo as wire bytes (as served)"),

@@ -272,3 +272,34 @@ def test_not_http2_is_closed() -> None:
         await server.stop(0)
 
     run(go)
+
+
+def test_frames_read_a_byte_at_a_time() -> None:
+    """A connection whose bytes arrive one by one (preface, SETTINGS, HEADERS, DATA split
+    anywhere) is read the same as one that arrives whole."""
+    rec = Recorder()
+
+    async def go() -> None:
+        server, port = await serve({ECHO: rec.handler()})
+        loop = asyncio.get_running_loop()
+        enc = __import__("hpack").Encoder()
+        block = enc.encode([(":method", "POST"), (":scheme", "http"), (":path", ECHO), (":authority", "x"),
+                            ("content-type", "application/grpc"), ("te", "trailers")])
+        msg = b"\x00" + (5).to_bytes(4, "big") + b"hello"
+        wire = (h2grpc.PREFACE + h2grpc.frame(h2grpc.SETTINGS, 0, 0)
+                + h2grpc.frame(h2grpc.HEADERS, h2grpc.END_HEADERS, 1, block)
+                + h2grpc.frame(h2grpc.DATA, h2grpc.END_STREAM, 1, msg))
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.setblocking(False)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for i in range(len(wire)):
+                await loop.sock_sendall(s, wire[i:i + 1])
+                await asyncio.sleep(0)
+            data = b""
+            while b"grpc-status" not in data:
+                data += await asyncio.wait_for(loop.sock_recv(s, 65536), 5)
+        assert b"task:hello" in data
+        assert rec.seen == [b"hello"] and rec.ended == ["eof"]
+        await server.stop(0)
+
+    run(go)

@@ -92,16 +92,22 @@ def _read_varint(data: bytes, i: int) -> tuple[int, int]:
         shift += 7
 
 
+_EMPTY_METADATA = b"\x42\x00"  # ProcessingRequest.metadata_context, empty: Envoy 1.40 sends it on every message
+
+
 def response_chunk(data: bytes) -> tuple[bytes, bool] | None:
     """``(body, end_of_stream)`` of a ProcessingRequest in wire form that holds a
-    ``response_body`` with at most those two fields and nothing else (what Envoy sends for
-    each streamed chunk); None for any other message, which is parsed whole instead."""
+    ``response_body`` with at most those two fields, and else only an empty
+    ``metadata_context`` (what Envoy sends for each streamed chunk); None for any other
+    message, which is parsed whole instead."""
     if len(data) < 2 or data[0] != _RESPONSE_BODY_TAG:
         return None
     try:
         n, i = _read_varint(data, 1)
         if i + n != len(data):
-            return None
+            if i + n != len(data) - 2 or not data.endswith(_EMPTY_METADATA):
+                return None
+            data = data[:-2]
         body, eos = b"", False
         if i < len(data) and data[i] == 0x0A:  # HttpBody.body
             m, i = _read_varint(data, i + 1)

@@ -177,7 +177,8 @@ class Connection(asyncio.Protocol):
         self.server = server
         self.transport: asyncio.Transport | None = None
         self.peer = "unknown"
-        self.buf = b""
+        self.buf = bytearray()  # a partial frame
+        self.need = 0  # the bytes ``buf`` must reach before it is worth parsing
         self.preface = False
         self.streams: dict[int, Stream] = {}
         self.last_sid = 0
@@ -224,9 +225,11 @@ class Connection(asyncio.Protocol):
             self.transport.write(data)
 
     def data_received(self, data: bytes) -> None:
-        if self.buf:
-            data = self.buf + data
-            self.buf = b""
+        if self.buf:  # the rest of a frame read in pieces: parse once it is whole
+            self.buf += data
+            if len(self.buf) < self.need:
+                return
+            data, self.buf = bytes(self.buf), bytearray()
         self.out = out = []
         try:
             pos = self._frames(data)
@@ -238,7 +241,11 @@ class Connection(asyncio.Protocol):
                 self.transport.close()
             return
         if pos < len(data):
-            self.buf = data[pos:]
+            self.buf = bytearray(data[pos:])
+            if not self.preface:
+                self.need = len(PREFACE)
+            else:
+                self.need = 9 + int.from_bytes(self.buf[:3], "big") if len(self.buf) >= 9 else 9
         self._flush_out()
 
     def _flush_out(self) -> None:
@@ -319,7 +326,7 @@ class Connection(asyncio.Protocol):
         buf = st.msgbuf
         if (not buf and len(payload) > 4 and payload[0] == 0
                 and int.from_bytes(payload[1:5], "big") == len(payload) - 5):  # one whole message
-            if app is not None:
+            if app is not None and not st.local_closed:
                 app.on_message(payload[5:])
         elif payload:
             buf += payload
