@@ -193,7 +193,7 @@ async def serve_own(args: argparse.Namespace) -> None:
 
     server = h2grpc.Server(own_handlers(args.dest, args.stack == "own"))
     ctx = h2grpc.ssl_context(*sluice_tls.self_signed()) if args.tls else None
-    await server.start("127.0.0.1", args.port, ctx)
+    await server.start("127.0.0.1", args.port, ctx, reuse_port=args.reuse_port)
     print("serving", flush=True)
     await _until_term()
     await server.stop(0)
@@ -324,6 +324,7 @@ class Candidate:
     opts: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     threads: int = 256
+    procs: int = 1  # processes on one port (SO_REUSEPORT), before an Envoy with as many workers
     code: str = ""
 
     def argv(self, port: int, dest: str, tls: bool) -> list[str]:
@@ -331,7 +332,7 @@ class Candidate:
                "--loop", self.loop, "--port", str(port), "--dest", dest, "--threads", str(self.threads)]
         for o in self.opts:
             out += ["--opt", o]
-        return out + (["--tls"] if tls else [])
+        return out + (["--tls"] if tls else []) + (["--reuse-port"] if self.procs > 1 else [])
 
 
 ECHO_SERVER = os.environ.get("ECHO_SERVER", "-m bench.echo_stacks").split()
@@ -360,6 +361,8 @@ CANDIDATES = {c.name: c for c in (
     Candidate("own", stack="own", codec="raw", code="extproc.wire.h2grpc: HTTP/2 on the event loop, SSE chunk "
               "echoed in the read callback"),
     Candidate("own-uvloop", stack="own", codec="raw", loop="uvloop", code="as own, on uvloop"),
+    Candidate("own-uvloop-x2", stack="own", codec="raw", loop="uvloop", procs=2,
+              code="as own-uvloop, 2 processes on one port (SO_REUSEPORT), Envoy with 2 workers"),
     Candidate("own-task", stack="own-task", codec="raw", code="as own, every message through the stream's task"),
     Candidate("grpclib-uvloop", stack="grpclib", codec="raw", loop="uvloop", code="grpclib on uvloop, bytes in"),
 )}
@@ -403,21 +406,30 @@ def run_group(names: list[str], args: argparse.Namespace, workdir: Path) -> dict
             c = CANDIDATES[n]
             port = free_port()
             env = dict(c.env)
-            proc = g.procs[f"x-{n}"] = Proc(f"x-{n}", c.argv(port, f"127.0.0.1:{backend}", args.tls),
-                                            workdir / f"x-{n}.log", env=env or None).start()
-            wait_until(lambda port=port: tcp_open(port), n, proc.popen, log=proc.log)
+            for k in range(c.procs):
+                name = f"x-{n}" if k == 0 else f"x-{n}-{k}"
+                proc = g.procs[name] = Proc(name, c.argv(port, f"127.0.0.1:{backend}", args.tls),
+                                            workdir / f"{name}.log", env=env or None).start()
+                wait_until(lambda port=port: tcp_open(port), n, proc.popen, log=proc.log)
             admin = free_port()
-            g.start_envoy(f"envoy-{n}", envoy_config(listen[n], admin, free_port(), port, args.tls), admin, 1)
+            g.start_envoy(f"envoy-{n}", envoy_config(listen[n], admin, free_port(), port, args.tls), admin, c.procs)
         for n in names:
             asyncio.run(asyncio.wait_for(one(listen[n], 5, 1), 30))
-        pids = {(n, w): g.procs[f"{'x' if w == 'extproc' else 'envoy'}-{n}"].pid for n in names
-                for w in ("extproc", "envoy")}
-        t0, c0 = time.monotonic(), {k: cpu_ns(p) for k, p in pids.items()}
+        pids: dict[tuple[str, str], list[int]] = {}
+        for n in names:
+            pids[(n, "envoy")] = [g.procs[f"envoy-{n}"].pid]
+            pids[(n, "extproc")] = [p.pid for name, p in g.procs.items()
+                                    if name == f"x-{n}" or name.startswith(f"x-{n}-")]
+
+        def cpu(k: tuple[str, str]) -> int:
+            return sum(cpu_ns(p) for p in pids[k])
+
+        t0, c0 = time.monotonic(), {k: cpu(k) for k in pids}
         time.sleep(args.idle_s)
-        idle = {k: (cpu_ns(p) - c0[k]) / (time.monotonic() - t0) for k, p in pids.items()}
+        idle = {k: (cpu(k) - c0[k]) / (time.monotonic() - t0) for k in pids}
         out = {n: Result() for n in names}
         for i in range(args.rounds):
-            t0, c0 = time.monotonic(), {k: cpu_ns(p) for k, p in pids.items()}
+            t0, c0 = time.monotonic(), {k: cpu(k) for k in pids}
 
             async def go() -> list[list[tuple[int, bool, bool, float]]]:
                 return await asyncio.gather(*(asyncio.gather(*(one(listen[n], args.tokens, args.interval_ms)
@@ -432,7 +444,7 @@ def run_group(names: list[str], args: argparse.Namespace, workdir: Path) -> dict
                 r.events = args.streams * args.tokens
                 for w, lst in (("extproc", r.extproc_ns), ("envoy", r.envoy_ns)):
                     k = (n, w)
-                    lst.append(max(0.0, cpu_ns(pids[k]) - c0[k] - idle[k] * dt))
+                    lst.append(max(0.0, cpu(k) - c0[k] - idle[k] * dt))
             line = "  ".join(f"{n} {out[n].extproc_ns[-1] / out[n].events / 1000:.1f}/"
                              f"{out[n].envoy_ns[-1] / out[n].events / 1000:.1f}" for n in names)
             print(f"round {i + 1}: extproc/envoy µs per event  {line}", file=sys.stderr, flush=True)
@@ -454,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--threads", type=int, default=256)
     sv.add_argument("--opt", action="append", default=[])
     sv.add_argument("--tls", action="store_true")
+    sv.add_argument("--reuse-port", action="store_true")
     ap.add_argument("--only", nargs="+", help="one group of these candidates (the baseline is added)")
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=300)
