@@ -1,7 +1,7 @@
 """Ways to serve the picker's ext_proc stream from Python, each behind its own Envoy, measured
 side by side: extproc CPU and Envoy CPU per SSE event.
 
-    python -m bench.echo_stacks                      # every candidate, ~10 minutes
+    python -m bench.echo_stacks                      # every candidate, ~12 minutes
     python -m bench.echo_stacks --only aio-gen sync  # some of them
 
 Under ``FULL_DUPLEX_STREAMED`` bodies (GIE's reference Envoy) every SSE event is one
@@ -12,7 +12,11 @@ wire bytes, nothing admitted), so the rows differ only in how the stream is serv
 
 * the stack: grpc.aio with the async-generator handler (what Sluice served first), grpc.aio
   with ``context.read()``/``context.write()``, the synchronous grpcio server (a thread per
-  stream from a pool), grpclib (pure Python, h2);
+  stream from a pool), grpclib (pure Python, h2), and ``extproc.wire.h2grpc`` (HTTP/2 read
+  and written on the event loop; what the picker port now runs), with an SSE chunk answered
+  in the read callback (``own``) or every message through the stream's task (``own-task``),
+  and in two processes on one port (``own-uvloop-x2``: SO_REUSEPORT, an Envoy with 2 workers,
+  CPU summed over both);
 * the codec: ``pb`` (``FromString`` in, messages built and ``SerializeToString`` out, the
   generated stubs' path), ``wire`` (``FromString`` in, echoes written as wire bytes), ``raw``
   (bytes in, an SSE chunk's message read by hand, the rest parsed as before);
@@ -367,9 +371,10 @@ CANDIDATES = {c.name: c for c in (
     Candidate("grpclib-uvloop", stack="grpclib", codec="raw", loop="uvloop", code="grpclib on uvloop, bytes in"),
 )}
 DEFAULT_GROUPS = [["aio-gen", "aio-gen-pb", "aio-gen-raw", "aio-rw", "aio-rw-raw"],
-                  ["aio-gen", "aio-uvloop", "aio-rw-uvloop", "sync", "sync-raw"],
-                  ["aio-gen", "aio-latency", "aio-throughput", "aio-nobuf", "sync-pb"],
-                  ["aio-gen", "aio-ph2", "aio-eecq", "aio-lowat", "grpclib", "grpclib-uvloop"]]
+                  ["aio-gen", "aio-uvloop", "aio-rw-uvloop", "sync", "sync-raw", "sync-pb"],
+                  ["aio-gen", "aio-latency", "aio-throughput", "aio-nobuf"],
+                  ["aio-gen", "aio-ph2", "aio-eecq", "aio-lowat"],
+                  ["aio-gen", "grpclib", "grpclib-uvloop", "own-task", "own", "own-uvloop", "own-uvloop-x2"]]
 
 
 def envoy_config(listen: int, admin: int, ready: int, picker: int, tls: bool) -> dict[str, Any]:
