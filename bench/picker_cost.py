@@ -3,7 +3,7 @@
     python -m bench.picker_cost          # ~2 minutes; markdown on stdout, progress on stderr
 
 16 concurrent streams of 200 and of 1,000 tokens (one SSE event per token, 20 ms apart, from
-``bench.pacedbackend``; the client does not ask for usage), through four gateways side by
+``bench.pacedbackend``; the client does not ask for usage), through five gateways side by
 side, each its own Envoy (``--concurrency 1``) and, where there is one, its own Sluice:
 
     alone     Envoy alone: Sluice's bootstrap without the ext_proc filter
@@ -13,11 +13,13 @@ side, each its own Envoy (``--concurrency 1``) and, where there is one, its own 
               so every event is a message to Sluice and its echo back
     plain     the same without TLS between Envoy and Sluice (the config's transport socket
               removed, ``--picker-plaintext``): what the encryption costs
+    grpcio    as picker, with the picker port on grpc.aio (``--picker-stack grpcio``) instead
+              of Sluice's HTTP/2 server (extproc.wire.h2grpc): what the serving stack costs
 
 CPU is each process's CPU time over the run minus its idle rate (``bench.response_cost``'s
 method); TTFT is the client's time from sending the request to the first ``data:`` event,
 and "added" is the median of the per-round differences to Envoy alone. Load from other
-processes lands on the four gateways alike, since they stream at the same time.
+processes lands on the gateways alike, since they stream at the same time.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ from bench.response_cost import policy as own_policy
 
 CONFIGS = {"alone": "Envoy alone (no ext_proc)", "trailers": "Sluice's own path (usage_trailers)",
            "picker": "picker mode under GIE's Envoy (FULL_DUPLEX, TLS)",
-           "plain": "picker mode, GIE's Envoy without its TLS (--picker-plaintext)"}
-PICKERS = ("picker", "plain")
+           "plain": "picker mode, GIE's Envoy without its TLS (--picker-plaintext)",
+           "grpcio": "picker mode on grpc.aio (--picker-stack grpcio, TLS)"}
+PICKERS = ("picker", "plain", "grpcio")
 TARGET_US = 30.0
 
 
@@ -133,7 +136,8 @@ class Bench(ProcGroup):
             pol.mkdir()
             (pol / "policy.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
             extra = ["--picker", f"127.0.0.1:{self.picker[c]}", "--picker-health", "off", "--picker-metrics", "off",
-                     *(["--picker-plaintext"] if c == "plain" else [])] if c in PICKERS else []
+                     *(["--picker-plaintext"] if c == "plain" else []),
+                     *(["--picker-stack", "grpcio"] if c == "grpcio" else [])] if c in PICKERS else []
             admin = self.admin[c]
             self.start_proc(f"sluice-{c}", [py, "-m", "extproc", "serve", "--policy", str(pol), "--grpc",
                                             f"127.0.0.1:{self.grpc[c]}", "--admin", f"127.0.0.1:{admin}",
@@ -146,7 +150,7 @@ class Bench(ProcGroup):
             cfg = render_bootstrap([BackendRoute("paced", "127.0.0.1", self.backend)], opts)
             self.start_envoy(f"envoy-{c}", strip_ext_proc(cfg) if c == "alone" else cfg, self.envoy_admin[c], 1)
         for c in PICKERS:
-            cfg = gie_config(self.listen[c], self.envoy_admin[c], self.ready[c], self.picker[c], tls=c == "picker")
+            cfg = gie_config(self.listen[c], self.envoy_admin[c], self.ready[c], self.picker[c], tls=c != "plain")
             self.start_envoy(f"envoy-{c}", cfg, self.envoy_admin[c], 1)
 
     def pids(self) -> dict[tuple[str, str], int]:
@@ -182,7 +186,7 @@ class Bench(ProcGroup):
 
 def render(rows: list[Row], rounds: int, load: tuple[float, float]) -> str:
     out = [f"{rows[0].requests} concurrent streams per gateway, one SSE event per token, 20 ms apart; load average "
-           f"at start {load[0]:.2f} / {load[1]:.2f} ({os.cpu_count()} cores); median of {rounds} rounds, the four "
+           f"at start {load[0]:.2f} / {load[1]:.2f} ({os.cpu_count()} cores); median of {rounds} rounds, the five "
            "gateways side by side in each", "",
            "| gateway | tokens | ok | Envoy µs/event | extproc µs/event | TTFT p50 ms | TTFT added ms | "
            "usage chunk hidden |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -192,10 +196,16 @@ def render(rows: list[Row], rounds: int, load: tuple[float, float]) -> str:
                    f"{'–' if alone else f'{r.extproc_ns / r.events / 1000:.1f}'} | {r.ttft_s * 1000:.2f} | "
                    f"{'–' if alone else f'{r.added_ttft_s * 1000:+.2f}'} | "
                    f"{'–' if alone else ('no' if r.leaked else 'yes')} |")
-    picker = [r for r in rows if r.config in PICKERS]
+    picker = [r for r in rows if r.config in ("picker", "plain")]
     if picker:
         worst = max(r.extproc_ns / r.events / 1000 for r in picker)
         out += ["", f"picker mode: extproc {worst:.1f} µs/event at worst (target <= {TARGET_US:.0f})"]
+    for tokens in sorted({r.tokens for r in rows}):
+        by = {r.config: r for r in rows if r.tokens == tokens}
+        if "picker" in by and "grpcio" in by and by["picker"].extproc_ns:
+            out.append(f"{tokens} tokens: grpc.aio / h2grpc extproc CPU = "
+                       f"{by['grpcio'].extproc_ns / by['picker'].extproc_ns:.2f}, Envoy CPU = "
+                       f"{by['grpcio'].envoy_ns / max(by['picker'].envoy_ns, 1):.2f}")
     return "\n".join(out)
 
 
@@ -214,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     b = Bench(workdir)
     rows: list[Row] = []
     try:
-        print(f"starting the paced backend, 3 Sluices and 4 Envoys in {workdir}", file=sys.stderr, flush=True)
+        print(f"starting the paced backend, 4 Sluices and 5 Envoys in {workdir}", file=sys.stderr, flush=True)
         b.start()
         for c in CONFIGS:  # warm every path once
             print(f"warming {c}", file=sys.stderr, flush=True)

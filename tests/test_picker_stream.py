@@ -208,3 +208,34 @@ def test_a_chunked_upload_over_the_cap_is_refused_as_it_grows() -> None:
     out = run(rt, [headers(), *chunks])
     assert len(out) == 1 and out[0].immediate_response.status.code == 413
     assert ledger(rt)["outstanding"] == 0 and ledger(rt)["charged"] == 0
+
+
+def _chunk_message(body: bytes, eos: bool, metadata: bool) -> bytes:
+    r = pb.ProcessingRequest(response_body=pb.HttpBody(body=body, end_of_stream=eos))
+    if metadata:
+        r.metadata_context.SetInParent()  # empty, as Envoy 1.40 sends it with every message
+    return r.SerializeToString()
+
+
+@pytest.mark.parametrize("body", [b"", b"data: x\n\n", b"B\x00", b"x" * 20000])
+@pytest.mark.parametrize("eos", [False, True])
+@pytest.mark.parametrize("metadata", [False, True])
+def test_a_streamed_chunk_is_read_from_its_bytes_as_protobuf_reads_it(body: bytes, eos: bool,
+                                                                        metadata: bool) -> None:
+    assert pp.response_chunk(_chunk_message(body, eos, metadata)) == (body, eos)
+
+
+def test_anything_but_a_bare_chunk_is_left_to_protobuf() -> None:
+    with_fields = pb.ProcessingRequest(response_body=pb.HttpBody(body=b"x"))
+    with_fields.metadata_context.filter_metadata["envoy.lb"].fields["k"].string_value = "v"
+    other = pb.ProcessingRequest(request_body=pb.HttpBody(body=b"x", end_of_stream=True))
+    attrs = pb.ProcessingRequest(response_body=pb.HttpBody(body=b"x"), observability_mode=True)
+    for m in (with_fields, other, attrs):
+        assert pp.response_chunk(m.SerializeToString()) is None
+    good = _chunk_message(b"data: y\n\n", False, True)
+    for cut in range(1, len(good)):  # truncated or with bytes after: None, or what protobuf reads
+        for data in (good[:cut], good + good[:cut]):
+            got = pp.response_chunk(data)
+            if got is not None:
+                m = pb.ProcessingRequest.FromString(data)
+                assert got == (m.response_body.body, m.response_body.end_of_stream)

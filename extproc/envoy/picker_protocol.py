@@ -78,6 +78,47 @@ def echo(field: int, chunk: bytes, end_of_stream: bool) -> bytes:
                      b"\x0a" if n else b"", body_len, chunk, _EOS if end_of_stream else b""))
 
 
+_RESPONSE_BODY_TAG = 5 << 3 | 2  # ProcessingRequest.response_body, length-delimited
+
+
+def _read_varint(data: bytes, i: int) -> tuple[int, int]:
+    n = shift = 0
+    while True:
+        b = data[i]
+        i += 1
+        n |= (b & 0x7F) << shift
+        if b < 0x80:
+            return n, i
+        shift += 7
+
+
+_EMPTY_METADATA = b"\x42\x00"  # ProcessingRequest.metadata_context, empty: Envoy 1.40 sends it on every message
+
+
+def response_chunk(data: bytes) -> tuple[bytes, bool] | None:
+    """``(body, end_of_stream)`` of a ProcessingRequest in wire form that holds a
+    ``response_body`` with at most those two fields, and else only an empty
+    ``metadata_context`` (what Envoy sends for each streamed chunk); None for any other
+    message, which is parsed whole instead."""
+    if len(data) < 2 or data[0] != _RESPONSE_BODY_TAG:
+        return None
+    try:
+        n, i = _read_varint(data, 1)
+        if i + n != len(data):
+            if i + n != len(data) - 2 or not data.endswith(_EMPTY_METADATA):
+                return None
+            data = data[:-2]
+        body, eos = b"", False
+        if i < len(data) and data[i] == 0x0A:  # HttpBody.body
+            m, i = _read_varint(data, i + 1)
+            body, i = data[i:i + m], i + m
+        if i < len(data) and data[i] == 0x10:  # HttpBody.end_of_stream
+            eos, i = data[i + 1] == 1, i + 2
+    except IndexError:
+        return None
+    return (body, eos) if i == len(data) else None
+
+
 def echo_all(field: int, body: bytes, end_of_stream: bool) -> list[bytes]:
     """A whole body sent back in chunks of at most ``MAX_CHUNK``; the last one ends the stream."""
     if not body:

@@ -89,13 +89,15 @@ class PickerStream(StreamProcessor):
         self.passing = False  # answered without admission (pass-through path): echo what comes
         self.response_headers_out: dict[str, str] = {}
         self.subset: frozenset[str] | None = None
+        self.responding = False  # response headers seen: from here on, body chunks are echoes
 
     # -- dispatch ------------------------------------------------------------------
     def answer(self, phase: str, request: pb.ProcessingRequest) -> list[Answer]:
         """The answers to a message of any phase but a request body or trailers."""
+        if phase == "response_body":
+            b = request.response_body
+            return self.response_chunk(b.body, b.end_of_stream)
         try:
-            if phase == "response_body":
-                return [self._response_body(request.response_body)]
             if phase == "request_headers":
                 return self._request_headers(request)
             if phase == "response_headers":
@@ -310,6 +312,7 @@ class PickerStream(StreamProcessor):
 
     # -- response side --------------------------------------------------------------
     def _response_headers(self, request: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        self.responding = True
         s = self.settlement
         if self.passing or s is None or not s.admitted:
             return _RESPONSE_HEADERS_CONTINUE
@@ -342,18 +345,26 @@ class PickerStream(StreamProcessor):
             return UsageOnlyTracker(drop_usage_chunk=not req.usage_requested)
         return JSONTracker(responses=req.kind == "responses")
 
-    def _response_body(self, b: pb.HttpBody) -> Answer:
+    def response_chunk(self, body: bytes, end_of_stream: bool) -> list[Answer]:
+        """A response body chunk's answer: the one message per SSE event, so the serving path
+        may call this straight from the bytes it read (``picker_protocol.response_chunk``)."""
+        try:
+            return [self._response_body(body, end_of_stream)]
+        except Refusal as rej:
+            return self._refusal(rej)
+
+    def _response_body(self, body: bytes, end_of_stream: bool) -> Answer:
         s = self.settlement
-        chunk = b.body
+        chunk = body
         if s is not None and s.tracker is not None and not s.settled:
-            replaced = s.tracker.feed(chunk, b.end_of_stream)
+            replaced = s.tracker.feed(chunk, end_of_stream)
             if replaced is not None:
                 chunk = replaced
-        if b.end_of_stream:
+        if end_of_stream:
             self.settle(Ending.END_OF_STREAM)
         if self.duplex_response:
-            return pp.echo(pp.RESPONSE_BODY_FIELD, chunk, b.end_of_stream)
-        if chunk is b.body:
+            return pp.echo(pp.RESPONSE_BODY_FIELD, chunk, end_of_stream)
+        if chunk is body:
             return _BODY_CONTINUE["response_body"]
         return msg.body_response("response_body", chunk)
 

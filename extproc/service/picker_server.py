@@ -6,9 +6,14 @@
   services ``liveness``, ``readiness`` and ``envoy.service.ext_proc.v3.ExternalProcessor``;
 * Prometheus metrics on 9090 (the same registry as the admin port's ``/metrics``).
 
-The stream loop here is ``server.ExternalProcessor``'s, for ``PickerStream``: every way a
-stream ends reaches ``settle()``. Its answers may be protobuf messages or echoes already
-in wire form, so the method is registered with a serializer that passes bytes through.
+Under ``FULL_DUPLEX_STREAMED`` every SSE event is a message in and an echo out, so the
+serving stack is most of the picker's cost per event. 9002 is therefore served by
+``extproc.wire.h2grpc`` (HTTP/2 on the event loop: an event's message is read, echoed and
+written in one callback) rather than grpc.aio, which spends ~4× the CPU per message
+(``bench.echo_stacks``, docs/benchmarks.md); ``--picker-stack grpcio`` serves it on
+grpc.aio as before. Either way the stream loop is ``PickerProcessor.answers``: every way a
+stream ends reaches ``settle()``, and its answers may be protobuf messages or echoes already
+in wire form.
 """
 
 from __future__ import annotations
@@ -23,12 +28,14 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from extproc.envoy import picker_protocol as pp
 from extproc.policy.reasons import Ending
 from extproc.request.picker import Answer, PickerOptions, PickerStream
 from extproc.runtime.runtime import Runtime
 from extproc.service.server import SERVER_OPTIONS
-from extproc.wire import tls
+from extproc.wire import h2grpc, tls
 from extproc.wire.health import PICKER_SERVICES, Health
+from extproc.wire.health import SERVICE as HEALTH_SERVICE
 from extproc.wire.peer import PeerStream
 
 log = logging.getLogger("sluice.picker")
@@ -44,16 +51,19 @@ class PickerProcessor:
     def __init__(self, runtime: Runtime, options: PickerOptions) -> None:
         self.rt, self.options = runtime, options
 
-    async def process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[Answer]:
-        peer = PeerStream(request_iterator)
-        stream = PickerStream(self.rt, peer, self.options)
+    def stream(self, peer: PeerStream) -> PickerStream:
+        return PickerStream(self.rt, peer, self.options)
+
+    async def answers(self, peer: PeerStream, stream: PickerStream) -> AsyncIterator[Answer]:
+        """The stream loop: each message's answers, in order; ``settle()`` however it ends."""
         how = Ending.DISCONNECT
         try:
             while (request := await peer.next()) is not None:
                 phase = request.WhichOneof("request")
                 if phase == "response_body":  # the one message per SSE event: straight through
-                    yield stream.answer(phase, request)[0]
+                    b = request.response_body
+                    for a in stream.response_chunk(b.body, b.end_of_stream):
+                        yield a
                     continue
                 if phase == "request_body":
                     async for a in stream.request_body(request):
@@ -77,12 +87,79 @@ class PickerProcessor:
             peer.cancel()
             stream.settle(how)  # a no-op after a settle at the end of the response
 
+    async def process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
+                      context: grpc.aio.ServicerContext | None) -> AsyncIterator[Answer]:
+        """The grpc.aio form (``--picker-stack grpcio``)."""
+        peer = PeerStream(request_iterator)
+        async for a in self.answers(peer, self.stream(peer)):
+            yield a
+
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICE, {
             "Process": grpc.stream_stream_rpc_method_handler(
                 self.process, request_deserializer=pb.ProcessingRequest.FromString,
                 response_serializer=_serialize),
         })
+
+    def h2_handler(self) -> h2grpc.Handler:
+        return lambda st: _H2Stream(self, st).call
+
+
+class _Requests:
+    """An h2grpc call's messages as the async iterator ``PeerStream`` reads."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, call: h2grpc.Call) -> None:
+        self.call = call
+
+    def __aiter__(self) -> _Requests:
+        return self
+
+    async def __anext__(self) -> pb.ProcessingRequest:
+        data = await self.call.read()
+        if data is None:
+            raise StopAsyncIteration
+        return pb.ProcessingRequest.FromString(data)
+
+
+class _H2Stream:
+    """One picker stream on h2grpc. The loop runs in the call's task; an SSE chunk that comes
+    while the loop waits for Envoy's next message is answered in the read callback instead
+    (``fast``), with exactly what the loop would do for it, and the task is not woken."""
+
+    __slots__ = ("proc", "stream", "call")
+
+    def __init__(self, proc: PickerProcessor, st: h2grpc.Stream) -> None:
+        self.proc = proc
+        self.stream: PickerStream | None = None
+        self.call = h2grpc.Call(st, self.run, self.fast)
+
+    async def run(self, call: h2grpc.Call) -> None:
+        peer = PeerStream(_Requests(call))
+        stream = self.stream = self.proc.stream(peer)
+        async for a in self.proc.answers(peer, stream):
+            call.write(_serialize(a))
+
+    def fast(self, call: h2grpc.Call, data: bytes) -> bool:
+        stream = self.stream
+        if stream is None or not stream.responding:  # before the response: the loop decides
+            return False
+        got = pp.response_chunk(data)
+        if got is None:
+            return False
+        try:
+            answers = stream.response_chunk(*got)
+        except Exception:
+            log.exception("picker stream failed")
+            stream.settle(Ending.ERROR)
+            raise  # the call ends with an error status and its task is cancelled
+        for a in answers:
+            call.write(_serialize(a))
+        return True
+
+
+STACKS = ("h2", "grpcio")
 
 
 @dataclass(frozen=True)
@@ -94,11 +171,12 @@ class PickerPorts:
     cert_file: str | None = None
     key_file: str | None = None
     options: PickerOptions = PickerOptions()
+    stack: str = "h2"  # what serves 9002: extproc.wire.h2grpc, or grpc.aio
 
 
 @dataclass
 class PickerServers:
-    grpc: grpc.aio.Server
+    grpc: grpc.aio.Server | h2grpc.Server
     health_server: grpc.aio.Server | None
     metrics: web.AppRunner | None
     health: Health
@@ -122,13 +200,35 @@ def _bind(server: grpc.aio.Server, host: str, port: int, creds: grpc.ServerCrede
         raise OSError(f"cannot bind the picker on {address}")
 
 
-async def start_picker(runtime: Runtime, ports: PickerPorts, health: Health | None = None) -> PickerServers:
-    health = health or picker_health()
+async def _start_h2(runtime: Runtime, ports: PickerPorts, health: Health) -> h2grpc.Server:
+    server = h2grpc.Server({
+        f"/{SERVICE}/Process": PickerProcessor(runtime, ports.options).h2_handler(),
+        f"/{HEALTH_SERVICE}/Check": h2grpc.unary(health.check_wire),
+    })
+    ctx = None if ports.plaintext else h2grpc.ssl_context(*tls.certificate(ports.cert_file, ports.key_file))
+    host, port = ports.grpc
+    try:
+        await server.start(host, port, ctx)
+    except OSError as exc:
+        raise OSError(f"cannot bind the picker on {host}:{port}: {exc}") from exc
+    return server
+
+
+async def _start_grpcio(runtime: Runtime, ports: PickerPorts, health: Health) -> grpc.aio.Server:
     server = grpc.aio.server(options=[*SERVER_OPTIONS, ("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers([PickerProcessor(runtime, ports.options).handler(), health.handler()])
     creds = None if ports.plaintext else tls.server_credentials(ports.cert_file, ports.key_file)
     _bind(server, *ports.grpc, creds)
     await server.start()
+    return server
+
+
+async def start_picker(runtime: Runtime, ports: PickerPorts, health: Health | None = None) -> PickerServers:
+    health = health or picker_health()
+    if ports.stack not in STACKS:
+        raise ValueError(f"unknown picker stack {ports.stack!r} (one of {', '.join(STACKS)})")
+    start = _start_h2 if ports.stack == "h2" else _start_grpcio
+    server: grpc.aio.Server | h2grpc.Server = await start(runtime, ports, health)
     health_server = None
     if ports.health is not None:
         health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])

@@ -33,6 +33,7 @@ SERVICES = ("", "envoy.service.ext_proc.v3.ExternalProcessor")
 LIVENESS, READINESS = "liveness", "readiness"
 PICKER_SERVICES = (*SERVICES, LIVENESS, READINESS)
 UNKNOWN, SERVING, NOT_SERVING = 0, 1, 2
+NOT_FOUND_CODE = grpc.StatusCode.NOT_FOUND.value[0]
 _MAX_PEERS, _FORGET_S = 64, 60.0
 
 
@@ -68,17 +69,33 @@ class Health:
         # peer -> (time of its last check, NOT_SERVING answers it has had)
         self.peers: dict[str, tuple[float, int]] = {}
 
-    async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802 - gRPC name
-        if request.service not in self.services:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
-        if request.service == LIVENESS:
-            return HealthCheckResponse(status=SERVING)
+    def check(self, service: str, peer: str) -> int | None:
+        """The status to answer ``peer`` about ``service``; None for a service not served."""
+        if service not in self.services:
+            return None
+        if service == LIVENESS:
+            return SERVING
         now = self.clock()
-        _, told = self.peers.get(context.peer(), (0.0, 0))
-        self.peers[context.peer()] = (now, told + (self.status == NOT_SERVING))
+        _, told = self.peers.get(peer, (0.0, 0))
+        self.peers[peer] = (now, told + (self.status == NOT_SERVING))
         if len(self.peers) > _MAX_PEERS:  # checkers reconnect from new ports: forget the silent ones
             self.peers = {p: v for p, v in self.peers.items() if now - v[0] < _FORGET_S}
-        return HealthCheckResponse(status=self.status)
+        return self.status
+
+    async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802 - gRPC name
+        status = self.check(request.service, context.peer())
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return HealthCheckResponse(status=status)
+
+    def check_wire(self, request: bytes, peer: str) -> tuple[int, bytes | None, str]:
+        """``Check`` on wire bytes, for a server without grpcio (extproc.wire.h2grpc):
+        (gRPC status, response, message)."""
+        service = HealthCheckRequest.FromString(request).service
+        status = self.check(service, peer)
+        if status is None:
+            return NOT_FOUND_CODE, None, f"unknown service {service!r}"
+        return 0, HealthCheckResponse(status=status).SerializeToString(), ""
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICE, {

@@ -45,13 +45,18 @@ def self_signed(names: tuple[str, ...] = ("localhost",)) -> tuple[bytes, bytes]:
     return cert.public_bytes(serialization.Encoding.PEM), key_pem
 
 
-def server_credentials(cert_file: str | None = None, key_file: str | None = None,
-                       names: tuple[str, ...] = ("localhost",)) -> grpc.ServerCredentials:
-    """The credentials of the picker's TLS port: the files when both are given, else generated."""
+def certificate(cert_file: str | None = None, key_file: str | None = None,
+                names: tuple[str, ...] = ("localhost",)) -> tuple[bytes, bytes]:
+    """The picker's (cert PEM, key PEM): the files when both are given, else generated."""
     if bool(cert_file) != bool(key_file):
         raise ValueError("a TLS certificate needs both --picker-cert and --picker-key")
     if cert_file and key_file:
-        cert, key = Path(cert_file).read_bytes(), Path(key_file).read_bytes()
-    else:
-        cert, key = self_signed(names)
+        return Path(cert_file).read_bytes(), Path(key_file).read_bytes()
+    return self_signed(names)
+
+
+def server_credentials(cert_file: str | None = None, key_file: str | None = None,
+                       names: tuple[str, ...] = ("localhost",)) -> grpc.ServerCredentials:
+    """The credentials of the picker's TLS port on grpcio."""
+    cert, key = certificate(cert_file, key_file, names)
     return grpc.ssl_server_credentials([(key, cert)])

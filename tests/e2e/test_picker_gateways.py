@@ -3,7 +3,7 @@
 Each module-scoped stack is one gateway: GIE's reference config and llm-d-router's e2e config
 as vendored (only addresses and ports changed), and Envoy AI Gateway's generated settings
 (``failure_mode_allow: false``, ``message_timeout: 300s``; FULL_DUPLEX and its BUFFERED
-annotation). Every test runs under each; after each, the harness's fixture checks that
+annotation); GIE's once more with the picker port on grpc.aio (``--picker-stack grpcio``). Every test runs under each; after each, the harness's fixture checks that
 nothing is in flight and the ledger balances.
 
 The data-plane half of GIE's conformance suite (``conformance/tests/`` there) is reproduced
@@ -37,17 +37,21 @@ from tests.e2e.picker_stack import (
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
 PREMIUM = {"authorization": f"Bearer {TEST_KEYS['premium']}"}
-GATEWAYS: dict[str, Render] = {
-    "gie": render_vendored("gie"),
-    "llmd": render_vendored("llmd"),
-    "aigw": render_aigw(),
-    "aigw-buffered": render_aigw("BUFFERED"),
+# The gateway's config, and how Sluice serves its picker port: its own HTTP/2 server by
+# default, grpc.aio with --picker-stack grpcio (the same tests hold under both).
+GATEWAYS: dict[str, tuple[Render, tuple[str, ...]]] = {
+    "gie": (render_vendored("gie"), ()),
+    "gie-grpcio": (render_vendored("gie"), ("--picker-stack", "grpcio")),
+    "llmd": (render_vendored("llmd"), ()),
+    "aigw": (render_aigw(), ()),
+    "aigw-buffered": (render_aigw("BUFFERED"), ()),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(GATEWAYS))
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PickerStack]:
-    s = PickerStack(tmp_path_factory.mktemp(f"picker-{request.param}"), GATEWAYS[request.param])
+    render, args = GATEWAYS[request.param]
+    s = PickerStack(tmp_path_factory.mktemp(f"picker-{request.param}"), render, args)
     s.label = request.param
     with running(s):
         yield s

@@ -1,0 +1,305 @@
+"""extproc.wire.h2grpc against a real gRPC client (grpcio's C core): bidi streams in order,
+messages larger than a frame and than the peer's window, many streams on one connection,
+unary calls, TLS, statuses, cancellation both ways, graceful stop, and what it refuses."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from extproc.wire import h2grpc, tls
+from extproc.wire.health import SERVING, Health, HealthCheckRequest, HealthCheckResponse
+from tests.waiting import eventually_async
+
+ECHO = "/test.Echo/Stream"
+CHECK = "/grpc.health.v1.Health/Check"
+
+
+class Recorder:
+    """A bidi handler that echoes each message prefixed, counts what went through ``fast``,
+    and records how the call ended."""
+
+    def __init__(self, fast: bool = False, fail_on: bytes | None = None) -> None:
+        self.use_fast, self.fail_on = fast, fail_on
+        self.fast_count = self.task_count = 0
+        self.ended: list[str] = []
+        self.seen: list[bytes] = []
+        self.release = asyncio.Event()  # what a b"hold" message waits for
+
+    async def run(self, call: h2grpc.Call) -> None:
+        try:
+            while (data := await call.read()) is not None:
+                if data == self.fail_on:
+                    raise RuntimeError("asked to fail")
+                self.seen.append(data)
+                if data == b"hold":
+                    await self.release.wait()
+                self.task_count += 1
+                call.write(b"task:" + data)
+            self.ended.append("eof")
+        except asyncio.CancelledError:
+            self.ended.append("cancelled")
+            raise
+
+    def fast(self, call: h2grpc.Call, data: bytes) -> bool:
+        if not self.use_fast or not data.startswith(b"f"):
+            return False
+        self.fast_count += 1
+        call.write(b"fast:" + data)
+        return True
+
+    def handler(self) -> h2grpc.Handler:
+        return h2grpc.streaming(self.run, self.fast)
+
+
+async def serve(handlers: dict[str, h2grpc.Handler], ssl_context: Any = None) -> tuple[h2grpc.Server, int]:
+    server = h2grpc.Server(handlers)
+    port = await server.start("127.0.0.1", 0, ssl_context)
+    return server, port
+
+
+def bidi(channel: grpc.aio.Channel) -> Any:
+    return channel.stream_stream(ECHO, request_serializer=None, response_deserializer=None)
+
+
+async def gen(items: list[bytes]) -> AsyncIterator[bytes]:
+    for i in items:
+        yield i
+
+
+def run(coro: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(coro())
+
+
+def test_bidi_stream_in_order_with_the_fast_path() -> None:
+    """Lock-step, as Envoy's ext_proc stream is: each message comes while the task waits, so
+    every one that ``fast`` takes is answered there and the task sees only the others."""
+    rec = Recorder(fast=True)
+
+    async def go() -> None:
+        server, port = await serve({ECHO: rec.handler()})
+        items = [b"t0", b"f1", b"f2", b"t3", b"f4"] * 20
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            call = bidi(ch)()
+            got = []
+            for i in items:
+                await call.write(i)
+                got.append(await call.read())
+            await call.done_writing()
+            assert await call.read() == grpc.aio.EOF
+        await server.stop(1)
+        assert got == [(b"fast:" if i.startswith(b"f") else b"task:") + i for i in items]
+        assert rec.fast_count == 60 and rec.task_count == 40
+        assert rec.ended == ["eof"]
+
+    run(go)
+
+
+def test_messages_queued_behind_a_busy_task_keep_their_order() -> None:
+    """A burst: what comes while the task is busy waits in its queue, ``fast`` or not."""
+    rec = Recorder(fast=True)
+
+    async def go() -> None:
+        server, port = await serve({ECHO: rec.handler()})
+        items = [b"t0", b"f1", b"f2", b"t3", b"f4"] * 20
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            got = [m async for m in bidi(ch)(gen(items))]
+        await server.stop(1)
+        assert [g.split(b":", 1)[1] for g in got] == items
+        assert rec.fast_count + rec.task_count == len(items)
+
+    run(go)
+
+
+def test_messages_larger_than_a_frame_and_the_window_both_ways() -> None:
+    """grpcio's client opens with a 64 KiB stream window and 16 KiB frames: a 1 MiB answer waits
+    for its WINDOW_UPDATEs and goes out in frames; a 1 MiB request spans many DATA frames."""
+    rec = Recorder()
+
+    async def go() -> None:
+        server, port = await serve({ECHO: rec.handler()})
+        big = bytes(range(256)) * 4096
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            got = [m async for m in bidi(ch)(gen([big, b"small", big[:70000]]))]
+        await server.stop(1)
+        assert got == [b"task:" + big, b"task:small", b"task:" + big[:70000]]
+
+    run(go)
+
+
+def test_many_streams_on_one_connection() -> None:
+    rec = Recorder(fast=True)
+
+    async def go() -> None:
+        server, port = await serve({ECHO: rec.handler()})
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            async def one(i: int) -> list[bytes]:
+                return [m async for m in bidi(ch)(gen([b"t%d" % i, b"f%d" % i] * 10))]
+            results = await asyncio.gather(*(one(i) for i in range(100)))
+        assert len(server.connections) == 1
+        await server.stop(1)
+        for i, got in enumerate(results):
+            assert [g.split(b":", 1)[1] for g in got] == [b"t%d" % i, b"f%d" % i] * 10
+
+    run(go)
+
+
+def test_unary_health_check_over_tls() -> None:
+    health = Health()
+    cert, key = tls.self_signed()
+
+    async def go() -> None:
+        server, port = await serve({CHECK: h2grpc.unary(health.check_wire)}, h2grpc.ssl_context(cert, key))
+        creds = grpc.ssl_channel_credentials(root_certificates=cert)
+        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", creds,
+                                           options=[("grpc.ssl_target_name_override", "localhost")]) as ch:
+            check = ch.unary_unary(CHECK, request_serializer=HealthCheckRequest.SerializeToString,
+                                   response_deserializer=HealthCheckResponse.FromString)
+            assert (await check(HealthCheckRequest(service=""), timeout=5)).status == SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await check(HealthCheckRequest(service="no.such.Service"), timeout=5)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert list(health.peers)[0].startswith("ipv4:127.0.0.1:")
+        await server.stop(1)
+
+    run(go)
+
+
+def test_unknown_method_is_unimplemented() -> None:
+    async def go() -> None:
+        server, port = await serve({})
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # no message: the answer cannot race a write
+                [m async for m in bidi(ch)(gen([]))]
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert "unknown method /test.Echo/Stream" in (err.value.details() or "")
+        await server.stop(1)
+
+    run(go)
+
+
+def test_a_failing_handler_ends_its_call_with_an_error_and_not_the_others() -> None:
+    rec = Recorder()
+
+    async def go() -> None:
+        server, port = await serve({ECHO: rec.handler()})
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [m async for m in bidi(ch)(gen([b"a", b"boom", b"b"]))]
+            assert err.value.code() == grpc.StatusCode.UNKNOWN
+            assert [m async for m in bidi(ch)(gen([b"c"]))] == [b"task:c"]
+        await server.stop(1)
+
+    rec.fail_on = b"boom"
+    run(go)
+
+
+def test_a_client_cancel_cancels_the_handler() -> None:
+    rec = Recorder()
+
+    async def go() -> None:
+        server, port = await serve({ECHO: rec.handler()})
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            call = bidi(ch)()
+            await call.write(b"a")
+            assert await call.read() == b"task:a"
+            call.cancel()
+            await eventually_async(lambda: rec.ended == ["cancelled"], 5, "the handler cancelled")
+        await server.stop(1)
+
+    run(go)
+
+
+def test_compressed_messages_are_refused() -> None:
+    rec = Recorder()
+
+    async def go() -> None:
+        server, port = await serve({ECHO: rec.handler()})
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", compression=grpc.Compression.Gzip) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [m async for m in bidi(ch)(gen([b"x" * 1000]))]
+            assert err.value.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.CANCELLED)
+        await server.stop(1)
+
+    run(go)
+
+
+def test_stop_lets_a_stream_finish_within_grace_and_cancels_after() -> None:
+    rec = Recorder()
+
+    async def go() -> None:
+        server, port = await serve({ECHO: rec.handler()})
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            finishing = asyncio.ensure_future(_all(bidi(ch)(gen([b"hold", b"x"]))))
+            lingering = bidi(ch)()
+            await lingering.write(b"a")
+            assert await lingering.read() == b"task:a"
+            await eventually_async(lambda: b"hold" in rec.seen, 5, "the held stream under way")
+            stopping = asyncio.ensure_future(server.stop(1.0))
+            await eventually_async(lambda: all(c.shutdown_ping for c in server.connections), 5, "the GOAWAY sent")
+            rec.release.set()
+            assert await finishing == [b"task:hold", b"task:x"]
+            await stopping
+            with pytest.raises(grpc.aio.AioRpcError):
+                await lingering.read()
+        assert sorted(rec.ended) == ["cancelled", "eof"]
+
+    run(go)
+
+
+async def _all(call: Any) -> list[bytes]:
+    return [m async for m in call]
+
+
+def test_not_http2_is_closed() -> None:
+    async def go() -> None:
+        server, port = await serve({})
+        loop = asyncio.get_running_loop()
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.setblocking(False)
+            await loop.sock_sendall(s, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            data = b""
+            while chunk := await asyncio.wait_for(loop.sock_recv(s, 4096), 5):
+                data += chunk
+        # its SETTINGS, then a GOAWAY with PROTOCOL_ERROR, then the close
+        assert data[3] == h2grpc.SETTINGS
+        assert h2grpc.frame(h2grpc.GOAWAY, 0, 0, b"")[3:9] in data and b"preface" in data
+        await server.stop(0)
+
+    run(go)
+
+
+def test_frames_read_a_byte_at_a_time() -> None:
+    """A connection whose bytes arrive one by one (preface, SETTINGS, HEADERS, DATA split
+    anywhere) is read the same as one that arrives whole."""
+    rec = Recorder()
+
+    async def go() -> None:
+        server, port = await serve({ECHO: rec.handler()})
+        loop = asyncio.get_running_loop()
+        enc = __import__("hpack").Encoder()
+        block = enc.encode([(":method", "POST"), (":scheme", "http"), (":path", ECHO), (":authority", "x"),
+                            ("content-type", "application/grpc"), ("te", "trailers")])
+        msg = b"\x00" + (5).to_bytes(4, "big") + b"hello"
+        wire = (h2grpc.PREFACE + h2grpc.frame(h2grpc.SETTINGS, 0, 0)
+                + h2grpc.frame(h2grpc.HEADERS, h2grpc.END_HEADERS, 1, block)
+                + h2grpc.frame(h2grpc.DATA, h2grpc.END_STREAM, 1, msg))
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.setblocking(False)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for i in range(len(wire)):
+                await loop.sock_sendall(s, wire[i:i + 1])
+                await asyncio.sleep(0)
+            data = b""
+            while b"grpc-status" not in data:
+                data += await asyncio.wait_for(loop.sock_recv(s, 65536), 5)
+        assert b"task:hello" in data
+        assert rec.seen == [b"hello"] and rec.ended == ["eof"]
+        await server.stop(0)
+
+    run(go)
