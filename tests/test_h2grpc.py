@@ -72,6 +72,14 @@ async def gen(items: list[bytes]) -> AsyncIterator[bytes]:
         yield i
 
 
+async def gen_then_hold(items: list[bytes]) -> AsyncIterator[bytes]:
+    """Sends and then keeps the stream open: a write after the server has ended the call would
+    make grpc's client report its own INTERNAL error instead of the server's status."""
+    for i in items:
+        yield i
+    await asyncio.sleep(30)
+
+
 def run(coro: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(coro())
 
@@ -190,7 +198,7 @@ def test_a_failing_handler_ends_its_call_with_an_error_and_not_the_others() -> N
         server, port = await serve({ECHO: rec.handler()})
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                [m async for m in bidi(ch)(gen([b"a", b"boom", b"b"]))]
+                [m async for m in bidi(ch)(gen_then_hold([b"a", b"boom"]))]
             assert err.value.code() == grpc.StatusCode.UNKNOWN
             assert [m async for m in bidi(ch)(gen([b"c"]))] == [b"task:c"]
         await server.stop(1)
