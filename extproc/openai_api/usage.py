@@ -168,8 +168,10 @@ class JSONTracker:
     responses: bool = False  # a Responses API body ("object": "response")
     usage: Usage | None = None
     texts: list[str] = field(default_factory=list)
+    ended: bool = False  # the whole body went by (``texts`` is then all that was generated)
 
     def feed(self, chunk: bytes, end_of_stream: bool) -> None:
+        self.ended = self.ended or end_of_stream
         if not self.overflow:
             if len(self.body) + len(chunk) > MAX_JSON_BODY:
                 self.overflow = True

@@ -38,7 +38,8 @@ log = logging.getLogger("sluice.stream")
 
 __all__ = ["StreamProcessor"]
 
-REQUEST_HEADERS = frozenset({":path", ":method", "content-length", *intake.KEY_HEADERS})
+REQUEST_ID = "x-request-id"  # Envoy's, on every request it forwards: the engine sees the same id
+REQUEST_HEADERS = frozenset({":path", ":method", "content-length", REQUEST_ID, *intake.KEY_HEADERS})
 RESPONSE_HEADERS = frozenset({":status", "content-type"})
 _HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 _TRAILERS_CONTINUE = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
@@ -155,7 +156,8 @@ class StreamProcessor:
             return msg.headers_response("request_headers", fwd.set_headers, fwd.remove_headers,
                                         mode_override=msg.SKIP_REST)
         self.kind = got.kind
-        self.settlement = Settlement(self.rt, tenant, self.limits, self.policy.tiers[tenant.tier], self.arrived_s)
+        self.settlement = Settlement(self.rt, tenant, self.limits, self.policy.tiers[tenant.tier], self.arrived_s,
+                                     headers.get(REQUEST_ID, ""))
         self.admission = Admission(self.rt, self.policy, tenant, self.limits, self.peer, self.settlement)
         # A key that cannot pay for one token is refused before its body is even sent here.
         self.admission.precheck(self.rt.clock())
