@@ -162,7 +162,9 @@ class StreamProcessor:
         # A key that cannot pay for one token is refused before its body is even sent here.
         self.admission.precheck(self.rt.clock())
         gw = self.policy.gateway
-        mode = msg.READ_RESPONSE_BODY if got.kind == "responses" and gw.response_processing != "streamed" else None
+        # Envoy's usage filter reads neither the Responses API's usage nor an embeddings body's.
+        read_body = got.kind in ("responses", "embeddings") and gw.response_processing != "streamed"
+        mode = msg.READ_RESPONSE_BODY if read_body else None
         new_path = {":path": got.clean_path} if got.clean_path else {}
         return msg.headers_response("request_headers", new_path, mode_override=mode)
 
@@ -197,7 +199,7 @@ class StreamProcessor:
         if req.stream and s.status < 400:
             s.watch(SSETracker(drop_usage_chunk=not responses and not req.usage_requested, responses=responses))
         else:
-            s.watch(JSONTracker(responses=responses))
+            s.watch(JSONTracker(responses=responses, tail=req.kind == "embeddings"))
 
     def _follow_served(self, request: pb.ProcessingRequest, now: float) -> None:
         """The first response message names who served (``upstream.address``): after Envoy

@@ -251,13 +251,14 @@ class Runtime:
 
     # -- tokenizing ------------------------------------------------------------------
     async def count_prompt(self, encoding: str, texts: list[str], *, tenant: str = "-",
-                           limit: int | None = None) -> counter.Count:
-        """Count ``texts``, stopping once past ``limit``; raises ``TokenizerFailed``.
+                           limit: int | None = None, per_text: bool = False) -> counter.Count:
+        """Count ``texts``, stopping once past ``limit`` (each text's own, ``per_text``);
+        raises ``TokenizerFailed``.
 
         Large prompts go through the fair scheduler, slice by slice, so one tenant's
         flood of long prompts waits behind itself; the time is metered per tenant.
         """
-        job = self.encodings[encoding].job(texts, limit)
+        job = self.encodings[encoding].job(texts, limit, per_text)
         try:
             if sum(len(t) for t in texts) <= OFFLOAD_CHARS:
                 while not job.step():
