@@ -207,7 +207,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
-    from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, gateway_options, write_config
+    from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, policy_options, write_config
 
     policy = load_policy(args.policy)
     lhost, lport = _hostport(args.listen)
@@ -219,7 +219,7 @@ def _envoy_config(args: argparse.Namespace) -> int:
     opts = EnvoyOptions(listen_host=lhost, listen_port=lport, admin_port=args.admin_port,
                         extproc_host=ehost, extproc_port=eport, extproc_more=tuple(more),
                         drain_host=dhost, drain_port=dport, eds_dir=eds_dir,
-                        **gateway_options(policy.gateway))  # type: ignore[arg-type]
+                        **policy_options(policy))  # type: ignore[arg-type]
     routes = [BackendRoute(b.name, b.host, b.port, tuple(m.name for m in b.models), pool=b.is_pool) for b in policy.backends]
     if args.pieces:
         from extproc.envoy.pieces import render_pieces_yaml

@@ -39,7 +39,8 @@ log = logging.getLogger("sluice.stream")
 __all__ = ["StreamProcessor"]
 
 REQUEST_ID = "x-request-id"  # Envoy's, on every request it forwards: the engine sees the same id
-REQUEST_HEADERS = frozenset({":path", ":method", "content-length", REQUEST_ID, *intake.KEY_HEADERS})
+REQUEST_HEADERS = frozenset({":path", ":method", "content-length", "content-encoding", REQUEST_ID,
+                             *intake.KEY_HEADERS})
 RESPONSE_HEADERS = frozenset({":status", "content-type"})
 _HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 _TRAILERS_CONTINUE = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())

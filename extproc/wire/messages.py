@@ -42,13 +42,16 @@ READ_RESPONSE_BODY = PM(
 
 
 def header_map(headers: pb.HttpHeaders, wanted: frozenset[str] | None = None) -> dict[str, str]:
-    """Header values by lower-case name; only the ``wanted`` ones are decoded."""
-    out = {}
+    """Header values by lower-case name; only the ``wanted`` ones are decoded. A repeated
+    header's values are joined with commas, as HTTP reads them (and as Envoy already joins
+    some): never one of them silently picked."""
+    out: dict[str, str] = {}
     for h in headers.headers.headers:
         key = h.key
         if wanted is None or key in wanted:
             raw = h.raw_value
-            out[key] = raw.decode("utf-8", "replace") if raw else h.value
+            value = raw.decode("utf-8", "replace") if raw else h.value
+            out[key] = f"{out[key]},{value}" if key in out else value
     return out
 
 
