@@ -35,6 +35,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from extproc.runtime.runtime import Runtime
     from extproc.service.admin import start_admin
     from extproc.service.monitor import run_monitor
+    from extproc.service.prober import run_prober
     from extproc.service.reloader import watch_policy_dir
     from extproc.service.server import serve
     from extproc.service.ticker import run_ticker
@@ -91,6 +92,7 @@ async def _serve(args: argparse.Namespace) -> int:
         watcher = asyncio.create_task(client.run())
     monitor = asyncio.create_task(run_monitor(runtime))
     ticker = asyncio.create_task(run_ticker(runtime))  # queue deadlines and pumping
+    prober = asyncio.create_task(run_prober(runtime))  # breakers' verdicts without waiting on traffic
     eds = asyncio.create_task(_keep_eds(runtime, eds_writer)) if eds_writer is not None else None
     print(f"sluice extproc: gRPC {ghost}:{gport}, admin http://{ahost}:{aport}/metrics", flush=True)
     if picker is not None:
@@ -113,6 +115,7 @@ async def _serve(args: argparse.Namespace) -> int:
     watcher.cancel()
     monitor.cancel()
     ticker.cancel()
+    prober.cancel()
     if eds is not None:
         eds.cancel()
     if leases is not None:

@@ -18,7 +18,11 @@ from extproc.runtime.runtime import Runtime
 def policy(tpm: int = 100_000) -> Any:
     return build_policy({
         "backends": [{"name": "b", "address": "127.0.0.1:1", "max_concurrency": 4,
-                      "breaker": {"consecutive_failures": 1, "cooldown_s": 1, "max_cooldown_s": 2},
+                      # One tenant: attribution off, so its failures are the backend's (these
+                      # tests are about the backend's breaker; tests/test_tenant_breaker_stream.py
+                      # about who a failure is blamed on).
+                      "breaker": {"consecutive_failures": 1, "cooldown_s": 1, "max_cooldown_s": 2,
+                                  "min_failing_tenants": 1},
                       "models": [{"name": "m", "context_window": 4096}]}],
         "tiers": {"t": {"tpm": tpm, "rpm": 1000}},
         "tenants": [{"name": "a", "tier": "t", "keys": [hash_key("k")]}],
@@ -105,7 +109,8 @@ def test_a_model_route_breaker_trips_that_model_only() -> None:
     p = build_policy({
         "backends": [{"name": "b", "address": "127.0.0.1:1", "max_concurrency": 4,
                       "models": [{"name": "m", "context_window": 4096,
-                                  "breaker": {"consecutive_failures": 1, "cooldown_s": 5, "max_cooldown_s": 5}},
+                                  "breaker": {"consecutive_failures": 1, "cooldown_s": 5, "max_cooldown_s": 5,
+                                              "min_failing_tenants": 1}},
                                  {"name": "m2", "context_window": 4096}]}],
         "tiers": {"t": {"tpm": 100_000, "rpm": 1000}},
         "tenants": [{"name": "a", "tier": "t", "keys": [hash_key("k")]}],

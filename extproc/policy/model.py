@@ -18,6 +18,7 @@ __all__ = ["AdaptiveSettings", "Backend", "Endpoint", "BreakerOverride", "Breake
            "Model", "Policy", "Tenant", "Tier", "WatermarkSettings", "hash_key", "KV_RESERVATIONS", "TPM_PRECHARGES"]
 
 KV_RESERVATIONS = ("worst_case", "learned")
+PROBES = ("completions", "chat", "embeddings", "health")
 TPM_PRECHARGES = ("max_tokens", "learned")
 _BREAKER = BreakerConfig()  # the defaults BreakerSettings takes
 _BREAKER_FIELDS = frozenset(f.name for f in fields(BreakerConfig)) - {"max_cooldown_s"}
@@ -135,6 +136,10 @@ class BreakerSettings:
     ramp_step_s: float = _BREAKER.ramp_step_s
     trip_on_preemption: bool = _BREAKER.trip_on_preemption
     preemption_threshold: float = _BREAKER.preemption_threshold
+    own_probe_after_s: float = _BREAKER.own_probe_after_s
+    # What Sluice's own probe of the backend asks (extproc.backends.probe): a one-token
+    # "completions" or "chat" completion, an "embeddings" of one word, or GET /health.
+    probe: str = "completions"
     # Failure attribution (extproc.policy.tenant_breakers): a failure counts for this
     # breaker once this many tenants fail (1: always), else for its tenant's own breaker;
     # at most max_tenant_breakers tenants tracked here.
@@ -146,6 +151,8 @@ class BreakerSettings:
             raise ValueError("min_failing_tenants must be >= 1")
         if self.max_tenant_breakers < 1:
             raise ValueError("max_tenant_breakers must be >= 1")
+        if self.probe not in PROBES:
+            raise ValueError(f"probe must be one of {', '.join(PROBES)}")
         if not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in self.ramp_steps):
             raise ValueError("ramp_steps must be numbers")
         self.config()  # the breaker's own checks, at load

@@ -89,6 +89,8 @@ class Metrics:
                                    ["backend", "state"], registry=r)
         self.breaker_transitions = Counter("sluice_breaker_transitions", "Breaker state changes.",
                                            ["backend", "from_state", "to_state", "cause"], registry=r)
+        self.probes = Counter("sluice_backend_probes", "Sluice's own probes of a backend (extproc.service.prober): "
+                              "why (half_open, blame) and how they went.", ["backend", "why", "result"], registry=r)
         self.tenant_breakers = Gauge("sluice_tenant_breakers", "Tenant breakers on a backend, by state.",
                                      ["backend", "state"], registry=r)
         self.tenant_breaker_trips = Counter("sluice_tenant_breaker_trips",
