@@ -30,10 +30,11 @@ def hash_key(api_key: str) -> str:
 
 
 # A key Envoy passes on to Sluice: what API keys are made of (OpenAI's, the console's
-# sk-sluice-..., base64url), 8 or more of them. No comma: two key headers joined fail it.
-# Envoy refuses an RE2 program over 100 instructions: a bounded repeat like {8,256} is
-# one copy per repetition, so there is no upper bound here (Envoy's header limit is one).
-DEFAULT_KEY_PATTERN = r"[A-Za-z0-9._~+/=-]{8,}"
+# sk-sluice-..., base64url). No comma or space: two key headers joined fail it. A policy
+# whose keys share a shape can say so (the console's: sk-sluice-[A-Za-z0-9_-]{43}); keep
+# it short: Envoy refuses an RE2 program over 100 instructions, and a bounded repeat like
+# {8,256} costs one copy per repetition.
+DEFAULT_KEY_PATTERN = r"[A-Za-z0-9._~+/=-]+"
 
 
 @dataclass(frozen=True)
