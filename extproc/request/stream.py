@@ -165,7 +165,8 @@ class StreamProcessor:
         gw = self.policy.gateway
         # Envoy's usage filter reads neither the Responses API's usage nor an embeddings body's.
         read_body = got.kind in ("responses", "embeddings") and gw.response_processing != "streamed"
-        mode = msg.READ_RESPONSE_BODY if read_body else None
+        # The response side is off in the filter's static mode: turned on here, for this request.
+        mode = msg.READ_RESPONSE_BODY if read_body else msg.RESPONSE_MODES[gw.response_processing]
         new_path = {":path": got.clean_path} if got.clean_path else {}
         return msg.headers_response("request_headers", new_path, mode_override=mode)
 

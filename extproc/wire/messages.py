@@ -29,6 +29,24 @@ SKIP_REST = PM(
     request_trailer_mode=PM.SKIP, response_trailer_mode=PM.SKIP,
 )
 
+# The whole processing mode of a request Sluice admits, per response_processing, sent as the
+# mode_override of its answer to the request headers (the filter's static mode leaves the
+# response side off: extproc.envoy.extproc_filter). usage_trailers: response headers (status,
+# first byte) and the trailers Envoy's usage filter synthesizes with the usage, never a body
+# chunk; streamed: every response body chunk, no headers (the status is an attribute).
+RESPONSE_MODES = {
+    "usage_trailers": PM(
+        request_header_mode=PM.SEND, response_header_mode=PM.SEND,
+        request_body_mode=PM.BUFFERED, response_body_mode=PM.NONE,
+        request_trailer_mode=PM.SKIP, response_trailer_mode=PM.SEND,
+    ),
+    "streamed": PM(
+        request_header_mode=PM.SEND, response_header_mode=PM.SKIP,
+        request_body_mode=PM.BUFFERED, response_body_mode=PM.STREAMED,
+        request_trailer_mode=PM.SKIP, response_trailer_mode=PM.SKIP,
+    ),
+}
+
 # A response whose usage Envoy's usage filter cannot read (the Responses API: its usage
 # rides in a response.completed event) is read here, chunk by chunk, under either
 # response_processing; the response headers bring the status and the first byte. The
