@@ -150,12 +150,13 @@ class Settlement:
         eu = self.envoy_usage
         # embeddings: prompt_tokens and total_tokens only
         total = reported.total if reported is not None else (eu.total_tokens if eu is not None else None)
+        # Counting the text is the costly part: only when the charge may rest on it.
+        counted = self._counted_completion() if total is None and self.status < 400 else None
         return charge(Finished(
             prompt=self.prompt_tokens, completion_budget=max(0, self.reserved - self.prompt_tokens),
             n=req.n, admitted_at=t.admitted_at, ended_at=now, status=self.status,
             first_byte_at=self.first_byte_s, streamed=self.sse or req.stream, reported_total=total,
-            counted_completion=self._counted_completion(),
-            rate=self.rt.decode_rates.rate(t.model.name)))
+            counted_completion=counted, rate=self.rt.decode_rates.rate(t.model.name)))
 
     def _counted_completion(self) -> int | None:
         """The completion tokens in the body Sluice read, if it read what was generated:
