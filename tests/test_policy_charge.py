@@ -6,13 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.policy.charge import Basis, Charge, Ending, charge, generating_s
+from extproc.policy.charge import Basis, Charge, SettleFacts, charge, generating_s
 
 
-def ending(**kw: object) -> Ending:
+def ending(**kw: object) -> SettleFacts:
     base: dict[str, object] = {"prompt": 100, "completion_budget": 1000, "n": 1, "admitted_at": 10.0,
                                "ended_at": 19.0, "rate": 50.0}
-    return Ending(**{**base, **kw})  # type: ignore[arg-type]
+    return SettleFacts(**{**base, **kw})  # type: ignore[arg-type]
 
 
 def test_the_backends_usage_wins_over_everything_else() -> None:

@@ -41,7 +41,7 @@ from enum import StrEnum
 
 from extproc.policy.decode_rate import completion_estimate
 
-__all__ = ["Basis", "Charge", "Ending", "charge"]
+__all__ = ["Basis", "Charge", "SettleFacts", "charge", "generating_s"]
 
 
 class Basis(StrEnum):
@@ -56,7 +56,7 @@ class Basis(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class Ending:
+class SettleFacts:
     """What is known about a forwarded request when it ends."""
 
     prompt: int  # prompt tokens Sluice counted
@@ -78,7 +78,7 @@ class Charge:
     basis: Basis
 
 
-def charge(e: Ending) -> Charge:
+def charge(e: SettleFacts) -> Charge:
     """What the tenant pays for a request that went to the backend (see the module docstring)."""
     if e.reported_total is not None:
         return Charge(e.reported_total, Basis.REPORTED)
@@ -90,7 +90,7 @@ def charge(e: Ending) -> Charge:
                   Basis.ESTIMATED)
 
 
-def generating_s(e: Ending) -> float:
+def generating_s(e: SettleFacts) -> float:
     """How long the engine may have been generating for ``e`` (see ``charge``)."""
     if e.first_byte_at is None:
         return e.ended_at - e.admitted_at

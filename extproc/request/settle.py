@@ -18,8 +18,7 @@ from extproc.envoy.usage_record import EnvoyUsage
 from extproc.openai_api.body import ParsedRequest
 from extproc.openai_api.usage import JSONTracker, SSETracker, Usage
 from extproc.policy.breaker import outcome_at_settle
-from extproc.policy.charge import Basis, Charge, charge
-from extproc.policy.charge import Ending as Finished
+from extproc.policy.charge import Basis, Charge, SettleFacts, charge
 from extproc.policy.reasons import CHARGED, Ending, Reason
 from extproc.policy.schema import Limits, Tenant, Tier
 from extproc.request import observe
@@ -152,7 +151,7 @@ class Settlement:
         total = reported.total if reported is not None else (eu.total_tokens if eu is not None else None)
         # Counting the text is the costly part: only when the charge may rest on it.
         counted = self._counted_completion() if total is None and self.status < 400 else None
-        return charge(Finished(
+        return charge(SettleFacts(
             prompt=self.prompt_tokens, completion_budget=max(0, self.reserved - self.prompt_tokens),
             n=req.n, admitted_at=t.admitted_at, ended_at=now, status=self.status,
             first_byte_at=self.first_byte_s, streamed=self.sse or req.stream, reported_total=total,
