@@ -49,7 +49,9 @@ class Pair:
 
     @property
     def processed(self) -> int:
-        return 0 if self.work is None else self.work["prompt_tokens"] + self.work["generation_tokens"]
+        return (
+            0 if self.work is None else self.work["prompt_tokens"] + self.work["generation_tokens"]
+        )
 
     @property
     def charged(self) -> int:
@@ -60,7 +62,8 @@ class Pair:
         return None if self.settled is None else self.settled["basis"]
 
     def __str__(self) -> str:
-        return f"{self.request_id}: settled {dict(self.settled or {})} / engine {dict(self.work or {})}"
+        settled, work = dict(self.settled or {}), dict(self.work or {})
+        return f"{self.request_id}: settled {settled} / engine {work}"
 
 
 def settled_since(admin_url: str, after: int = 0) -> tuple[int, list[dict[str, Any]]]:
@@ -75,8 +78,11 @@ def work_since(sim_url: str, after: int = 0) -> tuple[int, list[dict[str, Any]]]
     return rep["count"], rep["requests"]
 
 
-def pair(settled: Iterable[Mapping[str, Any]], work: Iterable[Mapping[str, Any]],
-         billable_work: bool = True) -> list[Pair]:
+def pair(
+    settled: Iterable[Mapping[str, Any]],
+    work: Iterable[Mapping[str, Any]],
+    billable_work: bool = True,
+) -> list[Pair]:
     """Match by request id; with ``billable_work`` an engine record naming a tenant (a request
     Sluice forwarded) pairs even without a settle record, as "processed, never settled"."""
     s = {r["request_id"]: r for r in settled if r["request_id"]}
@@ -100,7 +106,9 @@ def problem(p: Pair, b: Bounds) -> str | None:
         if not s["prompt"] <= charged <= s["reserved"]:
             return f"estimate {charged} outside [prompt, reserved]: {p}"
         if done > charged + b.estimate_slack:
-            return f"undercharged: estimate {charged}, engine {done} (slack {b.estimate_slack}): {p}"
+            return (
+                f"undercharged: estimate {charged}, engine {done} (slack {b.estimate_slack}): {p}"
+            )
         if b.estimate_over is not None and charged - done > b.estimate_over:
             return f"overcharged: estimate {charged}, engine {done} (over {b.estimate_over}): {p}"
         return None
@@ -109,8 +117,11 @@ def problem(p: Pair, b: Bounds) -> str | None:
         return None if ok else f"a failed request charged {charged}, engine {done}: {p}"
     if basis in ("not_sent", "refused_counted"):
         want = 0 if basis == "not_sent" else s["prompt"]
-        return None if charged == want and w is None else \
-            f"{basis}: charged {charged} (want {want}), engine record {w}: {p}"
+        return (
+            None
+            if charged == want and w is None
+            else f"{basis}: charged {charged} (want {want}), engine record {w}: {p}"
+        )
     return f"unknown basis {basis!r}: {p}"
 
 

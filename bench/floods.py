@@ -47,49 +47,82 @@ from extproc.policy.schema import build_policy, hash_key
 
 CHAT = "/v1/chat/completions"
 PREMIUM, FREE = "sk-flood-premium-0001", "sk-flood-free-0001"
-PREMIUM_ADDR, FLOOD_ADDRS = "127.0.0.1", {"unknown keys": "127.0.0.2", "refused tenant": "127.0.0.3"}
+PREMIUM_ADDR, FLOOD_ADDRS = (
+    "127.0.0.1",
+    {"unknown keys": "127.0.0.2", "refused tenant": "127.0.0.3"},
+)
 PREMIUM_RPS = 20.0
 
 
 def policy(sim_port: int, source_rps: float) -> dict[str, Any]:
     return {
-        "gateway": {"max_connections": 8192, "default_max_tokens": 16,
-                    "edge": {"source_rps": source_rps, "source_burst": int(2 * source_rps)}},
-        "backends": [{"name": "sim", "address": f"127.0.0.1:{sim_port}", "max_concurrency": 64,
-                      "models": [{"name": "sim-llama-8b", "context_window": 8192}]}],
-        "tiers": {"premium": {"priority": 100, "tpm": 10_000_000, "rpm": 6000, "max_concurrency": 64},
-                  "free": {"priority": 10, "tpm": 20_000, "rpm": 60, "max_concurrency": 8}},
-        "tenants": [{"name": "premium", "tier": "premium", "keys": [hash_key(PREMIUM)]},
-                    {"name": "free", "tier": "free", "keys": [hash_key(FREE)]}],
+        "gateway": {
+            "max_connections": 8192,
+            "default_max_tokens": 16,
+            "edge": {"source_rps": source_rps, "source_burst": int(2 * source_rps)},
+        },
+        "backends": [
+            {
+                "name": "sim",
+                "address": f"127.0.0.1:{sim_port}",
+                "max_concurrency": 64,
+                "models": [{"name": "sim-llama-8b", "context_window": 8192}],
+            }
+        ],
+        "tiers": {
+            "premium": {"priority": 100, "tpm": 10_000_000, "rpm": 6000, "max_concurrency": 64},
+            "free": {"priority": 10, "tpm": 20_000, "rpm": 60, "max_concurrency": 8},
+        },
+        "tenants": [
+            {"name": "premium", "tier": "premium", "keys": [hash_key(PREMIUM)]},
+            {"name": "free", "tier": "free", "keys": [hash_key(FREE)]},
+        ],
     }
 
 
-BODY = json.dumps({"model": "sim-llama-8b", "max_tokens": 4,
-                   "messages": [{"role": "user", "content": "hello there"}]}).encode()
+BODY = json.dumps(
+    {
+        "model": "sim-llama-8b",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hello there"}],
+    }
+).encode()
 
 
 # ---- the flood, in a process of its own -------------------------------------------------
 def _flood_main(url: str, kind: str, addr: str, connections: int, seconds: float, out: Any) -> None:
-    os.nice(int(os.environ.get("FLOOD_NICE", "5")))  # the attacker's machine is not the gateway's: give the gateway's processes the CPU first
+    os.nice(
+        int(os.environ.get("FLOOD_NICE", "5"))
+    )  # the attacker's machine is not the gateway's: give the gateway's processes the CPU first
     out.put(asyncio.run(_flood(url, kind, addr, connections, seconds)))
 
 
-async def _flood(url: str, kind: str, addr: str, connections: int, seconds: float) -> dict[str, Any]:
+async def _flood(
+    url: str, kind: str, addr: str, connections: int, seconds: float
+) -> dict[str, Any]:
     codes: Counter[str] = Counter()
     stop = time.monotonic() + seconds
     conn = aiohttp.TCPConnector(limit=connections, local_addr=(addr, 0))
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=30)) as s:
+
         async def one() -> None:
             rng = random.Random()
             while time.monotonic() < stop:
                 key = f"sk-bogus-{rng.getrandbits(64):016x}" if kind == "unknown keys" else FREE
                 try:
-                    async with s.post(url + CHAT, data=BODY, headers={"authorization": f"Bearer {key}",
-                                                                      "content-type": "application/json"}) as r:
+                    async with s.post(
+                        url + CHAT,
+                        data=BODY,
+                        headers={
+                            "authorization": f"Bearer {key}",
+                            "content-type": "application/json",
+                        },
+                    ) as r:
                         await r.read()
                         codes[f"{r.status} {r.headers.get('x-sluice-reason', '')}"] += 1
                 except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                     codes[type(exc).__name__] += 1
+
         await asyncio.gather(*(one() for _ in range(connections)))
     return {"codes": dict(codes), "cpu_s": time.process_time()}
 
@@ -100,14 +133,22 @@ async def premium(url: str, seconds: float) -> list[float]:
     lat: list[float] = []
     conn = aiohttp.TCPConnector(limit=64, local_addr=(PREMIUM_ADDR, 0))
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=30)) as s:
+
         async def one() -> None:
             t0 = time.monotonic()
-            async with s.post(url + CHAT, data=BODY, headers={"authorization": f"Bearer {PREMIUM}",
-                                                              "content-type": "application/json",
-                                                              "x-sim-tokens": "4"}) as r:
+            async with s.post(
+                url + CHAT,
+                data=BODY,
+                headers={
+                    "authorization": f"Bearer {PREMIUM}",
+                    "content-type": "application/json",
+                    "x-sim-tokens": "4",
+                },
+            ) as r:
                 await r.read()
                 if r.status == 200:
                     lat.append(time.monotonic() - t0)
+
         tasks, t0 = [], time.monotonic()
         for i in range(int(seconds * PREMIUM_RPS)):
             await asyncio.sleep(max(0.0, t0 + i / PREMIUM_RPS - time.monotonic()))
@@ -149,8 +190,10 @@ def run_phase(gw: Gateway, config: str, flood: str, seconds: float, connections:
     if flood != "alone":
         ctx = multiprocessing.get_context("spawn")
         out = ctx.Queue()
-        proc = ctx.Process(target=_flood_main, args=(gw.url, flood, FLOOD_ADDRS[flood], connections,
-                                                      seconds + 1.0, out))
+        proc = ctx.Process(
+            target=_flood_main,
+            args=(gw.url, flood, FLOOD_ADDRS[flood], connections, seconds + 1.0, out),
+        )
         proc.start()
         time.sleep(1.0)  # the flood's connections open first: premium measures the steady state
         before = {k: proc_cpu_rss(p)[0] for k, p in pids.items()}
@@ -168,7 +211,9 @@ def run_phase(gw: Gateway, config: str, flood: str, seconds: float, connections:
     return ph
 
 
-def run(workdir: Path, seconds: float = 15.0, connections: int = 1000, log: Any = print) -> list[Phase]:
+def run(
+    workdir: Path, seconds: float = 15.0, connections: int = 1000, log: Any = print
+) -> list[Phase]:
     phases: list[Phase] = []
     for config, source_rps in (("edge off", 0.0), ("edge on", 50.0)):
         gw = Gateway(workdir / config.replace(" ", "-"), Ports())
@@ -179,7 +224,10 @@ def run(workdir: Path, seconds: float = 15.0, connections: int = 1000, log: Any 
             gw.start_extproc(policy_dir)
             edge = edge_limits(build_policy(doc)) if config == "edge on" else EdgeLimits()
             opts = replace(envoy_options(gw.ports, doc), edge=edge, max_connections=8192)
-            gw.start_envoy(envoy_config("sluice", [BackendRoute("sim", "127.0.0.1", gw.ports.sim)], opts), config)
+            gw.start_envoy(
+                envoy_config("sluice", [BackendRoute("sim", "127.0.0.1", gw.ports.sim)], opts),
+                config,
+            )
             for flood in ("alone", "unknown keys", "refused tenant"):
                 log(f"floods: {config}, {flood} ({seconds:.0f} s)")
                 phases.append(run_phase(gw, config, flood, seconds, connections))
@@ -194,38 +242,83 @@ def markdown(phases: list[Phase], connections: int) -> str:
     for p in phases:
         a = alone[p.config]
         target = 2 * a.p(0.99) + 50
-        rows.append([p.config, p.flood, f"{len(p.premium_ms)}/{p.premium_sent}", f"{p.p(0.5):.1f}",
-                     f"{p.p(0.99):.1f}", "–" if p.flood == "alone" else f"{target:.0f}",
-                     "–" if p.flood == "alone" else verdict(p.p(0.99) <= target and len(p.premium_ms) == p.premium_sent),
-                     f"{p.flood_rps:,.0f}" if p.flood != "alone" else "–",
-                     f"{p.reached_sluice_rps:,.0f}" if p.flood != "alone" else "–",
-                     f"{p.cpu.get('envoy', math.nan):.0%}", f"{p.cpu.get('extproc', math.nan):.0%}",
-                     f"{p.cpu['flood client']:.0%}" if "flood client" in p.cpu else "–"])
-    codes = "; ".join(f"{p.config} / {p.flood}: " + ", ".join(f"{k} x{v:,}" for k, v in
-                                                               sorted(p.flood_codes.items(), key=lambda kv: -kv[1]))
-                      for p in phases if p.flood_codes)
-    return "\n".join([
-        "## Floods of refusals beside premium (bench.floods)", "",
-        f"Premium: {PREMIUM_RPS:.0f} small non-streaming chats/s from {PREMIUM_ADDR}; each flood: {connections:,} "
-        "keep-alive connections from an address of its own, as fast as answered (its client at nice 5). "
-        "Latency in ms; CPU as a share of one core over the phase. Target: premium p99 <= 2x alone + 50 ms, "
-        "alone measured in the same run and configuration. "
-        f"Load average at the end: {' '.join(open('/proc/loadavg').read().split()[:3])}.", "",
-        table(["config", "phase", "premium 200s", "p50", "p99", "target p99", "verdict", "flood req/s",
-               "reached extproc /s", "Envoy CPU", "extproc CPU", "flood client CPU"], rows), "",
-        f"Flood answers: {codes}.", ""])
+        rows.append(
+            [
+                p.config,
+                p.flood,
+                f"{len(p.premium_ms)}/{p.premium_sent}",
+                f"{p.p(0.5):.1f}",
+                f"{p.p(0.99):.1f}",
+                "–" if p.flood == "alone" else f"{target:.0f}",
+                "–"
+                if p.flood == "alone"
+                else verdict(p.p(0.99) <= target and len(p.premium_ms) == p.premium_sent),
+                f"{p.flood_rps:,.0f}" if p.flood != "alone" else "–",
+                f"{p.reached_sluice_rps:,.0f}" if p.flood != "alone" else "–",
+                f"{p.cpu.get('envoy', math.nan):.0%}",
+                f"{p.cpu.get('extproc', math.nan):.0%}",
+                f"{p.cpu['flood client']:.0%}" if "flood client" in p.cpu else "–",
+            ]
+        )
+    codes = "; ".join(
+        f"{p.config} / {p.flood}: "
+        + ", ".join(f"{k} x{v:,}" for k, v in sorted(p.flood_codes.items(), key=lambda kv: -kv[1]))
+        for p in phases
+        if p.flood_codes
+    )
+    return "\n".join(
+        [
+            "## Floods of refusals beside premium (bench.floods)",
+            "",
+            f"Premium: {PREMIUM_RPS:.0f} small non-streaming chats/s from {PREMIUM_ADDR}; "
+            f"each flood: {connections:,} keep-alive connections from an address of its own, as "
+            "fast as answered (its client at nice 5). Latency in ms; CPU as a share of one core "
+            "over the phase. Target: premium p99 <= 2x alone + 50 ms, "
+            "alone measured in the same run and configuration. "
+            f"Load average at the end: {' '.join(open('/proc/loadavg').read().split()[:3])}.",
+            "",
+            table(
+                [
+                    "config",
+                    "phase",
+                    "premium 200s",
+                    "p50",
+                    "p99",
+                    "target p99",
+                    "verdict",
+                    "flood req/s",
+                    "reached extproc /s",
+                    "Envoy CPU",
+                    "extproc CPU",
+                    "flood client CPU",
+                ],
+                rows,
+            ),
+            "",
+            f"Flood answers: {codes}.",
+            "",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.floods", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.floods", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--seconds", type=float, default=15.0)
     ap.add_argument("--connections", type=int, default=1000)
     ap.add_argument("--quick", action="store_true", help="6 s phases, 300 connections")
     args = ap.parse_args(argv)
     seconds, connections = (6.0, 300) if args.quick else (args.seconds, args.connections)
     with tempfile.TemporaryDirectory(prefix="sluice-floods-") as tmp:
-        phases = run(Path(tmp), seconds, connections,
-                     log=lambda m: print(f"[floods {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True))
+        phases = run(
+            Path(tmp),
+            seconds,
+            connections,
+            log=lambda m: print(
+                f"[floods {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True
+            ),
+        )
     print(markdown(phases, connections))
 
 

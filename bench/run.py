@@ -31,8 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-PARTS = ("headline", "longprompt", "slowdown", "pool", "tpm", "state_store", "soak", "floods", "overhead",
-         "tokenizer")
+PARTS = ("headline", "longprompt", "slowdown", "pool", "tpm", "state_store", "soak", "floods",
+         "overhead", "tokenizer")
 
 
 def log(msg: str) -> None:
@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         def floods_part() -> str:
             from bench import floods
             seconds, connections = (6.0, 300) if args.quick else (15.0, 1000)
-            return floods.markdown(floods.run(workdir / "floods", seconds, connections, log=log), connections)
+            phases = floods.run(workdir / "floods", seconds, connections, log=log)
+            return floods.markdown(phases, connections)
         timed("floods", floods_part)
     if "overhead" in parts:
         timed("overhead", lambda: overhead_part(args.quick))

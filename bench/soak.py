@@ -59,7 +59,9 @@ def soak_policy(port: int) -> dict[str, Any]:
 class Job:
     req: Request
     key: str
-    kind: str  # normal | cut_stream | cut_queued | backend_500 | fail_after | over_budget | json | cut_json | embed
+    # normal | cut_stream | cut_queued | backend_500 | fail_after | over_budget | json |
+    # cut_json | embed
+    kind: str
     headers: dict[str, str] = field(default_factory=dict)
     cut_after: int | None = None
     patience: ClientPolicy = ClientPolicy(30, 60)
@@ -96,7 +98,8 @@ def plan(n: int, seed: int = 17) -> list[Job]:
             jobs.append(Job(req, KEYS["soak"], "cut_json", stream=False,
                             patience=ClientPolicy(rng.uniform(0.02, 0.3), 60)))
         elif u < 0.24:
-            jobs.append(Job(req, KEYS["soak"], "embed", path="/v1/embeddings", body=_embedding(req, rng)))
+            jobs.append(Job(req, KEYS["soak"], "embed", path="/v1/embeddings",
+                            body=_embedding(req, rng)))
         else:
             jobs.append(Job(req, KEYS["soak"], "normal"))
     return jobs
@@ -193,7 +196,8 @@ def run(workdir: Path, *, quick: bool = False, log: Any = print) -> SoakResult:
         sample_rss()
         out.final = wait_idle(admin, 10)
         out.engine = get_json(f"http://127.0.0.1:{gw.ports.sim}/admin/engine")
-        _check_billing(out, f"http://127.0.0.1:{gw.ports.admin}", f"http://127.0.0.1:{gw.ports.sim}")
+        _check_billing(out, f"http://127.0.0.1:{gw.ports.admin}",
+                       f"http://127.0.0.1:{gw.ports.sim}")
         out.rss_mb = [(pid, xs[0], xs[-1]) for pid, xs in rss.items()]
         out.seen_by_last = state["since_start"]
         out.outcomes = Counter(_outcome(r) for r in results)
@@ -256,7 +260,8 @@ def markdown(r: SoakResult) -> str:
                  f"{len(outside)} of {sum(n for n, _, _ in r.billing.values())} outside", "0",
                  verdict(not outside and bool(r.billing))])
     return "\n".join(head + [
-        f"{r.requests:,} requests (most streaming) in {r.seconds:.0f} s, {r.restarts} extproc restarts under load. "
+        f"{r.requests:,} requests (most streaming) in {r.seconds:.0f} s, "
+        f"{r.restarts} extproc restarts under load. "
         f"Planned mix: {mix}.",
         "",
         "Outcomes seen by clients: " + ", ".join(f"{k}: {v}" for k, v in r.outcomes.most_common()) + ".",
@@ -265,10 +270,13 @@ def markdown(r: SoakResult) -> str:
         "",
         f"RSS per extproc process (after its first ~1,000 requests -> at its end): {rss_all}.",
         "",
-        "What the last extproc charged against what the simulated engine says it processed for the same "
-        f"requests (by x-request-id; bounds in bench/billing.py, estimate slack {BOUNDS.estimate_slack}):",
+        "What the last extproc charged against what the simulated engine says it processed "
+        "for the same requests (by x-request-id; bounds in bench/billing.py, estimate slack "
+        f"{BOUNDS.estimate_slack}):",
         "",
-        table(["basis", "requests", "charged", "engine processed", "charged / processed"], bill_rows),
+        table(["basis", "requests", "charged", "engine processed", "charged / processed"],
+              bill_rows),
         "",
-        *(["Outside the bound (first 5):", "", *[f"- {m}" for m in outside[:5]], ""] if outside else []),
+        *(["Outside the bound (first 5):", "", *[f"- {m}" for m in outside[:5]], ""]
+          if outside else []),
     ])

@@ -92,7 +92,8 @@ async def _serve(args: argparse.Namespace) -> int:
         watcher = asyncio.create_task(client.run())
     monitor = asyncio.create_task(run_monitor(runtime))
     ticker = asyncio.create_task(run_ticker(runtime))  # queue deadlines and pumping
-    prober = asyncio.create_task(run_prober(runtime))  # breakers' verdicts without waiting on traffic
+    # the breakers' verdicts without waiting on traffic
+    prober = asyncio.create_task(run_prober(runtime))
     eds = asyncio.create_task(_keep_eds(runtime, eds_writer)) if eds_writer is not None else None
     print(f"sluice extproc: gRPC {ghost}:{gport}, admin http://{ahost}:{aport}/metrics", flush=True)
     if picker is not None:

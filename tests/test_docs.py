@@ -191,11 +191,13 @@ def test_policy_reference_states_each_gateway_default() -> None:
             for m in re.finditer(r"^\| `(\w+)` \| ([^|]+) \|", section, re.MULTILINE)}
     # A nested settings field (edge) has a row of its own per field: edge.<name>.
     nested = {f"{f.name}.{g.name}": g.default for f in dataclasses.fields(Gateway)
-              if f.default is dataclasses.MISSING for g in dataclasses.fields(f.default_factory())}  # type: ignore[misc]
+              if f.default is dataclasses.MISSING
+              for g in dataclasses.fields(f.default_factory())}  # type: ignore[misc]
     rows.update({m.group(1): m.group(2).strip().strip("`")
                  for m in re.finditer(r"^\| `(\w+\.\w+)` \| ([^|]+) \|", section, re.MULTILINE)})
-    defaults = {**{f.name: f.default for f in dataclasses.fields(Gateway) if f.default is not dataclasses.MISSING},
-                **nested}
+    plain = {f.name: f.default for f in dataclasses.fields(Gateway)
+             if f.default is not dataclasses.MISSING}
+    defaults = {**plain, **nested}
     wrong = [f"{name}: docs/policy.md says {rows.get(name)!r}, default is {_shown(default)!r}"
              for name, default in defaults.items() if rows.get(name) != _shown(default)]
     assert not wrong, "; ".join(wrong)

@@ -27,8 +27,10 @@ BLAME_CASES = [
     ("its own successes vouch for nothing", [("t", OK, 39)], "t", 2, "tenant"),
     ("lone, and Sluice's probe failed", [("probe", FAIL, 35)], "t", 2, "backend"),
     ("lone, and Sluice's probe passed", [("probe", OK, 35)], "t", 2, "tenant"),
-    ("lone, Sluice's failed probe is older than the window", [("probe", FAIL, 5)], "t", 2, "tenant"),
-    ("another succeeding outweighs a failed probe", [("probe", FAIL, 35), ("u", OK, 39)], "t", 2, "tenant"),
+    ("lone, Sluice's failed probe is older than the window", [("probe", FAIL, 5)], "t", 2,
+     "tenant"),
+    ("another succeeding outweighs a failed probe", [("probe", FAIL, 35), ("u", OK, 39)], "t", 2,
+     "tenant"),
     ("fails while another succeeds", [("u", OK, 39)], "t", 2, "tenant"),
     ("fails repeatedly while another succeeds", [("u", OK, 20), ("t", FAIL, 38), ("t", FAIL, 39)], "t", 2,
      "tenant"),
@@ -240,7 +242,7 @@ def test_a_lone_failure_asks_for_one_probe_of_sluices_own_at_a_time() -> None:
 
 
 def test_without_probes_a_lone_tenants_failure_is_the_backends_as_before() -> None:
-    cfg = BreakerConfig(window_s=30, consecutive_failures=3, min_requests=100, cooldown_s=10, max_cooldown_s=40,
-                        own_probe_after_s=0)
+    cfg = BreakerConfig(window_s=30, consecutive_failures=3, min_requests=100, cooldown_s=10,
+                        max_cooldown_s=40, own_probe_after_s=0)
     t = tb(cfg=cfg)
     assert t.record("t", FAIL, 1.0) is Outcome.FAILURE and not t.probe_wanted(1.0)

@@ -16,17 +16,33 @@ from tests.test_stream import Clock
 
 
 def runtime(clock: Clock, **backend: Any) -> Runtime:
-    spec = {"name": "b", "address": "127.0.0.1:9", "max_concurrency": 8,
-            "breaker": {"consecutive_failures": 2, "cooldown_s": 10, "max_cooldown_s": 10,
-                        "ramp_steps": [0.5, 1.0], "ramp_step_s": 5, "own_probe_after_s": 3},
-            "models": [{"name": "m", "context_window": 4096}], **backend}
+    spec = {
+        "name": "b",
+        "address": "127.0.0.1:9",
+        "max_concurrency": 8,
+        "breaker": {
+            "consecutive_failures": 2,
+            "cooldown_s": 10,
+            "max_cooldown_s": 10,
+            "ramp_steps": [0.5, 1.0],
+            "ramp_step_s": 5,
+            "own_probe_after_s": 3,
+        },
+        "models": [{"name": "m", "context_window": 4096}],
+        **backend,
+    }
     if "endpoints" in spec:
         del spec["address"]
-    rt = Runtime(build_policy({
-        "backends": [spec],
-        "tiers": {"t": {"tpm": 100_000, "rpm": 1000}},
-        "tenants": [{"name": "a", "tier": "t", "keys": [hash_key("ka")]}],
-    }), clock=clock)
+    rt = Runtime(
+        build_policy(
+            {
+                "backends": [spec],
+                "tiers": {"t": {"tpm": 100_000, "rpm": 1000}},
+                "tenants": [{"name": "a", "tier": "t", "keys": [hash_key("ka")]}],
+            }
+        ),
+        clock=clock,
+    )
     rt.backends["b"].has_metrics = False
     return rt
 
@@ -83,7 +99,9 @@ def test_a_failing_own_probe_reopens_and_a_request_probing_first_takes_the_place
         clock.now += 13
         p.tick()
         await settle_probes(p)
-        assert br.state(clock.now) is BreakerState.OPEN  # the backend still fails: a longer cooldown
+        assert (
+            br.state(clock.now) is BreakerState.OPEN
+        )  # the backend still fails: a longer cooldown
         clock.now += 20
         assert br.allow(clock.now).allowed  # a request came first and is the probe
         clock.now += 5
@@ -115,7 +133,9 @@ def test_a_lone_tenants_failure_is_confirmed_or_cleared_by_sluices_own_probe() -
     bad = FakeBackend(failed=True)
     asyncio.run(run(bad))
     assert tb.backend_to_blame("a", clock.now)
-    assert be.breaker.snapshot(clock.now)["window"]["failures"] == 1  # the probe's failure is the backend's
+    assert (
+        be.breaker.snapshot(clock.now)["window"]["failures"] == 1
+    )  # the probe's failure is the backend's
     rt.close()
 
 
@@ -142,8 +162,11 @@ def test_each_engine_of_a_pool_is_probed_at_its_own_address() -> None:
 
 def test_each_kind_of_probe_is_the_smallest_request_of_its_api() -> None:
     assert request_for("health", "m") == ("GET", "/health", None)
-    assert request_for("completions", "m") == ("POST", "/v1/completions",
-                                               {"model": "m", "prompt": "ping", "max_tokens": 1})
+    assert request_for("completions", "m") == (
+        "POST",
+        "/v1/completions",
+        {"model": "m", "prompt": "ping", "max_tokens": 1},
+    )
     method, path, body = request_for("chat", "m")
     assert (method, path, body and body["max_tokens"]) == ("POST", "/v1/chat/completions", 1)
     assert request_for("embeddings", "m")[1:] == ("/v1/embeddings", {"model": "m", "input": "ping"})

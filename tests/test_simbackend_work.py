@@ -37,7 +37,10 @@ def test_each_ending_leaves_one_record_with_the_engines_counts() -> None:
     # The per-request records add up to the engine's vLLM-named totals.
     assert sum(w.prompt_tokens for w in recs.values()) == e.prompt_tokens_total
     assert sum(w.generation_tokens for w in recs.values()) == e.generation_tokens_total
-    assert e.work.by_tenant["t1"]["finished_abort"] == 1 and e.work.by_tenant["t2"]["finished_abort"] == 1
+    assert (
+        e.work.by_tenant["t1"]["finished_abort"] == 1
+        and e.work.by_tenant["t2"]["finished_abort"] == 1
+    )
     assert e.finished_total["abort"] == 2 and e.finished_total["length"] == 1
 
 
@@ -81,14 +84,17 @@ async def _until_record(s: aiohttp.ClientSession, url: str, rid: str) -> dict[st
 
 @pytest.mark.parametrize("stream", [False, True])
 @aio
-async def test_a_client_that_hangs_up_aborts_its_request_and_the_record_says_what_it_cost(stream: bool) -> None:
+async def test_a_client_that_hangs_up_aborts_its_request_and_the_record_says_what_it_cost(
+    stream: bool,
+) -> None:
     """vLLM aborts a request whose connection closed, streaming or not; so does the sim."""
     async with served(True, time_scale=1.0) as (url, e), aiohttp.ClientSession() as s:
         headers = {"x-request-id": f"hang-{stream}", "x-sluice-tenant": "t-hang", "x-sim-tps": "50"}
         body = chat("tell me a long story", max_tokens=1000, stream=stream)
         with pytest.raises(asyncio.TimeoutError):
-            async with s.post(url + CHAT, json=body, headers=headers,
-                              timeout=aiohttp.ClientTimeout(total=0.4)) as r:
+            async with s.post(
+                url + CHAT, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=0.4)
+            ) as r:
                 await r.read()
         w = await _until_record(s, url, f"hang-{stream}")
         assert w["finished_reason"] == "abort" and w["tenant"] == "t-hang"
@@ -103,7 +109,9 @@ async def test_completed_and_embedding_records_match_the_reported_usage() -> Non
     async with sim() as c:
         r = await c.post(CHAT, json=chat(max_tokens=5), headers={"x-request-id": "a"})
         usage = (await r.json())["usage"]
-        r = await c.post("/v1/embeddings", json={"input": ["one two", "three"]}, headers={"x-request-id": "b"})
+        r = await c.post(
+            "/v1/embeddings", json={"input": ["one two", "three"]}, headers={"x-request-id": "b"}
+        )
         emb = (await r.json())["usage"]
         r = await c.get("/admin/work")
         report = await r.json()
@@ -111,8 +119,12 @@ async def test_completed_and_embedding_records_match_the_reported_usage() -> Non
         assert recs["a"]["prompt_tokens"] == usage["prompt_tokens"]
         assert recs["a"]["generation_tokens"] == usage["completion_tokens"]
         assert recs["a"]["finished_reason"] == "length"
-        assert recs["b"]["prompt_tokens"] == emb["prompt_tokens"] and recs["b"]["generation_tokens"] == 0
+        assert (
+            recs["b"]["prompt_tokens"] == emb["prompt_tokens"]
+            and recs["b"]["generation_tokens"] == 0
+        )
         assert report["count"] == 2 and report["by_tenant"][""]["prompt_tokens"] == (
-            usage["prompt_tokens"] + emb["prompt_tokens"])
+            usage["prompt_tokens"] + emb["prompt_tokens"]
+        )
         r = await c.get("/admin/work", params={"after": "x"})
         assert r.status == 400

@@ -109,8 +109,8 @@ def test_a_model_route_breaker_trips_that_model_only() -> None:
     p = build_policy({
         "backends": [{"name": "b", "address": "127.0.0.1:1", "max_concurrency": 4,
                       "models": [{"name": "m", "context_window": 4096,
-                                  "breaker": {"consecutive_failures": 1, "cooldown_s": 5, "max_cooldown_s": 5,
-                                              "min_failing_tenants": 1}},
+                                  "breaker": {"consecutive_failures": 1, "cooldown_s": 5,
+                                              "max_cooldown_s": 5, "min_failing_tenants": 1}},
                                  {"name": "m2", "context_window": 4096}]}],
         "tiers": {"t": {"tpm": 100_000, "rpm": 1000}},
         "tenants": [{"name": "a", "tier": "t", "keys": [hash_key("k")]}],

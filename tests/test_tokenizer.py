@@ -179,7 +179,7 @@ def test_separate_inputs_are_each_held_to_the_limit_and_all_counted() -> None:
     many = c.count(["x"] * 25_000, limit=4096, per_text=True)
     assert (many.tokens, many.complete, many.over_text) == (25_000, True, None)
     summed = c.count(["x"] * 25_000, limit=4096)
-    assert summed.tokens == 4097 and not summed.complete  # what the embeddings list was charged before
+    assert summed.tokens == 4097 and not summed.complete  # what the list was charged before
     over = c.count(["short", " the" * 5000, " the" * 9000], limit=4096, per_text=True)
     assert over.over_text == 1 and not over.complete and 4096 < over.tokens < 5010
     fits = c.count(["", " the" * 4096, "a"], limit=4096, per_text=True)

@@ -360,8 +360,9 @@ def test_responses_json_body_usage_and_text() -> None:
 
 
 def test_an_embeddings_body_is_read_for_its_trailing_usage_only() -> None:
-    body = json.dumps({"object": "list", "data": [{"embedding": [0.1] * 2000, "index": i} for i in range(40)],
-                       "model": "m", "usage": {"prompt_tokens": 25000, "total_tokens": 25000}}).encode()
+    data = [{"embedding": [0.1] * 2000, "index": i} for i in range(40)]
+    usage = {"prompt_tokens": 25000, "total_tokens": 25000}
+    body = json.dumps({"object": "list", "data": data, "model": "m", "usage": usage}).encode()
     t = JSONTracker(tail=True)
     for i in range(0, len(body), 3000):
         t.feed(body[i:i + 3000], False)
@@ -371,5 +372,6 @@ def test_an_embeddings_body_is_read_for_its_trailing_usage_only() -> None:
     cut = JSONTracker(tail=True)
     cut.feed(body[:-40], True)  # the usage object cut in the middle
     assert cut.usage is None
-    assert usage_in_tail(b'{"data": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}') == Usage(3, 2)
+    tail = b'{"data": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}'
+    assert usage_in_tail(tail) == Usage(3, 2)
     assert usage_in_tail(b'{"data": []}') is None

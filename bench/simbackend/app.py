@@ -200,7 +200,8 @@ def _plan_length(
 
 
 def _who(request: web.Request) -> dict[str, str]:
-    """The ids the engine's work record keeps (work.py): Envoy's request id, the gateway's tenant."""
+    """The ids the engine's work record keeps (work.py): Envoy's request id and the
+    gateway's tenant."""
     return {"request_id": request.headers.get("x-request-id", ""),
             "tenant": request.headers.get("x-sluice-tenant", "")}
 

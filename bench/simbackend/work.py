@@ -53,8 +53,14 @@ class WorkLog:
     def finished(self, seq: Sequence, reason: str) -> Work:
         """Note how ``seq`` ended (once: the engine calls this from each exit)."""
         self.count += 1
-        w = Work(self.count, seq.request_id, seq.tenant, seq.prompt_tokens if seq.prefilled_once else 0,
-                 seq.generated * seq.n, reason)
+        w = Work(
+            self.count,
+            seq.request_id,
+            seq.tenant,
+            seq.prompt_tokens if seq.prefilled_once else 0,
+            seq.generated * seq.n,
+            reason,
+        )
         self.records.append(w)
         totals = self.by_tenant.setdefault(seq.tenant, Counter())
         totals["prompt_tokens"] += w.prompt_tokens
@@ -67,7 +73,7 @@ class WorkLog:
         if after >= self.count:
             return []
         skip = len(self.records) - (self.count - after)
-        return list(self.records)[max(skip, 0):]
+        return list(self.records)[max(skip, 0) :]
 
     def report(self, after: int = 0) -> dict[str, Any]:
         """What GET /admin/work returns."""

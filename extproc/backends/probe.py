@@ -37,21 +37,34 @@ def request_for(kind: str, model: str) -> tuple[str, str, dict[str, Any] | None]
     if kind == "health":
         return "GET", "/health", None
     if kind == "chat":
-        return "POST", "/v1/chat/completions", {"model": model, "max_tokens": 1,
-                                                "messages": [{"role": "user", "content": "ping"}]}
+        return (
+            "POST",
+            "/v1/chat/completions",
+            {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "ping"}]},
+        )
     if kind == "embeddings":
         return "POST", "/v1/embeddings", {"model": model, "input": "ping"}
     return "POST", "/v1/completions", {"model": model, "prompt": "ping", "max_tokens": 1}
 
 
-async def probe(session: aiohttp.ClientSession, base_url: str, kind: str, model: str,
-                timeout_s: float = TIMEOUT_S) -> ProbeResult:
+async def probe(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    kind: str,
+    model: str,
+    timeout_s: float = TIMEOUT_S,
+) -> ProbeResult:
     method, path, body = request_for(kind, model)
     headers = {"user-agent": USER_AGENT, "x-request-id": f"sluice-probe-{next(_ids)}"}
     t0 = time.monotonic()
     try:
-        async with session.request(method, base_url + path, json=body, headers=headers,
-                                   timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+        async with session.request(
+            method,
+            base_url + path,
+            json=body,
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as r:
             await r.read()
             return ProbeResult(r.status >= 500, r.status, time.monotonic() - t0)
     except (TimeoutError, aiohttp.ClientError, OSError):

@@ -190,7 +190,8 @@ def _edge_options(opts: EnvoyOptions) -> dict[str, object]:
 
 def _listener(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> Listener:
     http_filters = [
-        strip_filter(),  # first: no filter, and no route, sees a client's x-sluice-* (extproc.envoy.edge)
+        # first: no filter, and no route, sees a client's x-sluice-* (extproc.envoy.edge)
+        strip_filter(),
         *ratelimit_filters(opts.edge),
         ext_proc_filter(opts, any(b.pool for b in backends)),
         HttpFilter(name=ROUTER_FILTER, typed_config=Any.pack(Router())),

@@ -66,8 +66,17 @@ from extproc.envoy.headers import BACKEND_HEADER
 from extproc.openai_api.errors import error_body
 from extproc.policy.edge import EdgeLimits
 
-__all__ = ["CLIENT_INTERNAL", "KEY_GUARD_ROUTE", "KEY_LIMIT_FILTER", "RATELIMIT_FILTERS", "SOURCE_LIMIT_FILTER",
-           "STRIP_FILTER", "key_guard_route", "ratelimit_filters", "strip_filter"]
+__all__ = [
+    "CLIENT_INTERNAL",
+    "KEY_GUARD_ROUTE",
+    "KEY_LIMIT_FILTER",
+    "RATELIMIT_FILTERS",
+    "SOURCE_LIMIT_FILTER",
+    "STRIP_FILTER",
+    "key_guard_route",
+    "ratelimit_filters",
+    "strip_filter",
+]
 
 STRIP_FILTER = "envoy.filters.http.header_mutation"
 KEY_LIMIT_FILTER = "sluice.edge.key_ratelimit"  # envoy.filters.http.local_ratelimit, per key value
@@ -76,42 +85,72 @@ RATELIMIT_FILTERS = (KEY_LIMIT_FILTER, SOURCE_LIMIT_FILTER)
 KEY_GUARD_ROUTE = "sluice_key_guard"
 SLUICE_PREFIX = "x-sluice-"
 # Read by Sluice, a gateway or a mesh to route or to trust a request; a client's copy is a lie.
-CLIENT_INTERNAL = ("x-real-ip", "forwarded", "x-gateway-destination-endpoint",
-                   "x-gateway-destination-endpoint-subset", "x-envoy-peer-metadata", "x-envoy-peer-metadata-id")
+CLIENT_INTERNAL = (
+    "x-real-ip",
+    "forwarded",
+    "x-gateway-destination-endpoint",
+    "x-gateway-destination-endpoint-subset",
+    "x-envoy-peer-metadata",
+    "x-envoy-peer-metadata-id",
+)
 MAX_DYNAMIC = 10_000  # buckets kept per wildcard descriptor (least recently used dropped)
 _SECOND = datetime.timedelta(seconds=1)
 
 
 def strip_filter() -> HttpFilter:
-    removals = [Mutation(remove_on_match=HeaderMutationRemoveOnMatch(key_matcher=StringMatcher(prefix=SLUICE_PREFIX)))]
+    removals = [
+        Mutation(
+            remove_on_match=HeaderMutationRemoveOnMatch(
+                key_matcher=StringMatcher(prefix=SLUICE_PREFIX)
+            )
+        )
+    ]
     removals += [Mutation(remove=name) for name in CLIENT_INTERNAL]
-    return HttpFilter(name=STRIP_FILTER,
-                      typed_config=Any.pack(HeaderMutation(mutations=Mutations(request_mutations=removals))))
+    return HttpFilter(
+        name=STRIP_FILTER,
+        typed_config=Any.pack(HeaderMutation(mutations=Mutations(request_mutations=removals))),
+    )
 
 
 def _lacks(header: str, regex: str) -> HeaderMatcher:
     """Matches when ``header`` is absent or its (joined) value is not all of ``regex``."""
-    return HeaderMatcher(name=header, string_match=StringMatcher(safe_regex=RegexMatcher(regex=regex)),
-                         invert_match=True, treat_missing_header_as_empty=True)
+    return HeaderMatcher(
+        name=header,
+        string_match=StringMatcher(safe_regex=RegexMatcher(regex=regex)),
+        invert_match=True,
+        treat_missing_header_as_empty=True,
+    )
 
 
 def key_guard_route(edge: EdgeLimits, disabled_filters: list[str]) -> Route:
-    body = error_body("Missing or malformed API key: send 'Authorization: Bearer <key>' (or one 'x-api-key').",
-                      "invalid_request_error", "invalid_api_key").decode()
+    body = error_body(
+        "Missing or malformed API key: send 'Authorization: Bearer <key>' (or one 'x-api-key').",
+        "invalid_request_error",
+        "invalid_api_key",
+    ).decode()
     return Route(
         name=KEY_GUARD_ROUTE,
-        match=RouteMatch(prefix="/", headers=[
-            _lacks("authorization", f"[Bb]earer +(?:{edge.key_pattern})"),
-            _lacks("x-api-key", f"(?:{edge.key_pattern})"),
-            # Not once ext_proc has routed the request: Sluice removes the key it read
-            # (strip_api_key) in the same answer that re-matches the route.
-            HeaderMatcher(name=BACKEND_HEADER, present_match=True, invert_match=True)]),
+        match=RouteMatch(
+            prefix="/",
+            headers=[
+                _lacks("authorization", f"[Bb]earer +(?:{edge.key_pattern})"),
+                _lacks("x-api-key", f"(?:{edge.key_pattern})"),
+                # Not once ext_proc has routed the request: Sluice removes the key it read
+                # (strip_api_key) in the same answer that re-matches the route.
+                HeaderMatcher(name=BACKEND_HEADER, present_match=True, invert_match=True),
+            ],
+        ),
         direct_response=DirectResponseAction(status=401, body=DataSource(inline_string=body)),
         response_headers_to_add=[
-            HeaderValueOption(header=HeaderValue(key=k, value=v),
-                              append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD)
-            for k, v in (("content-type", "application/json"), ("x-sluice-reason", "unknown_key"))],
-        typed_per_filter_config={name: Any.pack(FilterConfig(disabled=True)) for name in disabled_filters},
+            HeaderValueOption(
+                header=HeaderValue(key=k, value=v),
+                append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+            for k, v in (("content-type", "application/json"), ("x-sluice-reason", "unknown_key"))
+        ],
+        typed_per_filter_config={
+            name: Any.pack(FilterConfig(disabled=True)) for name in disabled_filters
+        },
     )
 
 
@@ -120,18 +159,27 @@ def _bucket(per_s: int, burst: int) -> TokenBucket:
 
 
 def _always() -> RuntimeFractionalPercent:
-    return RuntimeFractionalPercent(default_value=FractionalPercent(
-        numerator=100, denominator=FractionalPercentDenominatorType.HUNDRED), runtime_key="sluice.edge_ratelimit")
+    return RuntimeFractionalPercent(
+        default_value=FractionalPercent(
+            numerator=100, denominator=FractionalPercentDenominatorType.HUNDRED
+        ),
+        runtime_key="sluice.edge_ratelimit",
+    )
 
 
-def _limiter(name: str, limits: list[RateLimit], descriptors: list[LocalRateLimitDescriptor]) -> HttpFilter:
+def _limiter(
+    name: str, limits: list[RateLimit], descriptors: list[LocalRateLimitDescriptor]
+) -> HttpFilter:
     config = LocalRateLimit(
         stat_prefix=name.rsplit(".", 1)[-1],
         # Required beside the descriptors; never the one that binds.
         token_bucket=_bucket(1 << 30, 1 << 30),
         always_consume_default_token_bucket=False,
-        filter_enabled=_always(), filter_enforced=_always(),
-        rate_limits=limits, descriptors=descriptors, max_dynamic_descriptors=MAX_DYNAMIC,
+        filter_enabled=_always(),
+        filter_enforced=_always(),
+        rate_limits=limits,
+        descriptors=descriptors,
+        max_dynamic_descriptors=MAX_DYNAMIC,
     )
     return HttpFilter(name=name, typed_config=Any.pack(config))
 
@@ -144,14 +192,45 @@ def ratelimit_filters(edge: EdgeLimits) -> list[HttpFilter]:
     out = []
     if edge.key_per_s:
         headers = ("authorization", "x-api-key")
-        out.append(_limiter(KEY_LIMIT_FILTER, [RateLimit(actions=[RateLimitAction(
-            request_headers=RateLimitActionRequestHeaders(header_name=h, descriptor_key=h, skip_if_absent=True))])
-            for h in headers], [LocalRateLimitDescriptor(entries=[RateLimitDescriptorEntry(key=h)],
-                                                         token_bucket=_bucket(edge.key_per_s, edge.key_burst))
-                                for h in headers]))
+        out.append(
+            _limiter(
+                KEY_LIMIT_FILTER,
+                [
+                    RateLimit(
+                        actions=[
+                            RateLimitAction(
+                                request_headers=RateLimitActionRequestHeaders(
+                                    header_name=h, descriptor_key=h, skip_if_absent=True
+                                )
+                            )
+                        ]
+                    )
+                    for h in headers
+                ],
+                [
+                    LocalRateLimitDescriptor(
+                        entries=[RateLimitDescriptorEntry(key=h)],
+                        token_bucket=_bucket(edge.key_per_s, edge.key_burst),
+                    )
+                    for h in headers
+                ],
+            )
+        )
     if edge.source_per_s:
-        out.append(_limiter(SOURCE_LIMIT_FILTER,
-                            [RateLimit(actions=[RateLimitAction(remote_address=RateLimitActionRemoteAddress())])],
-                            [LocalRateLimitDescriptor(entries=[RateLimitDescriptorEntry(key="remote_address")],
-                                                      token_bucket=_bucket(edge.source_per_s, edge.source_burst))]))
+        out.append(
+            _limiter(
+                SOURCE_LIMIT_FILTER,
+                [
+                    RateLimit(
+                        actions=[RateLimitAction(remote_address=RateLimitActionRemoteAddress())]
+                    )
+                ],
+                [
+                    LocalRateLimitDescriptor(
+                        entries=[RateLimitDescriptorEntry(key="remote_address")],
+                        token_bucket=_bucket(edge.source_per_s, edge.source_burst),
+                    )
+                ],
+            )
+        )
     return out

@@ -118,15 +118,18 @@ def _drain_route(opts: EnvoyOptions, filters: Sequence[str]) -> Route:
 
 
 def _limited(opts: EnvoyOptions, name: str) -> bool:
-    """Whether the listener has edge rate-limit filter ``name`` (a route may only name filters it has)."""
-    return bool(opts.edge.key_per_s) if name == RATELIMIT_FILTERS[0] else bool(opts.edge.source_per_s)
+    """Whether the listener has edge rate-limit filter ``name`` (a route may only name the
+    filters it has)."""
+    edge = opts.edge
+    return bool(edge.key_per_s) if name == RATELIMIT_FILTERS[0] else bool(edge.source_per_s)
 
 
 def route_config(backends: Sequence[BackendRoute], opts: EnvoyOptions,
                  filters: Sequence[str]) -> RouteConfiguration:
     """The listener's routes; ``filters``: the HTTP filters the drain route turns off (the key
     guard, answered by Envoy itself, turns off the edge rate limit too: its 401 is cheaper)."""
-    routes = [key_guard_route(opts.edge, [*filters, *(f for f in RATELIMIT_FILTERS if _limited(opts, f))]),
+    limiters = [f for f in RATELIMIT_FILTERS if _limited(opts, f)]
+    routes = [key_guard_route(opts.edge, [*filters, *limiters]),
               _drain_route(opts, filters)]
     routes.extend(
         _route(

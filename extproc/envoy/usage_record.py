@@ -170,7 +170,8 @@ function envoy_on_response(handle)
   -- for a streaming request) passes untouched: split() would hold it back as an unfinished
   -- event and the client would get an empty body.
   local ctype = handle:headers():get("content-type") or ""
-  if handle:headers():get(":status") ~= "200" or not ctype:find("text/event-stream", 1, true) then return end
+  if handle:headers():get(":status") ~= "200" then return end
+  if not ctype:find("text/event-stream", 1, true) then return end
   local held = ""
   for chunk in handle:bodyChunks() do
     local n = chunk:length()

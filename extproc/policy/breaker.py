@@ -218,7 +218,8 @@ class Breaker:
         half_open = self._manual is None and self._state is BreakerState.HALF_OPEN
         if outcome in (Outcome.CLIENT_ERROR, Outcome.CANCELLED, Outcome.TENANT_FAILURE):
             if half_open and self._step < 0:
-                self._probe_since, self._probe_last = None, now  # the probe proved nothing; let another go
+                # the probe proved nothing; let another go
+                self._probe_since, self._probe_last = None, now
             return
         failed = outcome is Outcome.FAILURE
         slo = self.config.latency_slo_s
@@ -248,8 +249,9 @@ class Breaker:
         of Sluice's own should go now (``allow`` it, then ``record`` how it went)."""
         now = self._advance(now)
         after = self.config.own_probe_after_s
-        return (after > 0 and self._manual is None and self._state is BreakerState.HALF_OPEN and self._step < 0
-                and self._probe_since is None and now - self._probe_last >= after - _EPS)
+        half_open = self._manual is None and self._state is BreakerState.HALF_OPEN
+        waiting = half_open and self._step < 0 and self._probe_since is None
+        return after > 0 and waiting and now - self._probe_last >= after - _EPS
 
     def record_success(self, now: float, latency_s: float | None = None) -> None:
         self.record(Outcome.SUCCESS, latency_s, now)

@@ -86,8 +86,10 @@ def charge(e: SettleFacts) -> Charge:
         return Charge(0, Basis.FAILED)
     if e.counted_completion is not None:
         return Charge(e.prompt + e.counted_completion, Basis.COUNTED)
-    return Charge(e.prompt + completion_estimate(e.completion_budget, e.n, e.rate, generating_s(e)),
-                  Basis.ESTIMATED)
+    return Charge(
+        e.prompt + completion_estimate(e.completion_budget, e.n, e.rate, generating_s(e)),
+        Basis.ESTIMATED,
+    )
 
 
 def generating_s(e: SettleFacts) -> float:

@@ -38,7 +38,9 @@ def edge_limits(policy: Policy) -> EdgeLimits:
     e = policy.gateway.edge
     key_per_s = key_burst = 0
     if e.per_key:
-        rpms = [t.rpm for t in policy.tiers.values()] + [t.rpm for t in policy.tenants.values() if t.rpm is not None]
+        rpms = [t.rpm for t in policy.tiers.values()] + [
+            t.rpm for t in policy.tenants.values() if t.rpm is not None
+        ]
         fastest = max(rpms, default=0)
         if fastest > 0:
             # Refilled each second: a whole token more than a minute's share, never less.

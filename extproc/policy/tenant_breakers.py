@@ -67,7 +67,8 @@ class TenantBreakers:
         self._latest: OrderedDict[str, tuple[float, bool]] = OrderedDict()  # tenant -> (at, failed), oldest first
         self._failing = 0  # tenants in _latest whose latest outcome failed
         self._breakers: dict[str, Breaker] = {}
-        self._verdict: tuple[float, bool] | None = None  # Sluice's own latest probe: (at, the backend failed)
+        # Sluice's own latest probe of the backend: (at, the backend failed)
+        self._verdict: tuple[float, bool] | None = None
         self._wanted = False  # a lone failure waits for a probe
         self._events: deque[tuple[str, BreakerEvent]] = deque(maxlen=1000)  # of breakers since dropped
 
@@ -89,7 +90,8 @@ class TenantBreakers:
 
     @property
     def probes(self) -> bool:
-        """Whether a lone tenant's failure waits for Sluice's own probe (else it is the backend's)."""
+        """Whether a lone tenant's failure waits for Sluice's own probe (else it is the
+        backend's)."""
         return self.config.own_probe_after_s > 0 and self.min_failing_tenants > 1
 
     def _probe_failed(self, now: float) -> bool:
@@ -129,7 +131,8 @@ class TenantBreakers:
         v = self._verdict
         return {"tracked_tenants": len(self._latest), "failing_tenants": self._failing,
                 "breakers": len(self._breakers), "by_state": self.by_state(now), "tripped": tripped,
-                "probe": None if v is None else {"age_s": round(now - v[0], 3), "backend_failed": v[1]},
+                "probe": None if v is None else {"age_s": round(now - v[0], 3),
+                                                 "backend_failed": v[1]},
                 "probe_wanted": self._wanted}
 
     def drain_events(self) -> list[tuple[str, BreakerEvent]]:
@@ -172,7 +175,8 @@ class TenantBreakers:
     def _lone(self, tenant: str) -> bool:
         """No other tenant's latest outcome is a success: nobody vouches for the backend."""
         prev = self._latest.get(tenant)
-        return len(self._latest) - self._failing - (1 if prev is not None and not prev[1] else 0) == 0
+        mine = 1 if prev is not None and not prev[1] else 0
+        return len(self._latest) - self._failing - mine == 0
 
     def _advance(self, now: float) -> float:
         now = self._now = max(now, self._now)

@@ -86,8 +86,10 @@ def route(policy: Policy, tenant: Tenant, headers: dict[str, str], end_of_stream
         # Sluice reads (and bills) the body as it arrives. Forwarded with this header the
         # backend would decode a body Sluice never read, or fail on the plain JSON it read
         # (an aiohttp-based engine answers 500: one tenant opening everyone's breaker).
-        raise Refusal(Reason.UNSUPPORTED_ENCODING, f"Content-Encoding {encoding!r} is not supported: "
-                      "send the body uncompressed.", code="unsupported_media_type")
+        raise Refusal(Reason.UNSUPPORTED_ENCODING,
+                      f"Content-Encoding {encoding!r} is not supported: "
+                      "send the body uncompressed.",
+                      code="unsupported_media_type")
     return Route(kind, clean_path)
 
 

@@ -35,7 +35,8 @@ class Settlement:
                  request_id: str = "") -> None:
         self.rt, self.tenant, self.limits, self.tier = rt, tenant, limits, tier
         self.arrived_s = arrived_s  # the stream starts with the request's headers
-        self.request_id = request_id  # Envoy's x-request-id: the engine's record of the request has it too
+        # Envoy's x-request-id: the engine's record of the request has it too
+        self.request_id = request_id
         self.req: ParsedRequest | None = None
         self.ticket: Ticket | None = None
         self.prompt_tokens = 0
@@ -84,8 +85,8 @@ class Settlement:
         tokens, self.prompt_tokens = self.prompt_tokens, 0
         self.rt.state.spend(self.tenant.name, self.limits, tokens, self.rt.clock())
         self.rt.metrics.charged_refused(self.tenant.name, reason, tokens)
-        self.rt.settle_log.add(self.request_id, self.tenant.name, Ending.REJECTED, 0, Basis.REFUSED_COUNTED,
-                               tokens, 0, tokens)
+        self.rt.settle_log.add(self.request_id, self.tenant.name, Ending.REJECTED, 0,
+                               Basis.REFUSED_COUNTED, tokens, 0, tokens)
 
     def settle(self, how: Ending) -> None:
         """Release what the request holds; idempotent, called on every exit path."""
@@ -148,7 +149,8 @@ class Settlement:
             self._learn_rate(reported.completion_tokens)
         eu = self.envoy_usage
         # embeddings: prompt_tokens and total_tokens only
-        total = reported.total if reported is not None else (eu.total_tokens if eu is not None else None)
+        total = reported.total if reported is not None else (
+            eu.total_tokens if eu is not None else None)
         # Counting the text is the costly part: only when the charge may rest on it.
         counted = self._counted_completion() if total is None and self.status < 400 else None
         return charge(SettleFacts(

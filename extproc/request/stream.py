@@ -157,8 +157,8 @@ class StreamProcessor:
             return msg.headers_response("request_headers", fwd.set_headers, fwd.remove_headers,
                                         mode_override=msg.SKIP_REST)
         self.kind = got.kind
-        self.settlement = Settlement(self.rt, tenant, self.limits, self.policy.tiers[tenant.tier], self.arrived_s,
-                                     headers.get(REQUEST_ID, ""))
+        self.settlement = Settlement(self.rt, tenant, self.limits, self.policy.tiers[tenant.tier],
+                                     self.arrived_s, headers.get(REQUEST_ID, ""))
         self.admission = Admission(self.rt, self.policy, tenant, self.limits, self.peer, self.settlement)
         # A key that cannot pay for one token is refused before its body is even sent here.
         self.admission.precheck(self.rt.clock())

@@ -35,14 +35,26 @@ class SettleLog:
         self.records: deque[SettleRecord] = deque(maxlen=limit)
         self.count = 0
 
-    def add(self, request_id: str, tenant: str, how: str, status: int, basis: str, prompt: int,
-            reserved: int, charged: int) -> None:
+    def add(
+        self,
+        request_id: str,
+        tenant: str,
+        how: str,
+        status: int,
+        basis: str,
+        prompt: int,
+        reserved: int,
+        charged: int,
+    ) -> None:
         self.count += 1
-        self.records.append(SettleRecord(self.count, request_id, tenant, how, status, basis, prompt, reserved,
-                                         charged))
+        self.records.append(
+            SettleRecord(
+                self.count, request_id, tenant, how, status, basis, prompt, reserved, charged
+            )
+        )
 
     def report(self, after: int = 0) -> dict[str, Any]:
         """What GET /debug/settled returns: the records numbered above ``after`` still kept."""
         keep = max(0, min(len(self.records), self.count - after))
-        recs = list(self.records)[len(self.records) - keep:] if keep else []
+        recs = list(self.records)[len(self.records) - keep :] if keep else []
         return {"count": self.count, "requests": [asdict(r) for r in recs]}

@@ -44,12 +44,21 @@ def targets(be: BackendState) -> dict[str, str]:
     """Where a probe of the whole backend goes: its address, or every resolved engine of a pool."""
     if be.endpoints is None:
         return {"": f"http://{be.spec.host}:{be.spec.port}"}
-    return {key: f"http://{st.destination}" for key, st in be.endpoints.by_key.items() if st.ip is not None}
+    return {
+        key: f"http://{st.destination}"
+        for key, st in be.endpoints.by_key.items()
+        if st.ip is not None
+    }
 
 
 class Prober:
-    def __init__(self, rt: Runtime, session: aiohttp.ClientSession,
-                 send: Callable[[aiohttp.ClientSession, str, str, str], Awaitable[ProbeResult]] | None = None) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        session: aiohttp.ClientSession,
+        send: Callable[[aiohttp.ClientSession, str, str, str], Awaitable[ProbeResult]]
+        | None = None,
+    ) -> None:
         self.rt, self.session = rt, session
         self._send = send or (lambda s, url, kind, model: probe(s, url, kind, model))
         self.in_flight: dict[tuple[str, ...], asyncio.Task[None]] = {}
@@ -65,41 +74,103 @@ class Prober:
                 continue
             url = next(iter(where.values()))
             if be.breaker.probe_due(now):
-                self._start(("half_open", name), self._half_open, name, be.breaker, url, kind, first)
+                self._start(
+                    ("half_open", name), self._half_open, name, be.breaker, url, kind, first
+                )
             for model, rb in be.route_breakers.items():
                 if rb.probe_due(now):
-                    self._start(("half_open", name, model), self._half_open, name, rb, url,
-                                be.route_settings[model].probe, model)
+                    self._start(
+                        ("half_open", name, model),
+                        self._half_open,
+                        name,
+                        rb,
+                        url,
+                        be.route_settings[model].probe,
+                        model,
+                    )
             if be.endpoints is not None:
                 for key, st in be.endpoints.by_key.items():
                     if key in where and st.breaker.probe_due(now):
-                        self._start(("half_open", name, "@" + key), self._half_open, name, st.breaker, where[key],
-                                    kind, first)
+                        self._start(
+                            ("half_open", name, "@" + key),
+                            self._half_open,
+                            name,
+                            st.breaker,
+                            where[key],
+                            kind,
+                            first,
+                        )
             if be.tenant_breakers.probe_wanted(now):
-                self._start(("blame", name), self._blame, name, be, be.tenant_breakers, be.breaker, where, kind, first)
+                self._start(
+                    ("blame", name),
+                    self._blame,
+                    name,
+                    be,
+                    be.tenant_breakers,
+                    be.breaker,
+                    where,
+                    kind,
+                    first,
+                )
             for model, tb in be.route_tenant_breakers.items():
                 if tb.probe_wanted(now):
-                    self._start(("blame", name, model), self._blame, name, be, tb, be.route_breakers[model], where,
-                                be.route_settings[model].probe, model)
+                    self._start(
+                        ("blame", name, model),
+                        self._blame,
+                        name,
+                        be,
+                        tb,
+                        be.route_breakers[model],
+                        where,
+                        be.route_settings[model].probe,
+                        model,
+                    )
 
-    def _start(self, key: tuple[str, ...], job: Callable[..., Coroutine[object, object, None]], *args: object) -> None:
+    def _start(
+        self,
+        key: tuple[str, ...],
+        job: Callable[..., Coroutine[object, object, None]],
+        *args: object,
+    ) -> None:
         running = self.in_flight.get(key)
         if running is None or running.done():
             self.in_flight[key] = asyncio.ensure_future(job(*args))
 
-    async def _half_open(self, name: str, breaker: Breaker, url: str, kind: str, model: str) -> None:
+    async def _half_open(
+        self, name: str, breaker: Breaker, url: str, kind: str, model: str
+    ) -> None:
         if not breaker.allow(self.rt.clock()).allowed:
             return  # a request took the probe place meanwhile
         r = await self._send(self.session, url, kind, model)
         breaker.record(_outcome(r), r.seconds, self.rt.clock())
         self.rt.metrics.probes.labels(name, "half_open", "failed" if r.failed else "ok").inc()
-        log.info("own probe of half-open %s at %s: %s (status %s)", name, url, "failed" if r.failed else "ok",
-                 r.status)
+        log.info(
+            "own probe of half-open %s at %s: %s (status %s)",
+            name,
+            url,
+            "failed" if r.failed else "ok",
+            r.status,
+        )
 
-    async def _blame(self, name: str, be: BackendState, tb: TenantBreakers, breaker: Breaker, where: dict[str, str],
-                     kind: str, model: str) -> None:
-        results = dict(zip(where, await asyncio.gather(*(self._send(self.session, url, kind, model)
-                                                         for url in where.values())), strict=True))
+    async def _blame(
+        self,
+        name: str,
+        be: BackendState,
+        tb: TenantBreakers,
+        breaker: Breaker,
+        where: dict[str, str],
+        kind: str,
+        model: str,
+    ) -> None:
+        results = dict(
+            zip(
+                where,
+                await asyncio.gather(
+                    *(self._send(self.session, url, kind, model) for url in where.values())
+                ),
+                strict=True,
+            )
+        )
         now = self.rt.clock()
         failed = [key for key, r in results.items() if r.failed]
         tb.probed(bool(failed), now)
@@ -112,8 +183,11 @@ class Prober:
                     if st is not None:
                         st.breaker.record(Outcome.FAILURE, None, now)
         self.rt.metrics.probes.labels(name, "blame", "failed" if failed else "ok").inc()
-        log.warning("a failure no other tenant could vouch for on %s: Sluice's own probe %s", name,
-                    f"failed at {', '.join(k or 'its address' for k in failed)}" if failed else "passed")
+        log.warning(
+            "a failure no other tenant could vouch for on %s: Sluice's own probe %s",
+            name,
+            f"failed at {', '.join(k or 'its address' for k in failed)}" if failed else "passed",
+        )
 
     async def close(self) -> None:
         for t in self.in_flight.values():

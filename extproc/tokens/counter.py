@@ -201,15 +201,16 @@ class CountJob:
     passes it (``Count.over_text``), and otherwise counts them all, whatever their sum.
     """
 
-    __slots__ = ("counter", "limit", "per_text", "counted", "hard_cuts", "chars_done", "seconds", "_slices",
-                 "_next", "_done", "_complete", "_text", "_text_counted")
+    __slots__ = ("counter", "limit", "per_text", "counted", "hard_cuts", "chars_done", "seconds",
+                 "_slices", "_next", "_done", "_complete", "_text", "_text_counted")
 
     def __init__(self, counter: TokenCounter, texts: list[str], limit: int | None,
                  per_text: bool = False) -> None:
         self.counter, self.limit, self.per_text = counter, limit, per_text
         self.counted = self.hard_cuts = self.chars_done = 0
         self.seconds = 0.0
-        self._slices = ((i, piece, hard) for i, t in enumerate(texts) if t for piece, hard in slices(t))
+        self._slices = ((i, piece, hard) for i, t in enumerate(texts) if t
+                        for piece, hard in slices(t))
         self._next = next(self._slices, None)
         self._done = self._complete = self._next is None
         self._text, self._text_counted = -1, 0  # the text being counted, and its tokens so far
@@ -236,7 +237,8 @@ class CountJob:
                 if index != self._text:
                     self._text, self._text_counted = index, 0
                 self._text_counted += tokens
-                if self.limit is not None and (self._text_counted if self.per_text else self.counted) > self.limit:
+                held = self._text_counted if self.per_text else self.counted
+                if self.limit is not None and held > self.limit:
                     self._done = True
                     self._complete = self._next is None
                     return True
@@ -250,4 +252,5 @@ class CountJob:
 
     def result(self) -> Count:
         over = self.per_text and self.limit is not None and self._text_counted > self.limit
-        return Count(self.counted, self._complete, self.hard_cuts, self.seconds, self._text if over else None)
+        return Count(self.counted, self._complete, self.hard_cuts, self.seconds,
+                     self._text if over else None)

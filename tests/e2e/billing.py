@@ -44,7 +44,9 @@ class Billing:
         return self
 
     def _read(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        settled = [r for u in self.admin_urls for r in settled_since(u, self._settle_marks.get(u, 0))[1]]
+        settled = [
+            r for u in self.admin_urls for r in settled_since(u, self._settle_marks.get(u, 0))[1]
+        ]
         work = [r for u in self.sim_urls for r in work_since(u, self._work_marks.get(u, 0))[1]]
         return settled, work
 
@@ -55,7 +57,9 @@ class Billing:
         deadline = time.monotonic() + timeout
         while True:
             pairs = pair(*self._read())
-            waiting = [p for p in pairs if (p.settled is None or (p.basis in SENT and p.work is None))]
+            waiting = [
+                p for p in pairs if (p.settled is None or (p.basis in SENT and p.work is None))
+            ]
             if not waiting or time.monotonic() > deadline:
                 return pairs
             time.sleep(0.05)

@@ -65,7 +65,8 @@ class Fleet(Stack):
         opts = EnvoyOptions(listen_port=self.envoy_port, admin_port=self.envoy_admin_port,
                             extproc_port=self.grpc_ports[0],
                             extproc_more=tuple(("127.0.0.1", p) for p in self.grpc_ports[1:]),
-                            drain_port=self.admin_port, **policy_options(policy))  # type: ignore[arg-type]
+                            drain_port=self.admin_port,
+                            **policy_options(policy))  # type: ignore[arg-type]
         cfg = write_config(self.workdir / "envoy.yaml", [BackendRoute("sim", "127.0.0.1", self.sim_port)], opts)
         p = Proc("envoy", [envoy_binary(), "-c", str(cfg), "--disable-hot-restart", "-l", "warning",
                            "--concurrency", "1"], self.workdir / "envoy.log")

@@ -33,9 +33,13 @@ ABORT_BOUND_S = 1.0
 
 
 @pytest.fixture(scope="module", params=["usage_trailers", "streamed"])
-def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Stack]:
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Stack]:
     mode = request.param
-    with running(Stack(tmp_path_factory.mktemp(f"billing-{mode}"), gateway={"response_processing": mode})) as s:
+    with running(
+        Stack(tmp_path_factory.mktemp(f"billing-{mode}"), gateway={"response_processing": mode})
+    ) as s:
         yield s
 
 
@@ -44,27 +48,42 @@ def auth(tier: str = "premium") -> dict[str, str]:
 
 
 def chat(max_tokens: int = 64, **extra: Any) -> dict[str, Any]:
-    return {"model": "sim-llama-8b", "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": "tell me a long story about tokens"}], **extra}
+    return {
+        "model": "sim-llama-8b",
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": "tell me a long story about tokens"}],
+        **extra,
+    }
 
 
-def post(stack: Stack, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> httpx.Response:
-    return httpx.post(stack.url + path, json=body, headers={**auth(), **(headers or {})}, timeout=30)
+def post(
+    stack: Stack, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> httpx.Response:
+    return httpx.post(
+        stack.url + path, json=body, headers={**auth(), **(headers or {})}, timeout=30
+    )
 
 
 def learn_rate(stack: Stack) -> None:
     """One stream that reports its usage teaches Sluice the model's decode rate (PACE)."""
-    r = post(stack, CHAT, chat(100, stream=True, stream_options={"include_usage": True}),
-             {"x-sim-tps": str(PACE), "x-sim-tokens": "100"})
+    r = post(
+        stack,
+        CHAT,
+        chat(100, stream=True, stream_options={"include_usage": True}),
+        {"x-sim-tps": str(PACE), "x-sim-tokens": "100"},
+    )
     assert r.status_code == 200 and '"usage":{' in r.text
     stack.wait_settled()
 
 
 def cut(stack: Stack, body: dict[str, Any], after_s: float) -> tuple[bytes, float]:
-    """Send ``body`` on a raw connection, read for ``after_s`` seconds, hang up; (received, when closed)."""
+    """Send ``body`` on a raw connection, read for ``after_s`` seconds, hang up; returns what
+    was received and when the connection was closed."""
     raw = json.dumps(body).encode()
-    head = (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TEST_KEYS['premium']}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\nx-sim-tps: {PACE}\r\n\r\n").encode()
+    head = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TEST_KEYS['premium']}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\nx-sim-tps: {PACE}\r\n\r\n"
+    ).encode()
     sock = socket.create_connection(("127.0.0.1", stack.envoy_port))
     sock.sendall(head + raw)
     got, end = b"", time.monotonic() + after_s
@@ -85,8 +104,11 @@ def engine_abort_after(stack: Stack, mark: int, closed_at: float) -> tuple[dict[
     """The engine's abort record after ``mark``, and how long after the close it was seen."""
     deadline = closed_at + 10
     while time.monotonic() < deadline:
-        recs = [w for w in get_json(f"{stack.sim_url}/admin/work?after={mark}")["requests"]
-                if w["finished_reason"] == "abort"]
+        recs = [
+            w
+            for w in get_json(f"{stack.sim_url}/admin/work?after={mark}")["requests"]
+            if w["finished_reason"] == "abort"
+        ]
         if recs:
             return recs[0], time.monotonic() - closed_at
         time.sleep(0.005)
@@ -94,19 +116,27 @@ def engine_abort_after(stack: Stack, mark: int, closed_at: float) -> tuple[dict[
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-def test_a_client_that_hangs_up_stops_the_engine_and_pays_for_what_it_did(stack: Stack, stream: bool) -> None:
+def test_a_client_that_hangs_up_stops_the_engine_and_pays_for_what_it_did(
+    stack: Stack, stream: bool
+) -> None:
     learn_rate(stack)
     mark = get_json(f"{stack.sim_url}/admin/work?after=999999999")["count"]
     # The estimate may exceed the engine's work by the rate x (prefill + the abort's lag).
-    billing = Billing.of(stack, estimate_slack=PACE // 5, estimate_over=PACE // 2, counted_slack=PACE // 2)
+    billing = Billing.of(
+        stack, estimate_slack=PACE // 5, estimate_over=PACE // 2, counted_slack=PACE // 2
+    )
     got, closed = cut(stack, chat(1000, stream=stream), 1.0)
     assert (b"data:" in got) == stream, got[:300]  # a JSON answer would come only when done
     work, seen_after = engine_abort_after(stack, mark, closed)
-    assert seen_after < ABORT_BOUND_S, f"the engine aborted {seen_after:.3f} s after the client left"
+    assert seen_after < ABORT_BOUND_S, (
+        f"the engine aborted {seen_after:.3f} s after the client left"
+    )
     # About one second at PACE: the engine stopped, it did not go on to the 1000 asked for.
     assert PACE * 0.5 <= work["generation_tokens"] <= PACE * (1.0 + ABORT_BOUND_S) + 2, work
     stack.wait_settled()
-    basis = "counted" if stream and stack.gateway["response_processing"] == "streamed" else "estimated"
+    basis = (
+        "counted" if stream and stack.gateway["response_processing"] == "streamed" else "estimated"
+    )
     (pair,) = billing.check(expect={basis: 1})
     assert pair.work is not None and pair.work["finished_reason"] == "abort"
 
@@ -116,7 +146,9 @@ def test_every_way_a_request_ends_is_billed_as_the_engine_processed_it(stack: St
     billing = Billing.of(stack, estimate_slack=PACE // 5, counted_slack=4)
     pace = {"x-sim-tps": str(PACE)}
     assert post(stack, CHAT, chat(8)).status_code == 200  # completed, JSON
-    r = post(stack, CHAT, chat(8, stream=True), pace)  # completed, usage asked for by Sluice and hidden
+    r = post(
+        stack, CHAT, chat(8, stream=True), pace
+    )  # completed, usage asked for by Sluice and hidden
     assert r.status_code == 200 and '"usage":{' not in r.text
     r = post(stack, CHAT, chat(8, stream=True, stream_options={"include_usage": True}), pace)
     assert r.status_code == 200 and '"usage":{' in r.text
@@ -126,7 +158,9 @@ def test_every_way_a_request_ends_is_billed_as_the_engine_processed_it(stack: St
         post(stack, CHAT, chat(20, stream=True), {**pace, "x-sim-fail-after": "5"})
     r = post(stack, CHAT, chat(10_000))  # refused after counting: over the context window
     assert r.status_code == 400 and r.headers["x-sluice-reason"] == "context_length"
-    r = post(stack, "/v1/embeddings", {"model": "sim-llama-8b", "input": ["one two three", "four five"]})
+    r = post(
+        stack, "/v1/embeddings", {"model": "sim-llama-8b", "input": ["one two three", "four five"]}
+    )
     assert r.status_code == 200
     stack.wait_settled()
     cut_basis = "counted" if stack.gateway["response_processing"] == "streamed" else "estimated"
@@ -135,8 +169,9 @@ def test_every_way_a_request_ends_is_billed_as_the_engine_processed_it(stack: St
     assert charged == processed > 0
 
 
-def test_an_embeddings_list_is_counted_whole_checked_input_by_input_and_billed_from_the_engines_usage(
-        stack: Stack) -> None:
+def test_an_embeddings_list_is_counted_whole_checked_by_input_and_billed_from_the_engine(
+    stack: Stack,
+) -> None:
     """25,000 one-token inputs were reserved and charged 4,097 (the count stopped at the
     context window); one input over the window went to the engine and came back an
     unbilled 400 without Sluice's reason."""
@@ -146,12 +181,22 @@ def test_an_embeddings_list_is_counted_whole_checked_input_by_input_and_billed_f
     assert r.json()["usage"]["prompt_tokens"] == 25_000
     assert int(r.headers["x-ratelimit-remaining-tokens"]) <= 1_000_000 - 25_000  # reserved whole
     long_input = " the" * 5_000  # 5,000 tokens; the window is 4,096
-    r = post(stack, "/v1/embeddings", {"model": "sim-llama-8b", "input": ["short", long_input, "also short"]})
+    r = post(
+        stack,
+        "/v1/embeddings",
+        {"model": "sim-llama-8b", "input": ["short", long_input, "also short"]},
+    )
     assert r.status_code == 400, r.text
     assert r.headers["x-sluice-reason"] == "context_length"
     err = r.json()["error"]
-    assert err["param"] == "input[1]" and "input[1]" in err["message"] and err["code"] == "context_length_exceeded"
-    r = post(stack, "/v1/embeddings", {"model": "sim-llama-8b", "input": [[1, 2, 3], list(range(5000))]})
+    assert (
+        err["param"] == "input[1]"
+        and "input[1]" in err["message"]
+        and err["code"] == "context_length_exceeded"
+    )
+    r = post(
+        stack, "/v1/embeddings", {"model": "sim-llama-8b", "input": [[1, 2, 3], list(range(5000))]}
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "input[1]"
     stack.wait_settled()
     pairs = billing.check(expect={"reported": 1, "refused_counted": 1})

@@ -24,8 +24,15 @@ from tests.e2e.test_pools import policy as pool_policy
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
-BREAKER = {"window_s": 2, "consecutive_failures": 3, "cooldown_s": 1, "max_cooldown_s": 2, "ramp_steps": [1.0],
-           "ramp_step_s": 0.5, "own_probe_after_s": 0.5}
+BREAKER = {
+    "window_s": 2,
+    "consecutive_failures": 3,
+    "cooldown_s": 1,
+    "max_cooldown_s": 2,
+    "ramp_steps": [1.0],
+    "ramp_step_s": 0.5,
+    "own_probe_after_s": 0.5,
+}
 # cooldown (at most max_cooldown_s) + own_probe_after_s + the ramp + the prober's tick, with room
 VERDICT_BOUND_S = 10.0
 
@@ -41,9 +48,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def ask(s: Stack, tier: str, headers: dict[str, str] | None = None) -> httpx.Response:
-    return httpx.post(s.url + CHAT, json={"model": "sim-llama-8b", "max_tokens": 4,
-                                          "messages": [{"role": "user", "content": "hi"}]},
-                      headers={"authorization": f"Bearer {TEST_KEYS[tier]}", **(headers or {})}, timeout=15)
+    return httpx.post(
+        s.url + CHAT,
+        json={
+            "model": "sim-llama-8b",
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+        headers={"authorization": f"Bearer {TEST_KEYS[tier]}", **(headers or {})},
+        timeout=15,
+    )
 
 
 def breaker(s: Stack) -> dict[str, Any]:
@@ -52,14 +66,22 @@ def breaker(s: Stack) -> dict[str, Any]:
 
 def probes(s: Stack, why: str, result: str) -> float:
     prefix = f'sluice_backend_probes_total{{backend="sim",result="{result}",why="{why}"}}'
-    return sum(float(line.rsplit(" ", 1)[1]) for line in s.metrics_text().splitlines() if line.startswith(prefix))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in s.metrics_text().splitlines()
+        if line.startswith(prefix)
+    )
 
 
-def test_one_tenants_failures_with_nobody_else_sending_open_only_its_own_breaker(stack: Stack) -> None:
+def test_one_tenants_failures_with_nobody_else_sending_open_only_its_own_breaker(
+    stack: Stack,
+) -> None:
     stack.clear_sim_requests()
     seen = [ask(stack, "tiny", {"x-sim-status": "500"}) for _ in range(6)]
     reasons = [r.headers.get("x-sluice-reason") for r in seen]
-    assert [r.status_code for r in seen[:3]] == [500] * 3 and reasons[3:] == ["tenant_breaker_open"] * 3, reasons
+    assert [r.status_code for r in seen[:3]] == [500] * 3 and reasons[3:] == [
+        "tenant_breaker_open"
+    ] * 3, reasons
     assert breaker(stack)["state"] == "closed"
     # Sluice asked the engine itself, and it served: the failures stay the tenant's.
     eventually(lambda: probes(stack, "blame", "ok") >= 1, 5, "Sluice's own probe")
@@ -69,24 +91,38 @@ def test_one_tenants_failures_with_nobody_else_sending_open_only_its_own_breaker
     assert r.status_code == 200, r.text
 
 
-def test_a_backend_failing_for_sluice_too_opens_and_recovers_without_any_traffic(stack: Stack) -> None:
+def test_a_backend_failing_for_sluice_too_opens_and_recovers_without_any_traffic(
+    stack: Stack,
+) -> None:
     # Alone again: the test before's failures have left the window.
-    eventually(lambda: stack.state()["backends"]["sim"]["tenant_breakers"]["tracked_tenants"] == 0, 10,
-               "the earlier outcomes to leave the breaker's window")
-    post_json(f"{stack.sim_url}/admin/config", {"fail_status": 500})  # the engine fails for everyone
+    eventually(
+        lambda: stack.state()["backends"]["sim"]["tenant_breakers"]["tracked_tenants"] == 0,
+        10,
+        "the earlier outcomes to leave the breaker's window",
+    )
+    post_json(
+        f"{stack.sim_url}/admin/config", {"fail_status": 500}
+    )  # the engine fails for everyone
     try:
+
         def opened() -> bool:
             ask(stack, "other")  # one tenant, alone: its failures wait for Sluice's probe
             return breaker(stack)["state"] == "open"
+
         eventually(opened, 10, lambda: f"the breaker: {breaker(stack)}", interval=0.2)
-        assert probes(stack, "blame", "failed") >= 1  # it was Sluice's own probe that made it the backend's
+        assert (
+            probes(stack, "blame", "failed") >= 1
+        )  # it was Sluice's own probe that made it the backend's
         assert ask(stack, "premium").headers.get("x-sluice-reason") == "breaker_open"
     finally:
         post_json(f"{stack.sim_url}/admin/config", {"fail_status": None})
     # No client sends anything from here on: the breaker must still reach its verdict.
     t0 = time.monotonic()
-    eventually(lambda: breaker(stack)["state"] == "closed", VERDICT_BOUND_S,
-               lambda: f"still {breaker(stack)} after {time.monotonic() - t0:.1f} s without traffic")
+    eventually(
+        lambda: breaker(stack)["state"] == "closed",
+        VERDICT_BOUND_S,
+        lambda: f"still {breaker(stack)} after {time.monotonic() - t0:.1f} s without traffic",
+    )
     assert probes(stack, "half_open", "ok") >= 1
     assert ask(stack, "premium").status_code == 200
 
@@ -102,7 +138,9 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolStack]:
         yield s
 
 
-def test_a_pool_engine_half_open_under_light_traffic_is_probed_back_to_closed(pool: PoolStack) -> None:
+def test_a_pool_engine_half_open_under_light_traffic_is_probed_back_to_closed(
+    pool: PoolStack,
+) -> None:
     big = f"127.0.0.1:{pool.big_port}"
 
     def engine(key: str) -> dict[str, Any]:
@@ -111,13 +149,30 @@ def test_a_pool_engine_half_open_under_light_traffic_is_probed_back_to_closed(po
     eventually(lambda: engine(big)["usable"], 10, "the big engine scraped and usable")
     post_json(f"{pool.big_url}/admin/config", {"fail_status": 500})
     try:
+
         def failed_open() -> bool:
-            httpx.post(pool.url + CHAT, json={"model": "sim-llama-8b", "max_tokens": 2,
-                                              "messages": [{"role": "user", "content": "x " * 600}]},
-                       headers={"authorization": "Bearer sk-pool-premium"}, timeout=15)
+            httpx.post(
+                pool.url + CHAT,
+                json={
+                    "model": "sim-llama-8b",
+                    "max_tokens": 2,
+                    "messages": [{"role": "user", "content": "x " * 600}],
+                },
+                headers={"authorization": "Bearer sk-pool-premium"},
+                timeout=15,
+            )
             return engine(big)["breaker"]["state"] == "open"
-        eventually(failed_open, 20, lambda: f"the big engine's breaker: {engine(big)['breaker']}", interval=0.05)
+
+        eventually(
+            failed_open,
+            20,
+            lambda: f"the big engine's breaker: {engine(big)['breaker']}",
+            interval=0.05,
+        )
     finally:
         post_json(f"{pool.big_url}/admin/config", {"fail_status": None})
-    eventually(lambda: engine(big)["breaker"]["state"] == "closed", VERDICT_BOUND_S,
-               lambda: f"the big engine stayed {engine(big)['breaker']} without traffic")
+    eventually(
+        lambda: engine(big)["breaker"]["state"] == "closed",
+        VERDICT_BOUND_S,
+        lambda: f"the big engine stayed {engine(big)['breaker']} without traffic",
+    )

@@ -22,15 +22,25 @@ pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
 SOURCE_BURST = 24
 # Read by Sluice, a gateway or a mesh to route or trust a request (extproc.envoy.edge).
-FORGED = {"x-real-ip": "10.9.9.9", "forwarded": "for=10.9.9.9", "x-gateway-destination-endpoint": "10.9.9.9:80",
-          "x-gateway-destination-endpoint-subset": "10.9.9.9:80", "x-envoy-peer-metadata": "Zm9v",
-          "x-sluice-admitted": "1", "x-sluice-reason": "forged", "x-sluice-hide-usage": "1",
-          "x-sluice-tenant": "t-premium", "x-sluice-tier": "premium"}
+FORGED = {
+    "x-real-ip": "10.9.9.9",
+    "forwarded": "for=10.9.9.9",
+    "x-gateway-destination-endpoint": "10.9.9.9:80",
+    "x-gateway-destination-endpoint-subset": "10.9.9.9:80",
+    "x-envoy-peer-metadata": "Zm9v",
+    "x-sluice-admitted": "1",
+    "x-sluice-reason": "forged",
+    "x-sluice-hide-usage": "1",
+    "x-sluice-tenant": "t-premium",
+    "x-sluice-tier": "premium",
+}
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running(Stack(tmp_path_factory.mktemp("hostile"), gateway={"unknown_paths": "passthrough"})) as s:
+    with running(
+        Stack(tmp_path_factory.mktemp("hostile"), gateway={"unknown_paths": "passthrough"})
+    ) as s:
         yield s
 
 
@@ -39,20 +49,35 @@ def auth(tier: str = "tiny") -> dict[str, str]:
 
 
 def chat(**extra: Any) -> dict[str, Any]:
-    return {"model": "sim-llama-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+    return {
+        "model": "sim-llama-8b",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        **extra,
+    }
 
 
 def rejections(stack: Stack, reason: str) -> float:
     prefix = f'sluice_rejections_total{{reason="{reason}",'
-    return sum(float(line.rsplit(" ", 1)[1]) for line in stack.metrics_text().splitlines() if line.startswith(prefix))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in stack.metrics_text().splitlines()
+        if line.startswith(prefix)
+    )
 
 
-def raw_post(stack: Stack, headers: list[tuple[str, str]], body: bytes, path: str = CHAT) -> tuple[int, dict, bytes]:
+def raw_post(
+    stack: Stack, headers: list[tuple[str, str]], body: bytes, path: str = CHAT
+) -> tuple[int, dict, bytes]:
     """A POST with repeated headers kept as sent (httpx would merge them)."""
     conn = http.client.HTTPConnection("127.0.0.1", stack.envoy_port, timeout=10)
     try:
         conn.putrequest("POST", path)
-        for k, v in [*headers, ("content-type", "application/json"), ("content-length", str(len(body)))]:
+        for k, v in [
+            *headers,
+            ("content-type", "application/json"),
+            ("content-length", str(len(body))),
+        ]:
             conn.putheader(k, v)
         conn.endheaders(body)
         r = conn.getresponse()
@@ -62,15 +87,25 @@ def raw_post(stack: Stack, headers: list[tuple[str, str]], body: bytes, path: st
 
 
 @pytest.mark.parametrize("path", [CHAT, "/v1/files"], ids=["admitted", "passthrough"])
-def test_headers_sluice_or_a_gateway_reads_never_reach_the_backend_from_a_client(stack: Stack, path: str) -> None:
+def test_headers_sluice_or_a_gateway_reads_never_reach_the_backend_from_a_client(
+    stack: Stack, path: str
+) -> None:
     stack.clear_sim_requests()
     body = chat() if path == CHAT else {"purpose": "x"}
     r = httpx.post(stack.url + path, json=body, headers={**auth(), **FORGED}, timeout=10)
     assert r.status_code in (200, 404), r.text  # the sim has no /v1/files: its 404 passed through
     (seen,) = [q for q in stack.sim_requests() if q["path"] == path]
     got = seen["headers"]
-    for name in ("x-real-ip", "forwarded", "x-gateway-destination-endpoint", "x-gateway-destination-endpoint-subset",
-                 "x-envoy-peer-metadata", "x-sluice-admitted", "x-sluice-reason", "x-sluice-hide-usage"):
+    for name in (
+        "x-real-ip",
+        "forwarded",
+        "x-gateway-destination-endpoint",
+        "x-gateway-destination-endpoint-subset",
+        "x-envoy-peer-metadata",
+        "x-sluice-admitted",
+        "x-sluice-reason",
+        "x-sluice-hide-usage",
+    ):
         assert name not in got, (name, got)
     # What Sluice itself sets is what it means: the key's tenant, not the client's claim.
     assert got["x-sluice-tenant"] == "t-tiny" and got["x-sluice-tier"] == "tiny"
@@ -79,16 +114,29 @@ def test_headers_sluice_or_a_gateway_reads_never_reach_the_backend_from_a_client
 @pytest.mark.parametrize("header", ["x-api-key", "authorization"])
 def test_a_key_header_sent_twice_is_refused(stack: Stack, header: str) -> None:
     value = (lambda k: k) if header == "x-api-key" else (lambda k: f"Bearer {k}")
-    status, headers, body = raw_post(stack, [(header, value(TEST_KEYS["other"])), (header, value(TEST_KEYS["premium"]))],
-                                     json.dumps(chat()).encode())
+    status, headers, body = raw_post(
+        stack,
+        [(header, value(TEST_KEYS["other"])), (header, value(TEST_KEYS["premium"]))],
+        json.dumps(chat()).encode(),
+    )
     assert status == 401 and headers["x-sluice-reason"] == "unknown_key", body
     assert json.loads(body)["error"]["code"] == "invalid_api_key"
 
 
-@pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer"}, {"authorization": "Basic dXNlcjpwYXNz"},
-                                     {"x-api-key": "has space in it"}, {"authorization": "Bearer sk-<script>"}],
-                         ids=["none", "empty", "basic", "spaces", "junk"])
-def test_envoy_answers_a_request_without_a_well_formed_key_itself(stack: Stack, headers: dict[str, str]) -> None:
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"authorization": "Bearer"},
+        {"authorization": "Basic dXNlcjpwYXNz"},
+        {"x-api-key": "has space in it"},
+        {"authorization": "Bearer sk-<script>"},
+    ],
+    ids=["none", "empty", "basic", "spaces", "junk"],
+)
+def test_envoy_answers_a_request_without_a_well_formed_key_itself(
+    stack: Stack, headers: dict[str, str]
+) -> None:
     """A 401 without a round trip to Python: extproc never counts it."""
     before = rejections(stack, "unknown_key")
     r = httpx.post(stack.url + CHAT, json=chat(), headers=headers, timeout=10)
@@ -97,7 +145,9 @@ def test_envoy_answers_a_request_without_a_well_formed_key_itself(stack: Stack, 
     assert r.json()["error"]["code"] == "invalid_api_key"
     assert rejections(stack, "unknown_key") == before
     # A well-formed key Sluice does not know still gets Sluice's 401 (it needs the policy).
-    r = httpx.post(stack.url + CHAT, json=chat(), headers={"authorization": "Bearer sk-well-formed-unknown"})
+    r = httpx.post(
+        stack.url + CHAT, json=chat(), headers={"authorization": "Bearer sk-well-formed-unknown"}
+    )
     assert r.status_code == 401 and rejections(stack, "unknown_key") == before + 1
 
 
@@ -106,7 +156,9 @@ def test_a_body_in_an_encoding_sluice_did_not_decode_is_refused_not_forwarded(st
     stack.clear_sim_requests()
     raw = json.dumps(chat()).encode()
     for encoding, body in (("gzip", raw), ("gzip", gzip.compress(raw)), ("br", raw)):
-        status, headers, out = raw_post(stack, [*auth().items(), ("content-encoding", encoding)], body)
+        status, headers, out = raw_post(
+            stack, [*auth().items(), ("content-encoding", encoding)], body
+        )
         assert status == 415, out
         assert headers["x-sluice-reason"] == "unsupported_encoding"
         assert json.loads(out)["error"]["type"] == "invalid_request_error"
@@ -118,7 +170,12 @@ def test_a_body_in_an_encoding_sluice_did_not_decode_is_refused_not_forwarded(st
 def test_a_streaming_request_the_backend_refuses_gets_the_backends_error_body(stack: Stack) -> None:
     """The usage-hiding filter held a JSON error body back as an unfinished event: the client
     got content-length 0 and the openai SDK an error without a message."""
-    r = httpx.post(stack.url + CHAT, json=chat(stream=True), headers={**auth(), "x-sim-status": "400"}, timeout=10)
+    r = httpx.post(
+        stack.url + CHAT,
+        json=chat(stream=True),
+        headers={**auth(), "x-sim-status": "400"},
+        timeout=10,
+    )
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["code"] == "simulated_failure" and "x-sim-status" in err["message"]
@@ -153,16 +210,26 @@ def test_a_key_faster_than_any_tier_allows_is_refused_by_envoy(limited: Stack) -
     assert edge and all(r.status_code == 429 and r.headers["retry-after"] == "1" for r in edge)
     assert edge[0].json()["error"]["code"] == "edge_rate_limited"
     # Another key from the same address still reaches Sluice (the address allows 10).
-    r = httpx.post(limited.url + CHAT, json=chat(), headers={"authorization": f"Bearer {TEST_KEYS['free']}"})
+    r = httpx.post(
+        limited.url + CHAT, json=chat(), headers={"authorization": f"Bearer {TEST_KEYS['free']}"}
+    )
     assert r.status_code == 200
 
 
-def test_a_flood_of_made_up_keys_from_one_address_is_held_by_the_address_limit(limited: Stack) -> None:
+def test_a_flood_of_made_up_keys_from_one_address_is_held_by_the_address_limit(
+    limited: Stack,
+) -> None:
     """A new key each request defeats the per-key buckets; the address's holds them all."""
     t0 = time.monotonic()
     with httpx.Client(timeout=10) as client:
-        got = [client.post(limited.url + CHAT, json=chat(), headers={"authorization": f"Bearer sk-made-up-{i:04d}"})
-               for i in range(3 * SOURCE_BURST)]
+        got = [
+            client.post(
+                limited.url + CHAT,
+                json=chat(),
+                headers={"authorization": f"Bearer sk-made-up-{i:04d}"},
+            )
+            for i in range(3 * SOURCE_BURST)
+        ]
     elapsed = time.monotonic() - t0
     reasons = [r.headers.get("x-sluice-reason") for r in got]
     assert set(reasons) <= {"unknown_key", "edge_rate_limited"}, reasons
