@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, fields
 
 from extproc.policy.breaker_config import BreakerConfig
 
-__all__ = ["AdaptiveSettings", "Backend", "Endpoint", "BreakerOverride", "BreakerSettings", "Degrade",
-           "EdgeSettings", "Gateway", "Limits", "Model", "Policy", "Tenant", "Tier", "WatermarkSettings",
-           "hash_key", "KV_RESERVATIONS", "PROBES", "TPM_PRECHARGES"]
+__all__ = ["AdaptiveSettings", "Backend", "Endpoint", "BreakerOverride", "BreakerSettings",
+           "Degrade", "EdgeSettings", "Gateway", "Limits", "Model", "Policy", "Tenant", "Tier",
+           "WatermarkSettings", "hash_key", "KV_RESERVATIONS", "PROBES", "TPM_PRECHARGES"]
 
 KV_RESERVATIONS = ("worst_case", "learned")
 PROBES = ("completions", "chat", "embeddings", "health")
