@@ -89,6 +89,20 @@ BODY = json.dumps(
 ).encode()
 
 
+async def _post(
+    s: aiohttp.ClientSession, url: str, key: str, extra: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """One small chat with ``key``: (status, x-sluice-reason)."""
+    headers = {
+        "authorization": f"Bearer {key}",
+        "content-type": "application/json",
+        **(extra or {}),
+    }
+    async with s.post(url + CHAT, data=BODY, headers=headers) as r:
+        await r.read()
+        return r.status, r.headers.get("x-sluice-reason", "")
+
+
 # ---- the flood, in a process of its own -------------------------------------------------
 def _flood_main(url: str, kind: str, addr: str, connections: int, seconds: float, out: Any) -> None:
     os.nice(
@@ -110,16 +124,8 @@ async def _flood(
             while time.monotonic() < stop:
                 key = f"sk-bogus-{rng.getrandbits(64):016x}" if kind == "unknown keys" else FREE
                 try:
-                    async with s.post(
-                        url + CHAT,
-                        data=BODY,
-                        headers={
-                            "authorization": f"Bearer {key}",
-                            "content-type": "application/json",
-                        },
-                    ) as r:
-                        await r.read()
-                        codes[f"{r.status} {r.headers.get('x-sluice-reason', '')}"] += 1
+                    status, reason = await _post(s, url, key)
+                    codes[f"{status} {reason}"] += 1
                 except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                     codes[type(exc).__name__] += 1
 
@@ -136,18 +142,9 @@ async def premium(url: str, seconds: float) -> list[float]:
 
         async def one() -> None:
             t0 = time.monotonic()
-            async with s.post(
-                url + CHAT,
-                data=BODY,
-                headers={
-                    "authorization": f"Bearer {PREMIUM}",
-                    "content-type": "application/json",
-                    "x-sim-tokens": "4",
-                },
-            ) as r:
-                await r.read()
-                if r.status == 200:
-                    lat.append(time.monotonic() - t0)
+            status, _ = await _post(s, url, PREMIUM, {"x-sim-tokens": "4"})
+            if status == 200:
+                lat.append(time.monotonic() - t0)
 
         tasks, t0 = [], time.monotonic()
         for i in range(int(seconds * PREMIUM_RPS)):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 
 import aiohttp
 
@@ -67,64 +67,54 @@ class Prober:
         """Start every probe that is due and not already running."""
         now = self.rt.clock()
         for name, be in list(self.rt.backends.items()):
-            kind = be.spec.breaker.probe
-            first = be.spec.models[0].name
             where = targets(be)
             if not where:
                 continue
-            url = next(iter(where.values()))
-            if be.breaker.probe_due(now):
-                self._start(
-                    ("half_open", name), self._half_open, name, be.breaker, url, kind, first
+            for key, breaker, url, kind, model in self._half_open_due(name, be, where, now):
+                self._start(key, self._half_open, name, breaker, url, kind, model)
+            for key, tb, breaker, kind, model in self._blame_due(name, be, now):
+                self._start(key, self._blame, name, be, tb, breaker, where, kind, model)
+
+    @staticmethod
+    def _half_open_due(
+        name: str, be: BackendState, where: dict[str, str], now: float
+    ) -> Iterator[tuple[tuple[str, ...], Breaker, str, str, str]]:
+        """(key, breaker, url, probe kind, model) of each half-open breaker no request probed:
+        the backend's, a model route's, a pool engine's."""
+        kind, first = be.spec.breaker.probe, be.spec.models[0].name
+        url = next(iter(where.values()))
+        if be.breaker.probe_due(now):
+            yield ("half_open", name), be.breaker, url, kind, first
+        for model, rb in be.route_breakers.items():
+            if rb.probe_due(now):
+                yield ("half_open", name, model), rb, url, be.route_settings[model].probe, model
+        for key, st in be.endpoints.by_key.items() if be.endpoints is not None else ():
+            if key in where and st.breaker.probe_due(now):
+                yield ("half_open", name, "@" + key), st.breaker, where[key], kind, first
+
+    @staticmethod
+    def _blame_due(
+        name: str, be: BackendState, now: float
+    ) -> Iterator[tuple[tuple[str, ...], TenantBreakers, Breaker, str, str]]:
+        """(key, tenant breakers, the breaker a confirmed failure counts on, probe kind, model)
+        of each failure that waits for Sluice's own probe."""
+        if be.tenant_breakers.probe_wanted(now):
+            yield (
+                ("blame", name),
+                be.tenant_breakers,
+                be.breaker,
+                be.spec.breaker.probe,
+                be.spec.models[0].name,
+            )
+        for model, tb in be.route_tenant_breakers.items():
+            if tb.probe_wanted(now):
+                yield (
+                    ("blame", name, model),
+                    tb,
+                    be.route_breakers[model],
+                    be.route_settings[model].probe,
+                    model,
                 )
-            for model, rb in be.route_breakers.items():
-                if rb.probe_due(now):
-                    self._start(
-                        ("half_open", name, model),
-                        self._half_open,
-                        name,
-                        rb,
-                        url,
-                        be.route_settings[model].probe,
-                        model,
-                    )
-            if be.endpoints is not None:
-                for key, st in be.endpoints.by_key.items():
-                    if key in where and st.breaker.probe_due(now):
-                        self._start(
-                            ("half_open", name, "@" + key),
-                            self._half_open,
-                            name,
-                            st.breaker,
-                            where[key],
-                            kind,
-                            first,
-                        )
-            if be.tenant_breakers.probe_wanted(now):
-                self._start(
-                    ("blame", name),
-                    self._blame,
-                    name,
-                    be,
-                    be.tenant_breakers,
-                    be.breaker,
-                    where,
-                    kind,
-                    first,
-                )
-            for model, tb in be.route_tenant_breakers.items():
-                if tb.probe_wanted(now):
-                    self._start(
-                        ("blame", name, model),
-                        self._blame,
-                        name,
-                        be,
-                        tb,
-                        be.route_breakers[model],
-                        where,
-                        be.route_settings[model].probe,
-                        model,
-                    )
 
     def _start(
         self,

@@ -153,6 +153,16 @@ class Stack:
         with urllib.request.urlopen(f"{self.admin_url}/metrics", timeout=5) as r:
             return r.read().decode()
 
+    def metric_sum(self, name: str, **labels: str) -> float:
+        """The sum of ``name``'s series on extproc's /metrics whose labels include ``labels``."""
+        want = {f'{k}="{v}"' for k, v in labels.items()}
+        total = 0.0
+        for line in self.metrics_text().splitlines():
+            series, _, value = line.rpartition(" ")
+            if series.startswith(name + "{") and want <= set(series[len(name) + 1:-1].split(",")):
+                total += float(value)
+        return total
+
     def sim_requests(self) -> list[dict[str, Any]]:
         return get_json(f"{self.sim_url}/admin/requests")
 

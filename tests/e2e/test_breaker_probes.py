@@ -65,12 +65,7 @@ def breaker(s: Stack) -> dict[str, Any]:
 
 
 def probes(s: Stack, why: str, result: str) -> float:
-    prefix = f'sluice_backend_probes_total{{backend="sim",result="{result}",why="{why}"}}'
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in s.metrics_text().splitlines()
-        if line.startswith(prefix)
-    )
+    return s.metric_sum("sluice_backend_probes_total", backend="sim", why=why, result=result)
 
 
 def test_one_tenants_failures_with_nobody_else_sending_open_only_its_own_breaker(

@@ -58,12 +58,7 @@ def chat(**extra: Any) -> dict[str, Any]:
 
 
 def rejections(stack: Stack, reason: str) -> float:
-    prefix = f'sluice_rejections_total{{reason="{reason}",'
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in stack.metrics_text().splitlines()
-        if line.startswith(prefix)
-    )
+    return stack.metric_sum("sluice_rejections_total", reason=reason)
 
 
 def raw_post(
