@@ -45,7 +45,7 @@ def render_pieces(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> dict[
     # Sluice's edge (extproc.envoy.edge) is its own listener's: a gateway strips and limits
     # at its own edge, and the header strip placed after a picker would remove its pick.
     edge = {STRIP_FILTER, *RATELIMIT_FILTERS}
-    filters = [f for f in hcm["http_filters"] if f["name"] != ROUTER_FILTER and f["name"] not in edge]
+    filters = [f for f in hcm["http_filters"] if f["name"] not in {ROUTER_FILTER, *edge}]
     names = {b.name for b in backends}
     pools = {b.name for b in backends if b.pool}
     clusters = [c for c in res["clusters"] if c["name"] == EXTPROC_CLUSTER or c["name"] in pools]
