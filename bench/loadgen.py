@@ -165,7 +165,8 @@ def _retry_after(headers: Mapping[str, str]) -> float | None:
 async def send(session: aiohttp.ClientSession, base_url: str, key: str, req: Request, t0: float,
                client: ClientPolicy = ClientPolicy(), headers: Mapping[str, str] | None = None,
                cut_after_tokens: int | None = None, stream: bool = True,
-               track: dict[int, Result] | None = None, body: bytes | None = None) -> Result:
+               track: dict[int, Result] | None = None, body: bytes | None = None,
+               path: str = CHAT_PATH) -> Result:
     """One request; ``cut_after_tokens`` makes the client hang up after that many tokens.
 
     ``track`` receives the result as soon as it exists, so a caller that cancels the
@@ -183,7 +184,7 @@ async def send(session: aiohttp.ClientSession, base_url: str, key: str, req: Req
         # Patience for the first token; once it arrives, for the whole answer.
         async with asyncio.timeout_at(start + client.ttft_s) as patience:
             data = chat_body(req, stream) if body is None else body
-            resp = await session.post(base_url + CHAT_PATH, data=data, headers=hdrs)
+            resp = await session.post(base_url + path, data=data, headers=hdrs)
             res.status, res.head = resp.status, time.monotonic() - t0
             res.reason = resp.headers.get("x-sluice-reason", "")
             res.degraded = resp.headers.get("x-sluice-degraded", "")

@@ -73,7 +73,7 @@ from bench.trace import (
     sample_mix,
 )
 from bench.trace_window import burst_schedule, densest_window, mean_between, ratio
-from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, gateway_options, render_bootstrap
+from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, policy_options, render_bootstrap
 from extproc.envoy.eds import write_policy
 from extproc.policy.schema import build_policy, hash_key
 
@@ -181,7 +181,7 @@ def envoy_config(doc: dict[str, Any], ports: list[int], lb: str | None, listen: 
     from the policy; else the same cluster with STATIC endpoints balanced by Envoy's ``lb``."""
     policy = build_policy(doc)
     opts = EnvoyOptions(listen_port=listen, admin_port=admin, extproc_port=grpc, drain_port=drain,
-                        eds_dir=str(eds_dir), **gateway_options(policy.gateway))  # type: ignore[arg-type]
+                        eds_dir=str(eds_dir), **policy_options(policy))  # type: ignore[arg-type]
     cfg = render_bootstrap([BackendRoute("sim", "127.0.0.1", ports[0], pool=True)], opts)
     if lb is None:
         write_policy(eds_dir, policy)

@@ -3,7 +3,7 @@
 
     python -m bench.run                      # everything, ~20 minutes on 2 cores
     python -m bench.run --quick              # shorter phases and runs, ~3 minutes
-    python -m bench.run --only headline      # or tpm, soak, overhead, tokenizer
+    python -m bench.run --only headline      # or tpm, soak, floods, overhead, tokenizer
     python -m bench.run --only headline --configs ad
     python -m bench.run --only slowdown          # decode speed halved for 20 s: (e) vs (f)
     python -m bench.run --only longprompt        # 12 documents of 16k-24k tokens on steady chat
@@ -31,7 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-PARTS = ("headline", "longprompt", "slowdown", "pool", "tpm", "state_store", "soak", "overhead", "tokenizer")
+PARTS = ("headline", "longprompt", "slowdown", "pool", "tpm", "state_store", "soak", "floods",
+         "overhead", "tokenizer")
 
 
 def log(msg: str) -> None:
@@ -160,6 +161,13 @@ def main(argv: list[str] | None = None) -> int:
             from bench import soak
             return soak.markdown(soak.run(workdir, quick=args.quick, log=log))
         timed("soak", soak_part)
+    if "floods" in parts:
+        def floods_part() -> str:
+            from bench import floods
+            seconds, connections = (6.0, 300) if args.quick else (15.0, 1000)
+            phases = floods.run(workdir / "floods", seconds, connections, log=log)
+            return floods.markdown(phases, connections)
+        timed("floods", floods_part)
     if "overhead" in parts:
         timed("overhead", lambda: overhead_part(args.quick))
         if latency is None and "headline" not in parts:

@@ -1,11 +1,16 @@
-"""Leak soak: 10,000 streaming requests at high concurrency through Envoy + Sluice, with
-clients hanging up mid-stream (~10 %), backend errors (~5 %: a 500 before any token, or
-the connection dropped after a few), a tenant over its budget (429s), and extproc
-restarted a few times under load (Envoy fails closed: 503 ``gateway_unavailable``, then
-recovers). At the end nothing may be held: in flight 0, slots 0, KV reserved 0, the
+"""Leak soak: 10,000 requests at high concurrency through Envoy + Sluice, most of them
+streaming, with clients hanging up mid-stream (~10 %), backend errors (~5 %: a 500 before
+any token, or the connection dropped after a few), a tenant over its budget (429s),
+non-streaming requests (some whose clients hang up before the answer), embeddings, and
+extproc restarted a few times under load (Envoy fails closed: 503 ``gateway_unavailable``,
+then recovers). At the end nothing may be held: in flight 0, slots 0, KV reserved 0, the
 token ledger balanced. A restart starts a fresh process with fresh books, so the checks
 read the last extproc process, over the requests it saw; its RSS growth is from its
 first sample after warm-up to the end.
+
+And what was charged must be what the engine processed: every request the last extproc
+settled is held against the simulated engine's own record of it (bench/billing.py),
+within the bound of its charge's basis.
 
 The backend runs 4x faster than real time (``--time-scale 4``): this part is about
 bookkeeping under churn, not GPU timing, and the machine has two cores.
@@ -14,6 +19,7 @@ bookkeeping under churn, not GPU timing, and the machine has two cores.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from collections import Counter
@@ -21,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import billing
 from bench.headline import sim_args
-from bench.loadgen import ClientPolicy, Result, new_session, send
+from bench.loadgen import CHAT_PATH, ClientPolicy, Result, new_session, prompt_text, send
 from bench.procs import get_json, wait_idle
 from bench.report import table, verdict
 from bench.stack import Gateway, Ports, example_backend, example_gateway, proc_cpu_rss
@@ -52,10 +59,20 @@ def soak_policy(port: int) -> dict[str, Any]:
 class Job:
     req: Request
     key: str
-    kind: str  # normal | cut_stream | cut_queued | backend_500 | fail_after | over_budget
+    # normal | cut_stream | cut_queued | backend_500 | fail_after | over_budget | json |
+    # cut_json | embed
+    kind: str
     headers: dict[str, str] = field(default_factory=dict)
     cut_after: int | None = None
     patience: ClientPolicy = ClientPolicy(30, 60)
+    stream: bool = True
+    path: str = CHAT_PATH
+    body: bytes | None = None
+
+
+def _embedding(req: Request, rng: random.Random) -> bytes:
+    inputs = [prompt_text(rng.randint(8, 200)) for _ in range(rng.randint(1, 8))]
+    return json.dumps({"model": req.model, "input": inputs}).encode()
 
 
 def plan(n: int, seed: int = 17) -> list[Job]:
@@ -75,6 +92,14 @@ def plan(n: int, seed: int = 17) -> list[Job]:
             jobs.append(Job(req, KEYS["soak"], "fail_after", {"x-sim-fail-after": str(rng.randint(1, gen - 1))}))
         elif u < 0.17:
             jobs.append(Job(req, KEYS["tiny"], "over_budget"))
+        elif u < 0.20:
+            jobs.append(Job(req, KEYS["soak"], "json", stream=False))
+        elif u < 0.22:  # hang up before the (non-streaming) answer
+            jobs.append(Job(req, KEYS["soak"], "cut_json", stream=False,
+                            patience=ClientPolicy(rng.uniform(0.02, 0.3), 60)))
+        elif u < 0.24:
+            jobs.append(Job(req, KEYS["soak"], "embed", path="/v1/embeddings",
+                            body=_embedding(req, rng)))
         else:
             jobs.append(Job(req, KEYS["soak"], "normal"))
     return jobs
@@ -92,6 +117,10 @@ class SoakResult:
     rss_mb: list[tuple[int, float, float]] = field(default_factory=list)  # (process, start MB, end MB)
     seen_by_last: int = 0
     error: str | None = None
+    # charged against processed, over the last extproc's settled requests: basis ->
+    # (requests, charged, processed), and the requests outside their basis' bound
+    billing: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    billing_problems: list[str] = field(default_factory=list)
 
 
 def _outcome(r: Result) -> str:
@@ -147,7 +176,8 @@ def run(workdir: Path, *, quick: bool = False, log: Any = print) -> SoakResult:
                     if state["since_start"] == 1000:
                         sample_rss()  # after warm-up: the baseline for RSS growth
                     r = await send(session, gw.url, job.key, job.req, t0, job.patience, job.headers,
-                                   cut_after_tokens=job.cut_after)
+                                   cut_after_tokens=job.cut_after, stream=job.stream, body=job.body,
+                                   path=job.path)
                     results.append(r)
                     if r.status == 503:  # fail-closed gateway: back off exponentially, as clients do
                         backoff = min(4.0, backoff * 2)
@@ -166,6 +196,8 @@ def run(workdir: Path, *, quick: bool = False, log: Any = print) -> SoakResult:
         sample_rss()
         out.final = wait_idle(admin, 10)
         out.engine = get_json(f"http://127.0.0.1:{gw.ports.sim}/admin/engine")
+        _check_billing(out, f"http://127.0.0.1:{gw.ports.admin}",
+                       f"http://127.0.0.1:{gw.ports.sim}")
         out.rss_mb = [(pid, xs[0], xs[-1]) for pid, xs in rss.items()]
         out.seen_by_last = state["since_start"]
         out.outcomes = Counter(_outcome(r) for r in results)
@@ -176,6 +208,22 @@ def run(workdir: Path, *, quick: bool = False, log: Any = print) -> SoakResult:
     finally:
         gw.stop()
     return out
+
+
+# The soak's bounds (bench/billing.py). A cut stream's estimate rests on a decode rate
+# learned across every batch size the run goes through, so a request decoded faster than
+# the mean is undercharged by the difference: the slack allows a quarter of a reservation.
+BOUNDS = billing.Bounds(estimate_slack=16)
+
+
+def _check_billing(out: SoakResult, admin: str, sim: str) -> None:
+    """Pair the last extproc's settle records with the engine's work records. Requests the
+    earlier processes settled have no record here, so only that direction is checked."""
+    _, settled = billing.settled_since(admin)
+    _, work = billing.work_since(sim)
+    pairs = billing.pair(settled, work, billable_work=False)
+    out.billing = billing.by_basis(pairs)
+    out.billing_problems = billing.problems(pairs, BOUNDS)
 
 
 def markdown(r: SoakResult) -> str:
@@ -205,8 +253,15 @@ def markdown(r: SoakResult) -> str:
          f"({growth:+.1%})", "< +10 %", verdict(growth < 0.10)],
     ]
     rss_all = "; ".join(f"pid {p}: {a:.1f} -> {b:.1f} MB" for p, a, b in r.rss_mb)
+    bill_rows = [[basis, n, f"{charged:,}", f"{done:,}", f"{charged / done:.3f}" if done else "–"]
+                 for basis, (n, charged, done) in sorted(r.billing.items())]
+    outside = r.billing_problems
+    rows.append(["charged vs the engine's own record, per request, within each basis' bound",
+                 f"{len(outside)} of {sum(n for n, _, _ in r.billing.values())} outside", "0",
+                 verdict(not outside and bool(r.billing))])
     return "\n".join(head + [
-        f"{r.requests:,} streaming requests in {r.seconds:.0f} s, {r.restarts} extproc restarts under load. "
+        f"{r.requests:,} requests (most streaming) in {r.seconds:.0f} s, "
+        f"{r.restarts} extproc restarts under load. "
         f"Planned mix: {mix}.",
         "",
         "Outcomes seen by clients: " + ", ".join(f"{k}: {v}" for k, v in r.outcomes.most_common()) + ".",
@@ -215,4 +270,13 @@ def markdown(r: SoakResult) -> str:
         "",
         f"RSS per extproc process (after its first ~1,000 requests -> at its end): {rss_all}.",
         "",
+        "What the last extproc charged against what the simulated engine says it processed "
+        "for the same requests (by x-request-id; bounds in bench/billing.py, estimate slack "
+        f"{BOUNDS.estimate_slack}):",
+        "",
+        table(["basis", "requests", "charged", "engine processed", "charged / processed"],
+              bill_rows),
+        "",
+        *(["Outside the bound (first 5):", "", *[f"- {m}" for m in outside[:5]], ""]
+          if outside else []),
     ])

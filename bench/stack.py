@@ -30,6 +30,7 @@ from extproc.envoy.bootstrap import (
     EnvoyOptions,
     render_bootstrap,
 )
+from extproc.envoy.edge import KEY_GUARD_ROUTE, RATELIMIT_FILTERS, STRIP_FILTER
 
 POLICY_DIR = ROOT / "policies"
 TICK = os.sysconf("SC_CLK_TCK")
@@ -119,7 +120,11 @@ def envoy_config(shape: str, routes: list[BackendRoute], opts: EnvoyOptions, rps
     # Without ext_proc nothing reads the usage: no usage filters either (the streamed shape).
     cfg = copy.deepcopy(render_bootstrap(routes, dataclasses.replace(opts, response_processing="streamed")))
     hcm = _hcm(cfg)
-    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != EXTPROC_FILTER]
+    # Envoy alone: none of Sluice's edge either (its header strip, rate limits, key guard).
+    sluice_only = {EXTPROC_FILTER, STRIP_FILTER, *RATELIMIT_FILTERS}
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] not in sluice_only]
+    for vhost in hcm["route_config"]["virtual_hosts"]:
+        vhost["routes"] = [r for r in vhost["routes"] if r.get("name") != KEY_GUARD_ROUTE]
     res = cfg["static_resources"]
     res["clusters"] = [c for c in res["clusters"] if c["name"] != EXTPROC_CLUSTER]
     if shape == "ratelimit":

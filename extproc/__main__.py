@@ -36,6 +36,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from extproc.runtime.runtime import Runtime
     from extproc.service.admin import start_admin
     from extproc.service.monitor import run_monitor
+    from extproc.service.prober import run_prober
     from extproc.service.reloader import watch_policy_dir
     from extproc.service.server import serve
     from extproc.service.ticker import run_ticker
@@ -92,6 +93,8 @@ async def _serve(args: argparse.Namespace) -> int:
         watcher = asyncio.create_task(client.run())
     monitor = asyncio.create_task(run_monitor(runtime))
     ticker = asyncio.create_task(run_ticker(runtime))  # queue deadlines and pumping
+    # the breakers' verdicts without waiting on traffic
+    prober = asyncio.create_task(run_prober(runtime))
     eds = asyncio.create_task(_keep_eds(runtime, eds_writer)) if eds_writer is not None else None
     print(f"sluice extproc: gRPC {ghost}:{gport}, admin http://{ahost}:{aport}/metrics", flush=True)
     if picker is not None:
@@ -114,6 +117,7 @@ async def _serve(args: argparse.Namespace) -> int:
     watcher.cancel()
     monitor.cancel()
     ticker.cancel()
+    prober.cancel()
     if eds is not None:
         eds.cancel()
     if leases is not None:
@@ -220,7 +224,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
-    from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, gateway_options, write_config
+    from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, policy_options, write_config
 
     policy = load_policy(args.policy)
     lhost, lport = _hostport(args.listen)
@@ -232,7 +236,7 @@ def _envoy_config(args: argparse.Namespace) -> int:
     opts = EnvoyOptions(listen_host=lhost, listen_port=lport, admin_port=args.admin_port,
                         extproc_host=ehost, extproc_port=eport, extproc_more=tuple(more),
                         drain_host=dhost, drain_port=dport, eds_dir=eds_dir,
-                        **gateway_options(policy.gateway))  # type: ignore[arg-type]
+                        **policy_options(policy))  # type: ignore[arg-type]
     routes = [BackendRoute(b.name, b.host, b.port, tuple(m.name for m in b.models), pool=b.is_pool) for b in policy.backends]
     if args.pieces:
         from extproc.envoy.pieces import render_pieces_yaml

@@ -21,7 +21,8 @@ def hcm(config: dict) -> dict:
 
 
 def ext_proc(config: dict) -> dict:
-    return hcm(config)["http_filters"][0]["typed_config"]
+    (f,) = [f for f in hcm(config)["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
+    return f["typed_config"]
 
 
 def clusters(config: dict) -> dict[str, dict]:

@@ -189,8 +189,9 @@ def test_envoy_shapes() -> None:
     def clusters(cfg: dict) -> list[str]:
         return [c["name"] for c in cfg["static_resources"]["clusters"]]
 
-    assert filters(envoy_config("sluice", routes, opts)) == [EXTPROC_FILTER, "envoy.filters.http.lua",
-                                                             "envoy.filters.http.router"]
+    assert filters(envoy_config("sluice", routes, opts)) == [
+        "envoy.filters.http.header_mutation", EXTPROC_FILTER, "envoy.filters.http.lua",
+        "envoy.filters.http.router"]
     plain = envoy_config("none", routes, opts)
     assert filters(plain) == ["envoy.filters.http.router"] and EXTPROC_CLUSTER not in clusters(plain)
     # Nothing reads the usage without ext_proc: no upstream usage filter on the backends.

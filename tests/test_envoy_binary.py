@@ -85,6 +85,8 @@ def running_envoy(tmp_path: Path, backends, opts: EnvoyOptions) -> Iterator[Path
 
 def post(port: int, body: bytes, headers: dict[str, str], chunked: bool = False
          ) -> tuple[int, dict[str, str], bytes]:
+    # A key of the right shape, or Envoy answers 401 itself before ext_proc (extproc.envoy.edge).
+    headers = {"authorization": "Bearer sk-test-envoyconfig", **headers}
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     try:
         if chunked:
@@ -291,7 +293,10 @@ class PickProcessor(ext_grpc.ExternalProcessorServicer):
                 if _header(got, "x-test-max-retries") is not None:
                     sets.append(_set("x-envoy-max-retries", _header(got, "x-test-max-retries") or ""))
                 common = ext_pb.CommonResponse(header_mutation=ext_pb.HeaderMutation(set_headers=sets))
-                yield ext_pb.ProcessingResponse(request_headers=ext_pb.HeadersResponse(response=common))
+                # The response side is off in the filter's static mode; Sluice turns it on so.
+                yield ext_pb.ProcessingResponse(
+                    request_headers=ext_pb.HeadersResponse(response=common),
+                    mode_override=msg.RESPONSE_MODES["usage_trailers"])
             elif phase == "request_body":
                 yield ext_pb.ProcessingResponse(request_body=ext_pb.BodyResponse())
             elif phase == "response_headers":

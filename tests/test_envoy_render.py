@@ -27,6 +27,7 @@ from extproc.envoy.bootstrap import (
     render_yaml,
     write_config,
 )
+from extproc.envoy.edge import KEY_GUARD_ROUTE, STRIP_FILTER
 from extproc.envoy.eds import render as render_eds
 from extproc.envoy.eds import write_if_changed
 from extproc.envoy.headers import DRAIN_PATH, ENDPOINT_HEADER, LIMIT_HEADER, UPSTREAM_ATTRIBUTE
@@ -35,14 +36,17 @@ from extproc.openai_api.body import ENDPOINTS
 from tests.envoy_config import BACKENDS, ERROR_KEYS, clusters, ext_proc, hcm
 
 
-def test_filters_are_ext_proc_then_router() -> None:
+def test_filters_are_the_header_strip_then_ext_proc_then_router() -> None:
     names = [f["name"] for f in hcm(render_bootstrap(BACKENDS, EnvoyOptions()))["http_filters"]]
     # usage_trailers (the default): the Lua filter hiding the injected usage chunk sits
-    # between them, so on the response path it runs before ext_proc.
-    assert names == ["envoy.filters.http.ext_proc", "envoy.filters.http.lua", "envoy.filters.http.router"]
+    # between them, so on the response path it runs before ext_proc. The client's
+    # x-sluice-* headers are gone before any of them (extproc.envoy.edge).
+    assert names == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc",
+                     "envoy.filters.http.lua", "envoy.filters.http.router"]
     streamed = EnvoyOptions(response_processing="streamed")
     names = [f["name"] for f in hcm(render_bootstrap(BACKENDS, streamed))["http_filters"]]
-    assert names == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    assert names == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc",
+                     "envoy.filters.http.router"]
 
 
 def test_usage_trailers_reads_usage_upstream_and_streamed_does_not() -> None:
@@ -64,25 +68,21 @@ def test_usage_trailers_reads_usage_upstream_and_streamed_does_not() -> None:
 
 def test_ext_proc_modes_timeouts_and_fail_closed_defaults() -> None:
     cfg = ext_proc(render_bootstrap(BACKENDS, EnvoyOptions()))
-    # usage_trailers: response headers (status, TTFT) and the synthesized trailers
-    # (usage), never a body chunk; response_body_mode NONE is the default, left out.
-    assert cfg["processing_mode"] == {
-        "request_header_mode": "SEND",
-        "response_header_mode": "SEND",
-        "request_body_mode": "BUFFERED",
-        "request_trailer_mode": "SKIP",
-        "response_trailer_mode": "SEND",
-    }
-    assert "response_attributes" not in cfg
-    streamed = ext_proc(render_bootstrap(BACKENDS, EnvoyOptions(response_processing="streamed")))
-    assert streamed["processing_mode"] == {
+    # The request side only, under either response_processing: Sluice turns the response
+    # side on per request (mode_override in its answer to the request headers:
+    # extproc.wire.messages.RESPONSE_MODES), so a reply Envoy makes for a request ext_proc
+    # never saw (an edge rate limit's 429) opens no ext_proc stream.
+    request_only = {
         "request_header_mode": "SEND",
         "response_header_mode": "SKIP",
         "request_body_mode": "BUFFERED",
-        "response_body_mode": "STREAMED",
         "request_trailer_mode": "SKIP",
         "response_trailer_mode": "SKIP",
     }
+    assert cfg["processing_mode"] == request_only
+    assert "response_attributes" not in cfg
+    streamed = ext_proc(render_bootstrap(BACKENDS, EnvoyOptions(response_processing="streamed")))
+    assert streamed["processing_mode"] == request_only
     assert streamed["response_attributes"] == ["response.code"]
     assert cfg["grpc_service"]["envoy_grpc"]["cluster_name"] == EXTPROC_CLUSTER
     assert cfg["grpc_service"]["timeout"] == "2s"
@@ -146,8 +146,9 @@ def test_routes_one_per_backend_header_then_catch_all() -> None:
     route_config = hcm(render_bootstrap(BACKENDS, EnvoyOptions()))["route_config"]
     (vhost,) = route_config["virtual_hosts"]
     routes = vhost["routes"]
-    assert len(routes) == len(BACKENDS) + 2
-    assert routes.pop(0)["name"] == "drain_oversized_upload"  # first: see test_drain_route
+    assert len(routes) == len(BACKENDS) + 3
+    assert routes.pop(0)["name"] == KEY_GUARD_ROUTE  # first: Envoy's own 401 (test_edge_config)
+    assert routes.pop(0)["name"] == "drain_oversized_upload"  # then: see test_drain_route
     for backend, route in zip(BACKENDS, routes, strict=False):
         assert route["match"]["headers"] == [
             {"name": BACKEND_HEADER, "string_match": {"exact": backend.name}}
@@ -199,7 +200,7 @@ def test_drain_route() -> None:
     opts = EnvoyOptions(max_body_bytes=cap, drain_host="extproc", drain_port=9200)
     config = render_bootstrap(BACKENDS, opts)
     manager = hcm(config)
-    drain = manager["route_config"]["virtual_hosts"][0]["routes"][0]
+    drain = manager["route_config"]["virtual_hosts"][0]["routes"][1]
     over_cap, not_rerouted = drain["match"]["headers"]
     # a declared body over the cap (an Int64Range: start inclusive, end exclusive)
     assert over_cap == {"name": "content-length", "range_match": {"start": str(cap + 1), "end": str(1 << 62)}}
@@ -211,9 +212,10 @@ def test_drain_route() -> None:
     assert all(regex.fullmatch(path) for path in ENDPOINTS)
     assert not any(regex.fullmatch(p) for p in ("/v1/files", "/v1/chat/completions/x", "/v1/embeddingsx"))
     assert drain["route"]["regex_rewrite"]["substitution"] == DRAIN_PATH
-    # every filter but the router is off: ext_proc never sees the upload
+    # every filter but the router and the header strip is off: ext_proc never sees the upload
     filters = [f["name"] for f in manager["http_filters"]]
-    assert set(drain["typed_per_filter_config"]) == set(filters) - {"envoy.filters.http.router"}
+    kept = {"envoy.filters.http.router", STRIP_FILTER}
+    assert set(drain["typed_per_filter_config"]) == set(filters) - kept
     assert EXTPROC_FILTER in drain["typed_per_filter_config"]
     for per_filter in drain["typed_per_filter_config"].values():
         assert per_filter == {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": True}
@@ -331,7 +333,7 @@ def test_only_pool_routes_retry_and_only_on_a_refused_connection() -> None:
     backends = (BackendRoute("pool", "127.0.0.1", 8000, pool=True), BackendRoute("big", "127.0.0.1", 8001))
     for order in (backends, backends[::-1]):
         (vhost,) = hcm(render_bootstrap(order, EnvoyOptions(repick_backoff_ms=3)))["route_config"]["virtual_hosts"]
-        for route in vhost["routes"][1:]:  # after the drain route
+        for route in vhost["routes"][2:]:  # after the key guard and the drain route
             if route["route"]["cluster"] == "pool":
                 assert route["route"]["retry_policy"] == {
                     "retry_on": "connect-failure", "num_retries": 1,
@@ -340,7 +342,7 @@ def test_only_pool_routes_retry_and_only_on_a_refused_connection() -> None:
                 assert "retry_policy" not in route["route"]
             # who served comes as the upstream.address attribute: no header for clients to see
             assert "response_headers_to_add" not in route
-        assert "retry_policy" not in vhost["routes"][0]["route"]  # the drain
+        assert "retry_policy" not in vhost["routes"][1]["route"]  # the drain
     for mode in ("usage_trailers", "streamed"):
         cfg = ext_proc(render_bootstrap(backends, EnvoyOptions(response_processing=mode)))
         assert UPSTREAM_ATTRIBUTE in cfg["response_attributes"], mode

@@ -53,7 +53,11 @@ def test_reasons_map_to_documented_statuses() -> None:
         assert (Reason(r).status, Reason(r).error_type) == (429, "rate_limit_exceeded")
     for r in ("breaker_open", "overloaded", "queue_timeout", "state_store_down"):
         assert (Reason(r).status, Reason(r).error_type) == (503, "server_error")
-    assert all(isinstance(r, str) and r.status in (400, 401, 404, 408, 413, 429, 499, 503) for r in Reason)
+    assert Reason("unsupported_encoding").status == 415  # a body Sluice did not decode
+    edge = Reason("edge_rate_limited")
+    assert (edge.status, edge.error_type) == (429, "rate_limit_exceeded")
+    statuses = (400, 401, 404, 408, 413, 415, 429, 499, 503)
+    assert all(isinstance(r, str) and r.status in statuses for r in Reason)
 
 
 @pytest.mark.parametrize(

@@ -89,7 +89,8 @@ def test_a_drained_upload_is_a_rejection_but_not_a_request() -> None:
 def test_the_fake_refuses_a_name_that_is_no_intent() -> None:
     rec = RecordingMetrics()
     rec.settled("error", "a", 3, 10)
-    assert rec.one("settled").args == {"how": "error", "tenant": "a", "charged": 3, "reserved": 10}
+    assert rec.one("settled").args == {"how": "error", "tenant": "a", "charged": 3, "reserved": 10,
+                                       "basis": ""}
     try:
         rec.count("rejection")
     except AssertionError as exc:

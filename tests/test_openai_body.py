@@ -456,3 +456,11 @@ def test_upstream_responses_gets_max_output_tokens_and_no_stream_options() -> No
     asked = parse_request("responses", raw({"model": "m", "input": "x", "max_output_tokens": 50}))
     assert upstream_body(asked, 50) is None
     assert json.loads(upstream_body(asked, 20) or b"")["max_output_tokens"] == 20  # clamped
+
+
+def test_embeddings_inputs_keep_their_places_for_the_per_input_window_check() -> None:
+    emb = parse_request("embeddings", raw({"model": "m", "input": ["a", [1, 2, 3], "b", [4]]}))
+    assert emb.texts == ["a", "b"] and emb.text_inputs == [0, 2]
+    assert emb.id_inputs == [(1, 3), (3, 1)] and emb.fixed_tokens == 4
+    one = parse_request("embeddings", raw({"model": "m", "input": [9, 9]}))
+    assert one.id_inputs == [(0, 2)] and one.text_inputs == []

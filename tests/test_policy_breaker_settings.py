@@ -24,7 +24,7 @@ def doc(breaker: dict[str, Any] | None = None) -> dict[str, Any]:
 
 
 def test_settings_default_to_the_breakers_own_defaults() -> None:
-    assert len(SHARED) == 11  # every policy tunable but the two attribution ones
+    assert len(SHARED) == 12  # every tunable but the two attribution ones and the probe's kind
     settings, config = BreakerSettings(), BreakerConfig()
     for name in SHARED:
         assert getattr(settings, name) == getattr(config, name), name

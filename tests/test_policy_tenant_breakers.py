@@ -21,16 +21,24 @@ def tb(min_failing: int = 2, max_tenants: int = 100, cfg: BreakerConfig = CFG) -
 
 # (case, history of (tenant, outcome, at), the tenant that fails at t=40, min_failing_tenants, blamed on)
 BLAME_CASES = [
-    ("lone tenant, nothing known", [], "t", 2, "backend"),
-    ("lone tenant failing again and again", [("t", FAIL, 38), ("t", FAIL, 39)], "t", 2, "backend"),
-    ("its own successes vouch for nothing", [("t", OK, 39)], "t", 2, "backend"),
+    # Alone, a failure proves nothing: it is the tenant's until Sluice's own probe fails too.
+    ("lone tenant, nothing known", [], "t", 2, "tenant"),
+    ("lone tenant failing again and again", [("t", FAIL, 38), ("t", FAIL, 39)], "t", 2, "tenant"),
+    ("its own successes vouch for nothing", [("t", OK, 39)], "t", 2, "tenant"),
+    ("lone, and Sluice's probe failed", [("probe", FAIL, 35)], "t", 2, "backend"),
+    ("lone, and Sluice's probe passed", [("probe", OK, 35)], "t", 2, "tenant"),
+    ("lone, Sluice's failed probe is older than the window", [("probe", FAIL, 5)], "t", 2,
+     "tenant"),
+    ("another succeeding outweighs a failed probe", [("probe", FAIL, 35), ("u", OK, 39)], "t", 2,
+     "tenant"),
     ("fails while another succeeds", [("u", OK, 39)], "t", 2, "tenant"),
     ("fails repeatedly while another succeeds", [("u", OK, 20), ("t", FAIL, 38), ("t", FAIL, 39)], "t", 2,
      "tenant"),
     ("a second tenant failing makes it the backend's", [("u", OK, 35), ("v", FAIL, 39)], "t", 2, "backend"),
     ("every other tenant failing", [("u", OK, 10), ("u", FAIL, 39)], "t", 2, "backend"),
     ("a recovered tenant vouches again", [("u", FAIL, 20), ("u", OK, 39)], "t", 2, "tenant"),
-    ("a success older than the window vouches for nothing", [("u", OK, 9)], "t", 2, "backend"),
+    ("a success older than the window vouches for nothing", [("u", OK, 9)], "t", 2, "tenant"),
+    ("... nor does a failed probe", [("u", OK, 9), ("probe", FAIL, 39)], "t", 2, "backend"),
     ("a failure older than the window is forgotten", [("v", FAIL, 9), ("u", OK, 39)], "t", 2, "tenant"),
     ("client errors and cancels say nothing", [("u", OK, 30), ("u", CLIENT, 38), ("u", GONE, 39),
                                                ("v", CLIENT, 39)], "t", 2, "tenant"),
@@ -48,7 +56,10 @@ def test_who_a_failure_is_blamed_on(history: list[tuple[str, Outcome, float]], t
                                     blamed: str) -> None:
     t = tb(min_failing)
     for who, outcome, at in history:
-        t.record(who, outcome, at)
+        if who == "probe":
+            t.probed(outcome is FAIL, at)
+        else:
+            t.record(who, outcome, at)
     assert t.backend_to_blame(tenant, 40.0) is (blamed == "backend")
     # record() agrees with the query and tells the backend's breakers what to count.
     expected = Outcome.FAILURE if blamed == "backend" else Outcome.TENANT_FAILURE
@@ -207,3 +218,31 @@ def test_settings_are_checked() -> None:
         TenantBreakers(CFG, 0, 10)
     with pytest.raises(ValueError, match="max_tenant_breakers"):
         TenantBreakers(CFG, 2, 0)
+
+
+def test_a_lone_failure_asks_for_one_probe_of_sluices_own_at_a_time() -> None:
+    t = tb()
+    assert not t.probe_wanted(0.0)
+    assert t.record("t", FAIL, 1.0) is Outcome.TENANT_FAILURE
+    assert t.probe_wanted(1.0)
+    t.probed(False, 1.5)  # the backend answered Sluice: the failure stays the tenant's
+    assert not t.probe_wanted(1.5)
+    t.record("t", FAIL, 2.0)
+    assert not t.probe_wanted(2.0), "not again before own_probe_after_s"
+    assert t.probe_wanted(6.5)
+    t.probed(True, 6.5)
+    assert t.record("t", FAIL, 7.0) is Outcome.FAILURE  # confirmed: the backend's for the window
+    assert not t.probe_wanted(8.0)
+    assert t.record("t", FAIL, 37.0) is Outcome.TENANT_FAILURE  # the verdict went stale
+    # A failure others can vouch against never asks for one.
+    u = tb()
+    u.record("v", OK, 1.0)
+    u.record("t", FAIL, 2.0)
+    assert not u.probe_wanted(2.0)
+
+
+def test_without_probes_a_lone_tenants_failure_is_the_backends_as_before() -> None:
+    cfg = BreakerConfig(window_s=30, consecutive_failures=3, min_requests=100, cooldown_s=10,
+                        max_cooldown_s=40, own_probe_after_s=0)
+    t = tb(cfg=cfg)
+    assert t.record("t", FAIL, 1.0) is Outcome.FAILURE and not t.probe_wanted(1.0)

@@ -31,7 +31,10 @@ CHAT = "/v1/chat/completions"
 def policy(endpoints: list[str] | None = (A, B), placement: dict[str, Any] | None = None,  # type: ignore[assignment]
            **gateway: Any) -> Any:
     backend: dict[str, Any] = {"name": "pool", "max_concurrency": 8, **({"placement": placement} if placement else {}),
-                               "breaker": {"consecutive_failures": 1, "cooldown_s": 5, "max_cooldown_s": 10},
+                               # one tenant: attribution off, its failures are the engines'
+                               # (tests/test_tenant_breaker_stream.py is about who is blamed)
+                               "breaker": {"consecutive_failures": 1, "cooldown_s": 5,
+                                           "max_cooldown_s": 10, "min_failing_tenants": 1},
                                "models": [{"name": "m", "context_window": 4096}]}
     if endpoints is None:
         backend["address"] = "127.0.0.1:7001"

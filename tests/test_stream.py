@@ -18,7 +18,11 @@ from extproc.runtime.runtime import Runtime
 def policy(tpm: int = 100_000) -> Any:
     return build_policy({
         "backends": [{"name": "b", "address": "127.0.0.1:1", "max_concurrency": 4,
-                      "breaker": {"consecutive_failures": 1, "cooldown_s": 1, "max_cooldown_s": 2},
+                      # One tenant: attribution off, so its failures are the backend's (these
+                      # tests are about the backend's breaker; tests/test_tenant_breaker_stream.py
+                      # about who a failure is blamed on).
+                      "breaker": {"consecutive_failures": 1, "cooldown_s": 1, "max_cooldown_s": 2,
+                                  "min_failing_tenants": 1},
                       "models": [{"name": "m", "context_window": 4096}]}],
         "tiers": {"t": {"tpm": tpm, "rpm": 1000}},
         "tenants": [{"name": "a", "tier": "t", "keys": [hash_key("k")]}],
@@ -105,7 +109,8 @@ def test_a_model_route_breaker_trips_that_model_only() -> None:
     p = build_policy({
         "backends": [{"name": "b", "address": "127.0.0.1:1", "max_concurrency": 4,
                       "models": [{"name": "m", "context_window": 4096,
-                                  "breaker": {"consecutive_failures": 1, "cooldown_s": 5, "max_cooldown_s": 5}},
+                                  "breaker": {"consecutive_failures": 1, "cooldown_s": 5,
+                                              "max_cooldown_s": 5, "min_failing_tenants": 1}},
                                  {"name": "m2", "context_window": 4096}]}],
         "tiers": {"t": {"tpm": 100_000, "rpm": 1000}},
         "tenants": [{"name": "a", "tier": "t", "keys": [hash_key("k")]}],
@@ -362,3 +367,25 @@ def test_a_responses_api_body_is_read_by_sluice_and_may_end_with_the_usage_filte
     ledger = rt.status()["ledger"]
     assert ledger["charged"] == 13 and ledger["outstanding"] == 0 and ledger["balanced"], ledger
     rt.close()
+
+
+def test_an_admitted_requests_response_side_is_turned_on_by_sluices_answer_to_its_headers() -> None:
+    """The filter's static mode leaves the response side off (a reply Envoy makes for a
+    request ext_proc never saw costs no round trip); the answer to the request headers
+    turns it on, for the response_processing in use."""
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+
+    from extproc.wire.messages import RESPONSE_MODES
+
+    pm = processing_mode_pb2.ProcessingMode
+    for processing, response_headers in (("usage_trailers", pm.SEND), ("streamed", pm.SKIP)):
+        base = policy()
+        rt = Runtime(base.__class__(**{**base.__dict__, "gateway": base.gateway.__class__(
+            response_processing=processing)}))
+        sp = StreamProcessor(rt, peer=None)  # type: ignore[arg-type]
+        answer = sp.handle("request_headers", headers(_path="/v1/chat/completions", _method="POST",
+                                                      authorization="Bearer k"))
+        assert answer is not None and answer.mode_override == RESPONSE_MODES[processing]
+        assert answer.mode_override.response_header_mode == response_headers
+        assert answer.mode_override.request_body_mode == pm.BUFFERED
+        rt.close()

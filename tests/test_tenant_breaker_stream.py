@@ -133,9 +133,9 @@ def test_a_shadowed_breaker_rule_records_the_tenant_refusal_but_lets_it_through(
 
 
 def test_a_model_with_its_own_breaker_judges_failures_among_that_models_tenants() -> None:
-    # One tenant uses the broken model m while another is served by m2: m's failures are
-    # m's (nobody succeeds on m), so m's route breaker trips, not a tenant breaker over
-    # the whole backend that would also refuse the tenant's m2 requests.
+    # Two tenants fail on the broken model m while m2 serves them: m's failures are m's
+    # (both fail on m, nobody succeeds there), so m's route breaker trips, not a tenant
+    # breaker over the whole backend that would also refuse their m2 requests.
     clock = Clock()
     rt = Runtime(build_policy({
         "backends": [{"name": "b", "address": "127.0.0.1:1", "max_concurrency": 8,
@@ -155,9 +155,10 @@ def test_a_model_with_its_own_breaker_judges_failures_among_that_models_tenants(
         return asyncio.run(exchange(rt, hdr, req, response(status)))[-1]
 
     ask_model("kz", "m2")
-    for _ in range(2):
-        ask_model("ka", "m", 500)
-        assert not ask_model("kz", "m2").HasField("immediate_response")
+    ask_model("ka", "m", 500)
+    assert not ask_model("kz", "m2").HasField("immediate_response")
+    ask_model("kz", "m", 500)  # two failing on m: m's from now on
+    ask_model("ka", "m", 500)
     code, reason, _ = refused(ask_model("ka", "m"))
     assert (code, reason) == (503, "breaker_open")
     assert not ask_model("ka", "m2").HasField("immediate_response"), "a's other model is not refused"
@@ -182,4 +183,26 @@ def test_in_an_outage_the_backend_breaker_takes_over_from_a_tripped_tenant() -> 
     assert be.breaker.state(clock.now) is BreakerState.OPEN
     assert refused(ask(rt, "kb"))[1] == "breaker_open", "the backend's breaker is checked first"
     assert refused(ask(rt, "kg"))[1] == "breaker_open"
+    rt.close()
+
+
+def test_a_lone_tenants_failures_wait_for_sluices_own_probe_before_they_are_the_backends() -> None:
+    """Fifteen mislabelled requests sent while no other tenant was succeeding opened the
+    shared breakers for everyone: alone, a failure proves nothing about the backend."""
+    clock = Clock()
+    rt = Runtime(policy(consecutive_failures=3), clock=clock)
+    be = rt.backends["b"]
+    be.has_metrics = False
+    for _ in range(3):
+        ask(rt, "kb", 500)
+    assert be.breaker.state(clock.now) is BreakerState.CLOSED
+    assert refused(ask(rt, "kb"))[1] == "tenant_breaker_open"
+    assert not ask(rt, "kg").HasField("immediate_response"), "everyone else is served"
+    tb = be.tenant_breakers
+    assert tb.probe_wanted(clock.now)  # extproc.service.prober asks the backend itself
+    tb.probed(failed=True, now=clock.now)  # ... and it fails for Sluice too: the backend's
+    assert not tb.probe_wanted(clock.now)
+    for _ in range(3):
+        ask(rt, "kp", 500)  # the next lone tenant's failures are the backend's now
+    assert be.breaker.state(clock.now) is BreakerState.OPEN
     rt.close()

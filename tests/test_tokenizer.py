@@ -169,3 +169,18 @@ def test_a_fast_counter_that_disagrees_with_tiktoken_is_not_used(monkeypatch: py
     assert counter.count(["hello world"]).tokens == 2
     with pytest.raises(RuntimeError, match="bpe-openai cannot count"):
         TokenCounter("cl100k_base", backend="bpe")
+
+
+def test_separate_inputs_are_each_held_to_the_limit_and_all_counted() -> None:
+    """An embeddings list: each input is its own sequence, so 25,000 one-token inputs count
+    25,000 (a limit on the sum would stop at the window), and the first input past the
+    window on its own stops the count and is named."""
+    c = TokenCounter("cl100k_base")
+    many = c.count(["x"] * 25_000, limit=4096, per_text=True)
+    assert (many.tokens, many.complete, many.over_text) == (25_000, True, None)
+    summed = c.count(["x"] * 25_000, limit=4096)
+    assert summed.tokens == 4097 and not summed.complete  # what the list was charged before
+    over = c.count(["short", " the" * 5000, " the" * 9000], limit=4096, per_text=True)
+    assert over.over_text == 1 and not over.complete and 4096 < over.tokens < 5010
+    fits = c.count(["", " the" * 4096, "a"], limit=4096, per_text=True)
+    assert fits.over_text is None and fits.tokens == 4097

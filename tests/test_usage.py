@@ -9,7 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.openai_api.usage import MAX_JSON_BODY, JSONTracker, SSETracker, Usage, usage_from
+from extproc.openai_api.usage import (
+    MAX_JSON_BODY,
+    TAIL_BYTES,
+    JSONTracker,
+    SSETracker,
+    Usage,
+    usage_from,
+    usage_in_tail,
+)
 
 
 def event(obj: Any, sep: bytes = b"\n\n") -> bytes:
@@ -349,3 +357,21 @@ def test_responses_json_body_usage_and_text() -> None:
     bad = JSONTracker(responses=True)
     bad.feed(json.dumps({"usage": {"prompt_tokens": 1, "completion_tokens": 1}}).encode(), True)
     assert bad.usage is None
+
+
+def test_an_embeddings_body_is_read_for_its_trailing_usage_only() -> None:
+    data = [{"embedding": [0.1] * 2000, "index": i} for i in range(40)]
+    usage = {"prompt_tokens": 25000, "total_tokens": 25000}
+    body = json.dumps({"object": "list", "data": data, "model": "m", "usage": usage}).encode()
+    t = JSONTracker(tail=True)
+    for i in range(0, len(body), 3000):
+        t.feed(body[i:i + 3000], False)
+        assert len(t.body) <= TAIL_BYTES
+    t.feed(b"", True)
+    assert t.usage == Usage(25000, 0) and t.ended
+    cut = JSONTracker(tail=True)
+    cut.feed(body[:-40], True)  # the usage object cut in the middle
+    assert cut.usage is None
+    tail = b'{"data": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}'
+    assert usage_in_tail(tail) == Usage(3, 2)
+    assert usage_in_tail(b'{"data": []}') is None

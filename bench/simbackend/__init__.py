@@ -22,7 +22,9 @@ Per-request programming (request headers):
 
 Admin: GET/DELETE /admin/requests (recorded /v1 and other non-probe requests, newest
 last, ``?path=`` filters), GET/POST /admin/config (kv_usage_override, fail_status, mode,
-time_scale), GET /admin/engine (block counts, queue lengths, counters).
+time_scale), GET /admin/engine (block counts, queue lengths, counters), GET
+/admin/work?after=N (what the engine did for each request, by its x-request-id, and per
+x-sluice-tenant totals: ``work.py``).
 """
 
 from .app import STATE, SimState, create_app

@@ -199,6 +199,13 @@ def _plan_length(
     return cap, explicit is None and cap == st.config.default_max_tokens
 
 
+def _who(request: web.Request) -> dict[str, str]:
+    """The ids the engine's work record keeps (work.py): Envoy's request id and the
+    gateway's tenant."""
+    return {"request_id": request.headers.get("x-request-id", ""),
+            "tenant": request.headers.get("x-sluice-tenant", "")}
+
+
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     st = request.app[STATE]
     body = await _json_body(request)
@@ -220,6 +227,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         delay=sim.delay_ms / 1000.0,
         tps=sim.tps,
         natural_stop=natural,
+        **_who(request),
     )
     seq.block_hashes = hashes
     handle = st.scheduler.submit(seq)
@@ -263,7 +271,7 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
                 "input",
             )
     prompt = sum(counts)
-    seq = Sequence(prompt_tokens=prompt, max_tokens=0, delay=sim.delay_ms / 1000.0)
+    seq = Sequence(prompt_tokens=prompt, max_tokens=0, delay=sim.delay_ms / 1000.0, **_who(request))
     handle = st.scheduler.submit(seq)
     model = req.model or st.config.model
     job = Job(request, handle, "embedding", model, req, sim, prompt, st.config.embedding_dim)
@@ -329,6 +337,15 @@ async def post_config(request: web.Request) -> web.Response:
     return web.json_response(st.live.as_dict())
 
 
+async def get_work(request: web.Request) -> web.Response:
+    """The engine's per-request work records numbered above ``?after=`` and per-tenant totals."""
+    try:
+        after = int(request.query.get("after", "0"))
+    except ValueError:
+        raise ApiError(400, "after must be an integer", "invalid_query") from None
+    return web.json_response(request.app[STATE].engine.work.report(after))
+
+
 async def get_engine(request: web.Request) -> web.Response:
     st = request.app[STATE]
     e = st.engine
@@ -340,6 +357,9 @@ async def get_engine(request: web.Request) -> web.Response:
             "running": len(e.running),
             "waiting": len(e.waiting),
             "preemptions_total": e.preemptions_total,
+            "prompt_tokens_total": e.prompt_tokens_total,
+            "generation_tokens_total": e.generation_tokens_total,
+            "finished_total": dict(e.finished_total),
             "kv_blocks_peak": e.peak_used_blocks,
             "oom_failures_total": e.oom_failures_total,
             "paused": e.paused(st.clock.now()),
@@ -382,6 +402,7 @@ def create_app(config: SimConfig | None = None) -> web.Application:
     app.router.add_get("/admin/config", get_config)
     app.router.add_post("/admin/config", post_config)
     app.router.add_get("/admin/engine", get_engine)
+    app.router.add_get("/admin/work", get_work)
     app.on_startup.append(_on_startup)
     app.on_shutdown.append(_on_shutdown)
     return app

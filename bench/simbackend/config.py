@@ -45,6 +45,7 @@ class SimConfig:
     default_max_tokens: int = 256
     embedding_dim: int = 8
     record_limit: int = 1000
+    work_log_limit: int = 10_000  # per-request work records kept (work.py)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

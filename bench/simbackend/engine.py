@@ -37,6 +37,7 @@ from .config import SimConfig
 from .prefix_cache import PrefixCache
 from .sequence import Sequence, StepOutcome
 from .step_cost import decode_step_ms, prefill_step_s
+from .work import WorkLog
 
 __all__ = ["OOM_MESSAGE", "Engine", "Sequence", "StepOutcome"]
 
@@ -64,6 +65,7 @@ class Engine:
         # Highest occupancy seen; a scrape every second misses short peaks.
         self.peak_used_blocks = 0
         self.prefix = PrefixCache(cfg.block_size) if cfg.prefix_caching else None
+        self.work = WorkLog(cfg.work_log_limit)  # what each request cost (work.py)
 
     # ---- what metrics and tests read -------------------------------------------------
     @property
@@ -104,6 +106,7 @@ class Engine:
             return
         seq.state = "aborted"
         self.finished_total["abort"] += 1
+        self.work.finished(seq, "abort")
 
     # ---- one scheduler iteration ----------------------------------------------------
     def step(self, now: float) -> StepOutcome:
@@ -368,6 +371,7 @@ class Engine:
         seq.state = "finished"
         seq.finish_reason = reason
         self.finished_total[reason] += 1
+        self.work.finished(seq, reason)
         out.finished.append(seq)
 
     def _fail(self, seq: Sequence, status: int, message: str, out: StepOutcome) -> None:
@@ -375,6 +379,7 @@ class Engine:
         seq.state = "failed"
         seq.error = (status, message)
         self.finished_total["error"] += 1
+        self.work.finished(seq, "error")
         out.emitted.pop(seq, None)
         out.failed.append(seq)
 

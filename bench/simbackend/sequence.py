@@ -17,6 +17,10 @@ class Sequence:
     # Whether producing max_tokens is the model stopping by itself ("stop") or the
     # client's limit cutting it off ("length").
     natural_stop: bool = False
+    # Who asked, for the engine's own per-request record (work.py): the HTTP request's
+    # x-request-id and the gateway's x-sluice-tenant ("" when absent).
+    request_id: str = ""
+    tenant: str = ""
     # Set by the engine:
     state: str = "new"  # waiting | running | finished | failed | aborted
     ready_at: float = 0.0

@@ -18,8 +18,11 @@ Shape of the generated config::
     listener listen_host:listen_port  (per-connection buffer > the policy's body cap)
       http_connection_manager  codec AUTO, edge (use_remote_address), request and
                                header timeouts, JSON access log to stdout (no query)
+        envoy.filters.http.header_mutation  client-sent x-sluice-* and routing headers removed
+        envoy.filters.http.local_ratelimit  per key and per client address (if the policy says)
         envoy.filters.http.ext_proc -> cluster sluice_extproc (HTTP/2)
         envoy.filters.http.router
+          route  no key of the right shape -> 401 from Envoy (extproc.envoy.edge)
           route  OpenAI endpoint, content-length > cap -> sluice_drain, filters off
           route  x-sluice-backend == <name>  -> cluster <name>   (one per backend)
           route  catch-all                   -> first backend
@@ -84,13 +87,21 @@ from extproc.envoy.clusters import (
     pool_cluster,
     socket_address,
 )
+from extproc.envoy.edge import ratelimit_filters, strip_filter
 from extproc.envoy.extproc_filter import (
     EXTPROC_CLUSTER,
     EXTPROC_FILTER,
     RESPONSE_PROCESSING,
     ext_proc_filter,
 )
-from extproc.envoy.options import BackendRoute, EnvoyOptions, gateway_options, ms, seconds
+from extproc.envoy.options import (
+    BackendRoute,
+    EnvoyOptions,
+    gateway_options,
+    ms,
+    policy_options,
+    seconds,
+)
 from extproc.envoy.replies import local_reply_config
 from extproc.envoy.routes import BACKEND_HEADER, LONG_IDLE, route_config
 
@@ -104,6 +115,7 @@ __all__ = [
     "EnvoyOptions",
     "buffer_limit_bytes",
     "gateway_options",
+    "policy_options",
     "render_bootstrap",
     "render_yaml",
     "write_config",
@@ -178,6 +190,9 @@ def _edge_options(opts: EnvoyOptions) -> dict[str, object]:
 
 def _listener(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> Listener:
     http_filters = [
+        # first: no filter, and no route, sees a client's x-sluice-* (extproc.envoy.edge)
+        strip_filter(),
+        *ratelimit_filters(opts.edge),
         ext_proc_filter(opts, any(b.pool for b in backends)),
         HttpFilter(name=ROUTER_FILTER, typed_config=Any.pack(Router())),
     ]
@@ -185,7 +200,7 @@ def _listener(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> Listener:
         stat_prefix="sluice",
         codec_type=HttpConnectionManagerCodecType.AUTO,
         # usage_record.install adds its Lua filter to this chain after rendering: off on the drain too
-        route_config=route_config(backends, opts, [f.name for f in http_filters if f.name != ROUTER_FILTER]
+        route_config=route_config(backends, opts, [EXTPROC_FILTER]
                                   + ([] if opts.response_processing == "streamed" else [usage_record.LUA_FILTER])),
         http_filters=http_filters,
         stream_idle_timeout=LONG_IDLE,

@@ -53,26 +53,21 @@ POOL_RESPONSE_ATTRIBUTES = (UPSTREAM_ATTRIBUTE,)
 RESPONSE_PROCESSING = ("usage_trailers", "streamed")
 
 
-def _processing_mode(response_processing: str) -> ProcessingMode:
+def _processing_mode() -> ProcessingMode:
+    """The request side only. Sluice turns the response side on, request by request, in its
+    answer to the request headers (``mode_override``: ``extproc.wire.messages.response_mode``
+    for each ``response_processing``). Envoy runs every encoder filter on a reply it makes
+    itself, ext_proc included, even for a request ext_proc never saw (observed, 1.40: an
+    edge rate limit's 429 opened an ext_proc stream of its own, one round trip to Python per
+    refusal); with the response side off unless Sluice asked for it, such a reply costs none."""
     send, skip = ProcessingModeHeaderSendMode.SEND, ProcessingModeHeaderSendMode.SKIP
-    if response_processing == "streamed":
-        return ProcessingMode(
-            request_header_mode=send,
-            response_header_mode=skip,
-            request_body_mode=ProcessingModeBodySendMode.BUFFERED,
-            response_body_mode=ProcessingModeBodySendMode.STREAMED,
-            request_trailer_mode=skip,
-            response_trailer_mode=skip,
-        )
-    # usage_trailers: response headers (status, first byte) and the trailers that
-    # envoy_usage's filter synthesizes with the usage; never a body chunk.
     return ProcessingMode(
         request_header_mode=send,
-        response_header_mode=send,
+        response_header_mode=skip,
         request_body_mode=ProcessingModeBodySendMode.BUFFERED,
         response_body_mode=ProcessingModeBodySendMode.NONE,
         request_trailer_mode=skip,
-        response_trailer_mode=send,
+        response_trailer_mode=skip,
     )
 
 
@@ -87,7 +82,7 @@ def ext_proc_filter(opts: EnvoyOptions, pools: bool = False) -> HttpFilter:
             # and streams outlive it); message_timeout below bounds each wait instead.
             timeout=ms(opts.message_timeout_ms),
         ),
-        processing_mode=_processing_mode(opts.response_processing),
+        processing_mode=_processing_mode(),
         message_timeout=ms(opts.message_timeout_ms),
         max_message_timeout=ms(opts.max_message_timeout_ms),
         failure_mode_allow=opts.failure_mode_allow,

@@ -10,6 +10,9 @@ not choose. What Envoy reports back is ``UPSTREAM_ATTRIBUTE`` (``extproc.request
 from __future__ import annotations
 
 ENDPOINT_HEADER = "x-sluice-endpoint"
+# The backend ext_proc routed a request to (set with the body's answer, which re-matches the
+# route): never a client's (stripped on arrival), never sent upstream.
+BACKEND_HEADER = "x-sluice-backend"
 # The ip:port that served a pool request, as an ext_proc attribute (extproc_filter's
 # POOL_RESPONSE_ATTRIBUTES): on the response headers under usage_trailers, on the first body
 # chunk under streamed. Not a response header: nothing to add, remove, or leak to a client.

@@ -10,9 +10,10 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 
-from extproc.policy.schema import Gateway
+from extproc.policy.edge import EdgeLimits, edge_limits
+from extproc.policy.schema import Gateway, Policy
 
-__all__ = ["BackendRoute", "EnvoyOptions", "gateway_options", "ms", "seconds"]
+__all__ = ["BackendRoute", "EnvoyOptions", "gateway_options", "ms", "policy_options", "seconds"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,9 @@ class EnvoyOptions:
     # A pool route's wait before it re-picks after a refused connection (Envoy's back-off
     # is random up to this; the retry goes to another endpoint, so there is nothing to wait for).
     repick_backoff_ms: int = 1
+    # What Envoy refuses before asking Sluice (extproc.envoy.edge): the key's shape, and the
+    # per-key and per-address rates; extproc.policy.edge.edge_limits(policy) resolves them.
+    edge: EdgeLimits = EdgeLimits()
 
 
 def gateway_options(gw: Gateway) -> dict[str, object]:
@@ -81,6 +85,12 @@ def gateway_options(gw: Gateway) -> dict[str, object]:
         "extproc_unhealthy_threshold": gw.extproc_unhealthy_threshold,
         "response_processing": gw.response_processing,
     }
+
+
+def policy_options(policy: Policy) -> dict[str, object]:
+    """``gateway_options`` and what else the whole policy decides: the edge limits, whose
+    per-key rate is the fastest any tier or tenant may go."""
+    return {**gateway_options(policy.gateway), "edge": edge_limits(policy)}
 
 
 def ms(value: int) -> datetime.timedelta:

@@ -6,7 +6,8 @@ filter that hides the usage chunk Sluice asked for), Sluice's ext_proc cluster, 
 clusters, the response headers that carry what Sluice decided (``x-ratelimit-*``) from
 dynamic metadata, and the upstream filters (Envoy's usage extraction) for each backend
 cluster. What stays out is what only Sluice's own listener can have: its routes by
-``x-sluice-backend``, the drain route for oversized uploads, the edge settings.
+``x-sluice-backend``, the drain route for oversized uploads, the edge settings and filters
+(the header strip, the key guard, the edge rate limits: ``extproc.envoy.edge``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import yaml
 
 from extproc.envoy.bootstrap import ROUTER_FILTER, render_bootstrap
 from extproc.envoy.clusters import DRAIN_CLUSTER
+from extproc.envoy.edge import RATELIMIT_FILTERS, STRIP_FILTER
 from extproc.envoy.extproc_filter import EXTPROC_CLUSTER
 from extproc.envoy.options import BackendRoute, EnvoyOptions
 
@@ -40,7 +42,10 @@ def render_pieces(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> dict[
     cfg = render_bootstrap(backends, opts)
     res = cfg["static_resources"]
     hcm = res["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    filters = [f for f in hcm["http_filters"] if f["name"] != ROUTER_FILTER]
+    # Sluice's edge (extproc.envoy.edge) is its own listener's: a gateway strips and limits
+    # at its own edge, and the header strip placed after a picker would remove its pick.
+    edge = {STRIP_FILTER, *RATELIMIT_FILTERS}
+    filters = [f for f in hcm["http_filters"] if f["name"] not in {ROUTER_FILTER, *edge}]
     names = {b.name for b in backends}
     pools = {b.name for b in backends if b.pool}
     clusters = [c for c in res["clusters"] if c["name"] == EXTPROC_CLUSTER or c["name"] in pools]

@@ -58,6 +58,11 @@ ENVOY_REPLIES: tuple[EnvoyReply, ...] = (
         " && response.code_details.startsWith('upstream_reset_before_response_started'))",
         rewrite_status=True, headers=(("retry-after", "1"),),
     ),
+    # The edge rate limit (extproc.envoy.edge): a key, or a client address, over its rate.
+    EnvoyReply(
+        Reason.EDGE_RATE_LIMITED, "too many requests from this key or address",
+        "response.code_details == 'local_rate_limited'", headers=(("retry-after", "1"),),
+    ),
     # request_headers_timeout / request_timeout (408): a client too slow to send its request.
     EnvoyReply(
         Reason.REQUEST_TIMEOUT, "the request was not received in time",

@@ -1,4 +1,5 @@
-"""The routes of Sluice's listener, in match order: the drain for oversized uploads, one
+"""The routes of Sluice's listener, in match order: Envoy's own 401 for a request without a
+key of the right shape (extproc.envoy.edge), the drain for oversized uploads, one
 route per backend picked by ``x-sluice-backend`` (a pool's with the one re-pick on a
 refused connection), and the catch-all to the first backend; plus what every route adds
 (the response headers decided on the request side) and strips (Sluice's own headers).
@@ -36,14 +37,14 @@ from envoy_data_plane.envoy.type.v3 import Int64Range
 from envoy_data_plane.google.protobuf import Any
 
 from extproc.envoy.clusters import DRAIN_CLUSTER
-from extproc.envoy.headers import DRAIN_PATH, LIMIT_HEADER
+from extproc.envoy.edge import RATELIMIT_FILTERS, key_guard_route
+from extproc.envoy.headers import BACKEND_HEADER, DRAIN_PATH, LIMIT_HEADER
 from extproc.envoy.options import BackendRoute, EnvoyOptions, ms, seconds
 from extproc.openai_api.body import ENDPOINTS
 from extproc.wire.messages import METADATA_NAMESPACE, RESPONSE_HEADERS_FROM_METADATA
 
 __all__ = ["BACKEND_HEADER", "LONG_IDLE", "REPICK_ON", "route_config"]
 
-BACKEND_HEADER = "x-sluice-backend"
 LONG_IDLE = datetime.timedelta(seconds=300)  # SSE streams may pause between tokens
 
 
@@ -116,10 +117,20 @@ def _drain_route(opts: EnvoyOptions, filters: Sequence[str]) -> Route:
     )
 
 
+def _limited(opts: EnvoyOptions, name: str) -> bool:
+    """Whether the listener has edge rate-limit filter ``name`` (a route may only name the
+    filters it has)."""
+    edge = opts.edge
+    return bool(edge.key_per_s) if name == RATELIMIT_FILTERS[0] else bool(edge.source_per_s)
+
+
 def route_config(backends: Sequence[BackendRoute], opts: EnvoyOptions,
                  filters: Sequence[str]) -> RouteConfiguration:
-    """The listener's routes; ``filters``: the HTTP filters the drain route turns off."""
-    routes = [_drain_route(opts, filters)]
+    """The listener's routes; ``filters``: the HTTP filters the drain route turns off (the key
+    guard, answered by Envoy itself, turns off the edge rate limit too: its 401 is cheaper)."""
+    limiters = [f for f in RATELIMIT_FILTERS if _limited(opts, f)]
+    routes = [key_guard_route(opts.edge, [*filters, *limiters]),
+              _drain_route(opts, filters)]
     routes.extend(
         _route(
             b,

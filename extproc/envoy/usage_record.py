@@ -21,9 +21,9 @@ Neither xds-protos nor envoy-data-plane carries these types (envoy-data-plane's
 
 Also here, because only this path needs it: the Lua filter that removes the usage
 chunk Sluice asked the backend for on the client's behalf (``stream_options.
-include_usage``), once ``ai_protocol_manager`` has read it. It acts only on responses
-whose request set ``hide_usage`` in Sluice's dynamic metadata, and returns at once for
-all others.
+include_usage``), once ``ai_protocol_manager`` has read it. It acts only on 200 event
+streams whose request set ``hide_usage`` in Sluice's dynamic metadata, and returns at
+once for all others (an error body passes through untouched).
 """
 
 from __future__ import annotations
@@ -166,6 +166,12 @@ end
 function envoy_on_response(handle)
   local md = handle:streamInfo():dynamicMetadata():get("sluice")
   if md == nil or md["hide_usage"] ~= "1" then return end
+  -- Only an event stream has a usage chunk to drop. Anything else (a backend's JSON error
+  -- for a streaming request) passes untouched: split() would hold it back as an unfinished
+  -- event and the client would get an empty body.
+  local ctype = handle:headers():get("content-type") or ""
+  if handle:headers():get(":status") ~= "200" then return end
+  if not ctype:find("text/event-stream", 1, true) then return end
   local held = ""
   for chunk in handle:bodyChunks() do
     local n = chunk:length()

@@ -46,6 +46,10 @@ class ParsedRequest:
     max_tokens: int | None = None  # what the client asked for, if anything
     texts: list[str] = field(default_factory=list)  # to be tokenized
     fixed_tokens: int = 0  # counted without tokenizing (token-id prompts, chat overhead, images)
+    # Embeddings: each input is its own sequence, held to the context window alone. The
+    # input index of each entry of ``texts``, and each token-id input as (index, length).
+    text_inputs: list[int] = field(default_factory=list)
+    id_inputs: list[tuple[int, int]] = field(default_factory=list)
 
     def text_bytes(self) -> int:
         return sum(len(t) for t in self.texts)
@@ -133,20 +137,25 @@ def _bool(body: dict[str, Any], key: str, param: str | None = None) -> bool:
 
 
 def _prompt_like(value: Any, param: str, req: ParsedRequest) -> int:
-    """Strings, token-id lists, or lists of either; returns how many prompts."""
+    """Strings, token-id lists, or lists of either; returns how many prompts (each one's
+    place is kept in ``text_inputs`` / ``id_inputs``)."""
     if isinstance(value, str):
         req.texts.append(value)
+        req.text_inputs.append(0)
         return 1
     if isinstance(value, list) and value:
         if all(isinstance(x, int) and not isinstance(x, bool) for x in value):
             req.fixed_tokens += len(value)
+            req.id_inputs.append((0, len(value)))
             return 1
         count = 0
         for i, item in enumerate(value):
             if isinstance(item, str):
                 req.texts.append(item)
+                req.text_inputs.append(i)
             elif isinstance(item, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in item):
                 req.fixed_tokens += len(item)
+                req.id_inputs.append((i, len(item)))
             else:
                 raise BadRequest(f"'{param}[{i}]' must be a string or an array of token ids", f"{param}[{i}]",
                                  "invalid_type")

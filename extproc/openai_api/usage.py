@@ -17,6 +17,7 @@ from extproc.openai_api import responses as responses_api
 
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 MAX_JSON_BODY = 8 << 20
+TAIL_BYTES = 4096  # of a body read for its trailing usage object only
 MAX_HELD_EVENT = 1 << 20  # the most of one unfinished SSE event held back  # non-streaming bodies larger than this are not parsed for usage
 
 
@@ -143,6 +144,19 @@ class SSETracker:
         return False
 
 
+def usage_in_tail(tail: bytes) -> Usage | None:
+    """The ``usage`` object of a JSON body from its last bytes (where OpenAI and vLLM put it)."""
+    at = tail.rfind(b'"usage"')
+    if at < 0:
+        return None
+    colon = tail.find(b":", at + 7)
+    try:
+        obj, _ = json.JSONDecoder().raw_decode(tail[colon + 1:].decode("utf-8", "replace").lstrip())
+    except (ValueError, RecursionError):
+        return None
+    return usage_from({"usage": obj}) if colon >= 0 else None
+
+
 @dataclass
 class UsageOnlyTracker(SSETracker):
     """An SSE stream watched for its usage chunk alone (picker mode: the echo of every event is
@@ -161,15 +175,27 @@ class UsageOnlyTracker(SSETracker):
 
 @dataclass
 class JSONTracker:
-    """A non-streaming body: collected (bounded) and read once at the end."""
+    """A non-streaming body: collected (bounded) and read once at the end. With ``tail`` only
+    its last ``TAIL_BYTES`` are kept and only the usage is read: an embeddings body is mostly
+    vectors (a few KB per input, so megabytes for a long list), and its usage comes last."""
 
     body: bytearray = field(default_factory=bytearray)
     overflow: bool = False
     responses: bool = False  # a Responses API body ("object": "response")
     usage: Usage | None = None
     texts: list[str] = field(default_factory=list)
+    ended: bool = False  # the whole body went by (``texts`` is then all that was generated)
+    tail: bool = False
 
     def feed(self, chunk: bytes, end_of_stream: bool) -> None:
+        self.ended = self.ended or end_of_stream
+        if self.tail:
+            self.body += chunk
+            del self.body[:-TAIL_BYTES]
+            if end_of_stream:
+                self.usage = usage_in_tail(bytes(self.body))
+                self.body.clear()
+            return
         if not self.overflow:
             if len(self.body) + len(chunk) > MAX_JSON_BODY:
                 self.overflow = True

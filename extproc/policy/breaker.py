@@ -11,7 +11,10 @@ OPEN denies all for ``cooldown_s * cooldown_multiplier**level`` (capped at
 ``cooldown_reset_s`` of uninterrupted CLOSED.
 
 HALF_OPEN probes first: one request at a time until ``probe_successes`` succeed (a
-probe that never reports frees its place after ``probe_timeout_s``). Then it ramps:
+probe that never reports frees its place after ``probe_timeout_s``). When no request has
+come to probe for ``own_probe_after_s`` (``probe_due``), Sluice sends a probe of its own
+and records it like any other: under light traffic a half-open breaker still reaches a
+verdict, within the cooldown + ``own_probe_after_s`` + the ramp. Then it ramps:
 step ``i`` admits ``ramp_steps[i]`` of the calls via a credit accumulator (each call
 adds the fraction, a call passes when the credit reaches 1: deterministic, exact over
 any run), each step lasting ``ramp_step_s``; after the last, CLOSED. Any failure in
@@ -144,6 +147,7 @@ class Breaker:
         self._last_preempt_total: float | None = None
         self._consecutive = 0
         self._probe_since: float | None = None  # a probe is in flight since then
+        self._probe_last = now  # the last time a probe place was taken or given back
         self._probe_ok = 0
         self._step = -1  # -1: probe phase; else index into ramp_steps
         self._step_start = now
@@ -198,7 +202,7 @@ class Breaker:
             return BreakerVerdict(False, state, REASON_OPEN, self._open_until - now)
         if self._step < 0:
             if self._probe_since is None:
-                self._probe_since = now
+                self._probe_since = self._probe_last = now
                 return BreakerVerdict(True, state)
         else:
             self._credit += cfg.ramp_steps[self._step]
@@ -214,7 +218,8 @@ class Breaker:
         half_open = self._manual is None and self._state is BreakerState.HALF_OPEN
         if outcome in (Outcome.CLIENT_ERROR, Outcome.CANCELLED, Outcome.TENANT_FAILURE):
             if half_open and self._step < 0:
-                self._probe_since = None  # the probe proved nothing; let another go
+                # the probe proved nothing; let another go
+                self._probe_since, self._probe_last = None, now
             return
         failed = outcome is Outcome.FAILURE
         slo = self.config.latency_slo_s
@@ -228,7 +233,7 @@ class Breaker:
             if failed:
                 self._trip(now, "half_open_failure")
             elif self._step < 0:
-                self._probe_since = None
+                self._probe_since, self._probe_last = None, now
                 if slow:
                     self._trip(now, "half_open_slow")
                 else:
@@ -238,6 +243,15 @@ class Breaker:
             else:
                 self._step_seen[0] += 1
                 self._step_seen[1] += int(slow)
+
+    def probe_due(self, now: float) -> bool:
+        """Half-open, waiting for a probe, and none has come for ``own_probe_after_s``: a probe
+        of Sluice's own should go now (``allow`` it, then ``record`` how it went)."""
+        now = self._advance(now)
+        after = self.config.own_probe_after_s
+        half_open = self._manual is None and self._state is BreakerState.HALF_OPEN
+        waiting = half_open and self._step < 0 and self._probe_since is None
+        return after > 0 and waiting and now - self._probe_last >= after - _EPS
 
     def record_success(self, now: float, latency_s: float | None = None) -> None:
         self.record(Outcome.SUCCESS, latency_s, now)
@@ -321,6 +335,7 @@ class Breaker:
     def _enter(self, at: float, state: BreakerState, cause: str, src: BreakerState) -> None:
         self._state, self._since = state, at
         self._probe_since, self._probe_ok, self._step = None, 0, -1
+        self._probe_last = at
         self._credit = 0.0
         if state is not BreakerState.CLOSED:
             self._preempt.clear()  # preemptions before a trip (or an override) are spent
@@ -389,7 +404,7 @@ class Breaker:
             return True
         if self._step < 0:
             if self._probe_since is not None and now - self._probe_since >= cfg.probe_timeout_s:
-                self._probe_since = None
+                self._probe_since, self._probe_last = None, self._probe_since + cfg.probe_timeout_s
             return False
         if now - self._step_start < cfg.ramp_step_s:
             return False

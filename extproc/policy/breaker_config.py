@@ -27,6 +27,11 @@ class BreakerConfig:
     ramp_step_s: float = 10.0
     probe_successes: int = 1
     probe_timeout_s: float = 30.0
+    # Half-open with no probe for this long (light traffic, or placement sending it
+    # elsewhere): Sluice sends one of its own (``Breaker.probe_due``). Also the least time
+    # between two of Sluice's probes confirming a failure nobody else can vouch for
+    # (``tenant_breakers``). 0: no probes of Sluice's own.
+    own_probe_after_s: float = 5.0
     throttle_retry_after_s: float = 1.0
     trip_on_preemption: bool = True
     preemption_threshold: float = 1.0  # counter increase within window_s that trips
@@ -50,6 +55,7 @@ class BreakerConfig:
             (self.ramp_step_s >= 0, "ramp_step_s must be >= 0"),
             (self.probe_successes >= 1, "probe_successes must be >= 1"),
             (self.probe_timeout_s > 0, "probe_timeout_s must be > 0"),
+            (self.own_probe_after_s >= 0, "own_probe_after_s must be >= 0"),
             (self.preemption_threshold > 0, "preemption_threshold must be > 0"),
         ]
         errors = [msg for ok, msg in problems if not ok]

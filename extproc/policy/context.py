@@ -13,7 +13,7 @@ from __future__ import annotations
 from extproc.policy.decision import Reject
 from extproc.policy.reasons import Reason
 
-__all__ = ["completion_budget"]
+__all__ = ["completion_budget", "input_too_long"]
 
 
 def completion_budget(prompt: int, max_tokens: int | None, n: int, window: int, default_max_tokens: int, *,
@@ -38,3 +38,11 @@ def completion_budget(prompt: int, max_tokens: int | None, n: int, window: int, 
 
 def _too_long(message: str, param: str) -> Reject:
     return Reject(Reason.CONTEXT_LENGTH, message, code="context_length_exceeded", param=param)
+
+
+def input_too_long(index: int, window: int) -> Reject:
+    """An embeddings input over the window: each input is its own sequence, and the backend
+    refuses the whole request for one of them (an unbilled 400 without Sluice's reason)."""
+    return _too_long(f"This model's maximum context length is {window} tokens. However, "
+                     f"input[{index}] has more than {window} tokens. Please reduce the length of "
+                     "the input.", f"input[{index}]")

@@ -30,7 +30,9 @@ class Reason(StrEnum):
         member.error_type = error_type
         return member
 
-    UNKNOWN_KEY = "unknown_key", 401, _INVALID
+    UNKNOWN_KEY = "unknown_key", 401, _INVALID  # malformed: answered by Envoy (extproc.envoy.edge)
+    # a body in a Content-Encoding Sluice did not decode
+    UNSUPPORTED_ENCODING = "unsupported_encoding", 415, _INVALID
     UNKNOWN_PATH = "unknown_path", 404, _INVALID
     UNKNOWN_MODEL = "unknown_model", 404, _INVALID
     BODY_TOO_LARGE = "body_too_large", 413, _INVALID
@@ -52,6 +54,7 @@ class Reason(StrEnum):
     # Answered by Envoy itself (extproc.envoy.replies), in the same shape.
     GATEWAY_UNAVAILABLE = "gateway_unavailable", 503, _SERVER  # extproc unreachable, failing or silent
     REQUEST_TIMEOUT = "request_timeout", 408, _INVALID  # a client too slow to send its request
+    EDGE_RATE_LIMITED = "edge_rate_limited", 429, _RATE  # a key or address over its edge rate
     # The client left while its request waited: nothing is answered (nginx's 499 by name).
     CLIENT_GONE = "client_gone", 499, _INVALID
 

@@ -19,6 +19,7 @@ from extproc.policy.model import (
     BreakerOverride,
     BreakerSettings,
     Degrade,
+    EdgeSettings,
     Endpoint,
     Gateway,
     Limits,
@@ -44,7 +45,8 @@ from extproc.policy.schema_parse import (
     _tiers,
 )
 
-__all__ = ["AdaptiveSettings", "Backend", "BreakerOverride", "BreakerSettings", "Degrade", "Endpoint", "Gateway", "Limits", "Model", "PlacementSettings", "Policy",
+__all__ = ["AdaptiveSettings", "Backend", "BreakerOverride", "BreakerSettings", "Degrade",
+           "EdgeSettings", "Endpoint", "Gateway", "Limits", "Model", "PlacementSettings", "Policy",
            "PolicyError", "Problem", "Tenant", "Tier", "WatermarkSettings", "build_policy", "hash_key",
            "ENGINES", "KNOWN_ENCODINGS", "MAX_QUEUE_WAIT_MS", "SECTIONS", "SHADOW_RULES"]
 

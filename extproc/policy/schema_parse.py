@@ -18,6 +18,7 @@ from extproc.policy.model import (
     BreakerOverride,
     BreakerSettings,
     Degrade,
+    EdgeSettings,
     Endpoint,
     Gateway,
     Model,
@@ -72,6 +73,7 @@ def _gateway(r: Reader, doc: Any) -> Gateway:
         state_fail_closed=r.get(m, path, "state_fail_closed", bool, d.state_fail_closed),
         response_processing=r.get(m, path, "response_processing", str, d.response_processing,
                                   choices=("usage_trailers", "streamed")),
+        edge=read_flat(r, m.get("edge"), (*path, "edge"), EdgeSettings),
     )
 
 

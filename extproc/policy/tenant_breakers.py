@@ -5,16 +5,21 @@ client) must not open the backend's breaker for every other tenant. So each fail
 (``Outcome.FAILURE``: a 5xx, a timeout, a reset) of tenant T is blamed on exactly one:
 
 - **the backend**, when at least ``min_failing_tenants`` tenants (T included) are
-  *failing*, or when no other tenant is *succeeding*. The backend's breakers count it;
-- otherwise (T fails while another tenant succeeds and too few fail) **T alone**: T's
-  own breaker counts it, and the backend's breakers get ``Outcome.TENANT_FAILURE``,
-  which they ignore.
+  *failing*; or when no other tenant is *succeeding* and Sluice's own probe of the
+  backend (``probed``) failed within ``window_s``. The backend's breakers count it;
+- otherwise **T alone**: T's own breaker counts it, and the backend's breakers get
+  ``Outcome.TENANT_FAILURE``, which they ignore.
 
 A tenant is failing or succeeding by its latest outcome on this backend within
-``window_s`` (the breaker's window). With nobody to compare against (a lone tenant)
-the backend takes the blame, as it did before attribution: Sluice cannot tell the two
-apart and protects the backend. ``min_failing_tenants=1`` blames the backend for every
-failure (attribution off). Successes count for both; client errors and cancellations
+``window_s`` (the breaker's window). With nobody to compare against (a lone tenant, or
+a moment an attacker picks when nobody else is sending) the failure proves nothing
+about the backend by itself: it is T's, and Sluice asks for a probe of its own
+(``probe_wanted``, at most one per ``own_probe_after_s``; ``extproc.service.prober``
+sends it). A failing probe counts as the backend's failure and makes the lone tenant's
+failures the backend's for ``window_s``; a passing one leaves them T's. With probes off
+(``own_probe_after_s`` 0) a lone tenant's failure is the backend's, as before
+attribution. ``min_failing_tenants=1`` blames the backend for every failure
+(attribution off). Successes count for both; client errors and cancellations
 for neither (they only give back a half-open probe's place).
 
 A tenant breaker is an ordinary ``Breaker`` with the backend's config, judging errors
@@ -62,6 +67,9 @@ class TenantBreakers:
         self._latest: OrderedDict[str, tuple[float, bool]] = OrderedDict()  # tenant -> (at, failed), oldest first
         self._failing = 0  # tenants in _latest whose latest outcome failed
         self._breakers: dict[str, Breaker] = {}
+        # Sluice's own latest probe of the backend: (at, the backend failed)
+        self._verdict: tuple[float, bool] | None = None
+        self._wanted = False  # a lone failure waits for a probe
         self._events: deque[tuple[str, BreakerEvent]] = deque(maxlen=1000)  # of breakers since dropped
 
     # -- queries ------------------------------------------------------------------------
@@ -76,7 +84,32 @@ class TenantBreakers:
         prev = self._latest.get(tenant)
         failing = self._failing + (0 if prev is not None and prev[1] else 1)
         succeeding_others = len(self._latest) - self._failing - (1 if prev is not None and not prev[1] else 0)
-        return failing >= self.min_failing_tenants or succeeding_others == 0
+        if failing >= self.min_failing_tenants:
+            return True
+        return succeeding_others == 0 and (not self.probes or self._probe_failed(self._now))
+
+    @property
+    def probes(self) -> bool:
+        """Whether a lone tenant's failure waits for Sluice's own probe (else it is the
+        backend's)."""
+        return self.config.own_probe_after_s > 0 and self.min_failing_tenants > 1
+
+    def _probe_failed(self, now: float) -> bool:
+        v = self._verdict
+        return v is not None and v[1] and now - v[0] <= self.config.window_s
+
+    def probe_wanted(self, now: float) -> bool:
+        """A failure nobody else can vouch for waits for Sluice's own probe of the backend, and
+        the last one is older than ``own_probe_after_s``."""
+        now = self._advance(now)
+        v = self._verdict
+        return self._wanted and (v is None or now - v[0] >= self.config.own_probe_after_s)
+
+    def probed(self, failed: bool, now: float) -> None:
+        """How Sluice's own probe of the backend went (the caller records a failure on the
+        backend's breakers too: it is the backend's, confirmed)."""
+        now = self._advance(now)
+        self._verdict, self._wanted = (now, failed), False
 
     def __len__(self) -> int:
         return len(self._breakers)
@@ -95,8 +128,12 @@ class TenantBreakers:
                 snap = b.snapshot(now)
                 tripped[tenant] = {"state": snap["state"], "retry_after_s": snap["cooldown_left_s"],
                                    "trips": snap["trips"], "last_cause": snap["last_cause"]}
+        v = self._verdict
         return {"tracked_tenants": len(self._latest), "failing_tenants": self._failing,
-                "breakers": len(self._breakers), "by_state": self.by_state(now), "tripped": tripped}
+                "breakers": len(self._breakers), "by_state": self.by_state(now), "tripped": tripped,
+                "probe": None if v is None else {"age_s": round(now - v[0], 3),
+                                                 "backend_failed": v[1]},
+                "probe_wanted": self._wanted}
 
     def drain_events(self) -> list[tuple[str, BreakerEvent]]:
         """Every tenant breaker's transitions since the last call (the newest 1000 of dropped ones)."""
@@ -118,6 +155,8 @@ class TenantBreakers:
         breaker = self._breakers.get(tenant)
         if outcome is Outcome.FAILURE:
             alone = not self.backend_to_blame(tenant, now)
+            if alone and self.probes and not self._probe_failed(now) and self._lone(tenant):
+                self._wanted = True
             if alone and breaker is None:
                 breaker = self._create(tenant, now)
                 alone = breaker is not None  # no room for one more: so many failing is the backend
@@ -133,6 +172,12 @@ class TenantBreakers:
         return outcome
 
     # -- internals ----------------------------------------------------------------------
+    def _lone(self, tenant: str) -> bool:
+        """No other tenant's latest outcome is a success: nobody vouches for the backend."""
+        prev = self._latest.get(tenant)
+        mine = 1 if prev is not None and not prev[1] else 0
+        return len(self._latest) - self._failing - mine == 0
+
     def _advance(self, now: float) -> float:
         now = self._now = max(now, self._now)
         horizon = now - self.config.window_s

@@ -29,7 +29,7 @@ from extproc.policy import decision, ladder
 from extproc.policy import kv as kvmath
 from extproc.policy.admit import SlotRequest
 from extproc.policy.breaker import Outcome
-from extproc.policy.context import completion_budget
+from extproc.policy.context import completion_budget, input_too_long
 from extproc.policy.gate import Verdict
 from extproc.policy.reasons import Reason
 from extproc.policy.schema import Backend, Limits, Model, Policy, Tenant, Tier
@@ -134,18 +134,30 @@ class Admission:
 
     async def _count_prompt(self, req: ParsedRequest, model: Model) -> tuple[int, bool]:
         """Prompt tokens, counted fairly across tenants; stops past the context window (the
-        request is refused there whatever the exact number, so the work is bounded)."""
-        limit = max(0, model.context_window - req.fixed_tokens)
+        request is refused there whatever the exact number, so the work is bounded).
+
+        Embeddings inputs are separate sequences: each is held to the window alone, all are
+        counted (the body cap bounds how many there are), and the reservation is their sum."""
+        window, separate = model.context_window, req.kind == "embeddings"
+        limit = window if separate else max(0, window - req.fixed_tokens)
+        too_long = next((i for i, n in req.id_inputs if n > window), None) if separate else None
+        if too_long is not None:
+            raise Refusal.of(input_too_long(too_long, window))
         if self.rt.token_pool.pending(self.tenant.name) >= self.limits.max_concurrency:
             raise Refusal.slots(f"limit {self.limits.max_concurrency}")
         try:
-            count = await self.rt.count_prompt(model.encoding, req.texts, tenant=self.tenant.name, limit=limit)
+            count = await self.rt.count_prompt(model.encoding, req.texts, tenant=self.tenant.name,
+                                               limit=limit, per_text=separate)
         except TokenizerFailed as exc:
             # Charged as counted (extproc.policy.reasons.CHARGED): the estimate, up to the window.
             tokens = min(req.fixed_tokens + estimate(req.texts), model.context_window + 1)
             self.settlement.counted(req, tokens, False)
             raise Refusal(Reason.TOKENIZER_FAILED, f"The prompt could not be tokenized: {exc}",
                           code="tokenizer_failed", param=PROMPT_PARAM.get(req.kind)) from None
+        if count.over_text is not None:
+            # What counting it cost, charged as a refusal (extproc.policy.reasons.CHARGED).
+            self.settlement.counted(req, req.fixed_tokens + count.tokens, False)
+            raise Refusal.of(input_too_long(req.text_inputs[count.over_text], window))
         return req.fixed_tokens + count.tokens, count.complete
 
     def _completion_budget(self, req: ParsedRequest, model: Model, prompt: int, exact: bool) -> int:

@@ -3,7 +3,8 @@
 The checks that need no backend state, cheapest first, the same for every adapter
 (Sluice's own Envoy, a gateway's endpoint picker): the key (401), the path (the models
 list answered here, pass-through or 404 for others), the method, the declared and the
-real body size (413), the body itself (400 naming the field) and its model (404). Each
+real body size (413), the body's encoding (415), the body itself (400 naming the field)
+and its model (404). Each
 returns what it read or raises ``Refusal``.
 """
 
@@ -31,11 +32,14 @@ def api_key(headers: dict[str, str]) -> str | None:
 
 
 def tenant_of(policy: Policy, headers: dict[str, str]) -> Tenant:
+    """The key's tenant. A key header sent twice arrives joined with a comma (as HTTP reads
+    repeated headers): refused, never one of the two picked."""
     key = api_key(headers)
-    tenant = policy.tenant_for_key(key) if key else None
+    tenant = policy.tenant_for_key(key) if key and "," not in key else None
     if tenant is None:
-        raise Refusal(Reason.UNKNOWN_KEY, "Missing API key." if key is None else "Incorrect API key provided.",
-                      code="invalid_api_key")
+        message = "Missing API key." if key is None else \
+            "Send one API key, once." if "," in key else "Incorrect API key provided."
+        raise Refusal(Reason.UNKNOWN_KEY, message, code="invalid_api_key")
     return tenant
 
 
@@ -77,6 +81,15 @@ def route(policy: Policy, tenant: Tenant, headers: dict[str, str], end_of_stream
         _check_size(int(length), gw)
     if end_of_stream:
         raise Refusal(Reason.BAD_REQUEST, "Request body is required.", code="missing_body")
+    encoding = headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":
+        # Sluice reads (and bills) the body as it arrives. Forwarded with this header the
+        # backend would decode a body Sluice never read, or fail on the plain JSON it read
+        # (an aiohttp-based engine answers 500: one tenant opening everyone's breaker).
+        raise Refusal(Reason.UNSUPPORTED_ENCODING,
+                      f"Content-Encoding {encoding!r} is not supported: "
+                      "send the body uncompressed.",
+                      code="unsupported_media_type")
     return Route(kind, clean_path)
 
 

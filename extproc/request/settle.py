@@ -18,7 +18,7 @@ from extproc.envoy.usage_record import EnvoyUsage
 from extproc.openai_api.body import ParsedRequest
 from extproc.openai_api.usage import JSONTracker, SSETracker, Usage
 from extproc.policy.breaker import outcome_at_settle
-from extproc.policy.decode_rate import completion_estimate
+from extproc.policy.charge import Basis, Charge, SettleFacts, charge
 from extproc.policy.reasons import CHARGED, Ending, Reason
 from extproc.policy.schema import Limits, Tenant, Tier
 from extproc.request import observe
@@ -31,9 +31,12 @@ __all__ = ["Settlement"]
 
 
 class Settlement:
-    def __init__(self, rt: Runtime, tenant: Tenant, limits: Limits, tier: Tier, arrived_s: float) -> None:
+    def __init__(self, rt: Runtime, tenant: Tenant, limits: Limits, tier: Tier, arrived_s: float,
+                 request_id: str = "") -> None:
         self.rt, self.tenant, self.limits, self.tier = rt, tenant, limits, tier
         self.arrived_s = arrived_s  # the stream starts with the request's headers
+        # Envoy's x-request-id: the engine's record of the request has it too
+        self.request_id = request_id
         self.req: ParsedRequest | None = None
         self.ticket: Ticket | None = None
         self.prompt_tokens = 0
@@ -82,6 +85,8 @@ class Settlement:
         tokens, self.prompt_tokens = self.prompt_tokens, 0
         self.rt.state.spend(self.tenant.name, self.limits, tokens, self.rt.clock())
         self.rt.metrics.charged_refused(self.tenant.name, reason, tokens)
+        self.rt.settle_log.add(self.request_id, self.tenant.name, Ending.REJECTED, 0,
+                               Basis.REFUSED_COUNTED, tokens, 0, tokens)
 
     def settle(self, how: Ending) -> None:
         """Release what the request holds; idempotent, called on every exit path."""
@@ -98,14 +103,16 @@ class Settlement:
             return
         # A request that never left Sluice (refused, or abandoned while queued) used nothing.
         went = self.sent_upstream and how is not Ending.REJECTED
-        actual = self._actual_usage(how) if went else 0
-        self.rt.state.settle(self.tenant.name, self.reserved, actual, now)
+        got = self._charge(now) if went else Charge(0, Basis.NOT_SENT)
+        self.rt.state.settle(self.tenant.name, self.reserved, got.tokens, now)
         t = self.ticket
         if t is not None:
             self._release(t, how, now)
             if went:
                 self._observe_latency(t, how, now)
-        self.rt.metrics.settled(how, self.tenant.name, actual, self.reserved)
+        self.rt.metrics.settled(how, self.tenant.name, got.tokens, self.reserved, got.basis)
+        self.rt.settle_log.add(self.request_id, self.tenant.name, how, self.status, got.basis,
+                               self.prompt_tokens, self.reserved, got.tokens)
 
     def _observe_latency(self, t: Ticket, how: Ending, now: float) -> None:
         assert self.req is not None
@@ -133,35 +140,35 @@ class Settlement:
         t.report_outcome(outcome_at_settle(how, self.status), latency, now)
         t.give_back(now)
 
-    def _actual_usage(self, how: Ending) -> int:
+    def _charge(self, now: float) -> Charge:
+        """What the request is charged (``extproc.policy.charge``), from what reached Sluice."""
+        t, req = self.ticket, self.req
+        assert t is not None and req is not None
         reported = self._reported_usage()
         if reported is not None:
             self._learn_rate(reported.completion_tokens)
-            return reported.total
-        tr, eu = self.tracker, self.envoy_usage
-        if eu is not None and eu.total_tokens is not None:
-            return eu.total_tokens  # embeddings: prompt_tokens and total_tokens only
-        if how is Ending.END_OF_STREAM and self.status >= 400:
-            # The backend refused or failed before generating: nothing to bill.
-            return 0
-        if tr is None and self.first_byte_s is not None and self.status:
-            # usage_trailers: a successful response whose usage never came (see decode_rate).
-            return self.prompt_tokens + self._estimated_completion()
-        if tr is None:
-            # Never got response headers (upstream reset, disconnect while waiting):
-            # the backend may have done the prefill, so the prompt counts.
-            return self.prompt_tokens if how is not Ending.END_OF_STREAM else 0
+        eu = self.envoy_usage
+        # embeddings: prompt_tokens and total_tokens only
+        total = reported.total if reported is not None else (
+            eu.total_tokens if eu is not None else None)
+        # Counting the text is the costly part: only when the charge may rest on it.
+        counted = self._counted_completion() if total is None and self.status < 400 else None
+        return charge(SettleFacts(
+            prompt=self.prompt_tokens, completion_budget=max(0, self.reserved - self.prompt_tokens),
+            n=req.n, admitted_at=t.admitted_at, ended_at=now, status=self.status,
+            first_byte_at=self.first_byte_s, streamed=self.sse or req.stream, reported_total=total,
+            counted_completion=counted, rate=self.rt.decode_rates.rate(t.model.name)))
+
+    def _counted_completion(self) -> int | None:
+        """The completion tokens in the body Sluice read, if it read what was generated:
+        every event of a stream so far, or a whole JSON body (a cut one says nothing)."""
+        tr = self.tracker
+        if tr is None or (isinstance(tr, JSONTracker) and not tr.ended):
+            return None
         assert self.ticket is not None
         uncounted = tr.uncounted if isinstance(tr, SSETracker) else 0  # events counted, not read
-        return self.prompt_tokens + self.rt.count_tokens_now(self.ticket.model.encoding, tr.texts) + uncounted
-
-    def _estimated_completion(self) -> int:
-        t, req, first = self.ticket, self.req, self.first_byte_s
-        assert t is not None and req is not None and first is not None
-        now = self.rt.clock()
-        seconds = now - first if self.sse else first - t.admitted_at
-        return completion_estimate(max(0, self.reserved - self.prompt_tokens), req.n,
-                                   self.rt.decode_rates.rate(t.model.name), seconds)
+        read = self.rt.count_tokens_now(self.ticket.model.encoding, tr.texts) if tr.texts else 0
+        return read + uncounted
 
     def _learn_rate(self, actual_completion: int) -> None:
         """A stream that reported its usage teaches the model's decode rate."""

@@ -38,7 +38,9 @@ log = logging.getLogger("sluice.stream")
 
 __all__ = ["StreamProcessor"]
 
-REQUEST_HEADERS = frozenset({":path", ":method", "content-length", *intake.KEY_HEADERS})
+REQUEST_ID = "x-request-id"  # Envoy's, on every request it forwards: the engine sees the same id
+REQUEST_HEADERS = frozenset({":path", ":method", "content-length", "content-encoding", REQUEST_ID,
+                             *intake.KEY_HEADERS})
 RESPONSE_HEADERS = frozenset({":status", "content-type"})
 _HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 _TRAILERS_CONTINUE = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
@@ -155,12 +157,16 @@ class StreamProcessor:
             return msg.headers_response("request_headers", fwd.set_headers, fwd.remove_headers,
                                         mode_override=msg.SKIP_REST)
         self.kind = got.kind
-        self.settlement = Settlement(self.rt, tenant, self.limits, self.policy.tiers[tenant.tier], self.arrived_s)
+        self.settlement = Settlement(self.rt, tenant, self.limits, self.policy.tiers[tenant.tier],
+                                     self.arrived_s, headers.get(REQUEST_ID, ""))
         self.admission = Admission(self.rt, self.policy, tenant, self.limits, self.peer, self.settlement)
         # A key that cannot pay for one token is refused before its body is even sent here.
         self.admission.precheck(self.rt.clock())
         gw = self.policy.gateway
-        mode = msg.READ_RESPONSE_BODY if got.kind == "responses" and gw.response_processing != "streamed" else None
+        # Envoy's usage filter reads neither the Responses API's usage nor an embeddings body's.
+        read_body = got.kind in ("responses", "embeddings") and gw.response_processing != "streamed"
+        # The response side is off in the filter's static mode: turned on here, for this request.
+        mode = msg.READ_RESPONSE_BODY if read_body else msg.RESPONSE_MODES[gw.response_processing]
         new_path = {":path": got.clean_path} if got.clean_path else {}
         return msg.headers_response("request_headers", new_path, mode_override=mode)
 
@@ -195,7 +201,7 @@ class StreamProcessor:
         if req.stream and s.status < 400:
             s.watch(SSETracker(drop_usage_chunk=not responses and not req.usage_requested, responses=responses))
         else:
-            s.watch(JSONTracker(responses=responses))
+            s.watch(JSONTracker(responses=responses, tail=req.kind == "embeddings"))
 
     def _follow_served(self, request: pb.ProcessingRequest, now: float) -> None:
         """The first response message names who served (``upstream.address``): after Envoy

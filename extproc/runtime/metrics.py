@@ -59,6 +59,10 @@ class Metrics:
                                    ["tenant"], registry=r)
         self.in_flight = Gauge("sluice_in_flight_requests", "Admitted requests not yet settled.", registry=r)
         self.settles = Counter("sluice_settles", "Settles by how the stream ended.", ["how"], registry=r)
+        self.charges = Counter("sluice_settle_charges",
+                               "Settles by what the charge rests on (extproc.policy.charge.Basis: "
+                               "reported, counted, estimated, failed, not_sent).", ["basis"],
+                               registry=r)
         self.phase_seconds = Histogram("sluice_extproc_phase_seconds", "Time spent handling one ext_proc message.",
                                        ["phase"], buckets=PHASE_BUCKETS, registry=r)
         self.policy_reloads = Counter("sluice_policy_reloads", "Policy reload attempts by result.", ["result"],
@@ -87,6 +91,10 @@ class Metrics:
                                    ["backend", "state"], registry=r)
         self.breaker_transitions = Counter("sluice_breaker_transitions", "Breaker state changes.",
                                            ["backend", "from_state", "to_state", "cause"], registry=r)
+        self.probes = Counter("sluice_backend_probes",
+                              "Sluice's own probes of a backend (extproc.service.prober): why "
+                              "(half_open, blame) and how they went.", ["backend", "why", "result"],
+                              registry=r)
         self.tenant_breakers = Gauge("sluice_tenant_breakers", "Tenant breakers on a backend, by state.",
                                      ["backend", "state"], registry=r)
         self.tenant_breaker_trips = Counter("sluice_tenant_breaker_trips",
@@ -174,11 +182,13 @@ class Metrics:
         or ``models`` (the model list, answered by Sluice)."""
         self.child(self.requests, tenant, outcome).inc()
 
-    def settled(self, how: str, tenant: str, charged: int, reserved: int) -> None:
-        """An admitted request settled ``how``: charged what it used, the rest of its
-        reservation refunded (or the excess over it charged)."""
+    def settled(self, how: str, tenant: str, charged: int, reserved: int, basis: str = "") -> None:
+        """An admitted request settled ``how``: charged what it used (on ``basis``), the rest
+        of its reservation refunded (or the excess over it charged)."""
         c = self.child
         c(self.settles, how).inc()
+        if basis:
+            c(self.charges, basis).inc()
         c(self.tokens_charged, tenant).inc(charged)
         if charged <= reserved:
             c(self.tokens_refunded, tenant).inc(reserved - charged)

@@ -25,6 +25,7 @@ from extproc.policy.share import leased_view, local_share, zero_shares
 from extproc.policy.state import TokenState
 from extproc.runtime import leases
 from extproc.runtime.metrics import Metrics
+from extproc.runtime.settle_log import SettleLog
 from extproc.runtime.ttft_counts import BOUNDS_MS as TTFT_BOUNDS_MS
 from extproc.runtime.ttft_counts import TtftCounts
 from extproc.store import open_state, state_url
@@ -78,6 +79,7 @@ class Runtime:
         # Learned completion lengths: runtime state, so they survive policy swaps.
         self.completions = CompletionEstimator()
         self.ttft_counts = TtftCounts()  # for the console's TTFT percentiles, across reloads
+        self.settle_log = SettleLog()  # what each request was charged, for /debug/settled
         self._load_encodings(policy)
         self._sync_backends(policy)
         self.metrics.policy_ok.set(1)
@@ -249,13 +251,14 @@ class Runtime:
 
     # -- tokenizing ------------------------------------------------------------------
     async def count_prompt(self, encoding: str, texts: list[str], *, tenant: str = "-",
-                           limit: int | None = None) -> counter.Count:
-        """Count ``texts``, stopping once past ``limit``; raises ``TokenizerFailed``.
+                           limit: int | None = None, per_text: bool = False) -> counter.Count:
+        """Count ``texts``, stopping once past ``limit`` (each text's own, ``per_text``);
+        raises ``TokenizerFailed``.
 
         Large prompts go through the fair scheduler, slice by slice, so one tenant's
         flood of long prompts waits behind itself; the time is metered per tenant.
         """
-        job = self.encodings[encoding].job(texts, limit)
+        job = self.encodings[encoding].job(texts, limit, per_text)
         try:
             if sum(len(t) for t in texts) <= OFFLOAD_CHARS:
                 while not job.step():

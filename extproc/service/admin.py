@@ -1,4 +1,5 @@
-"""The admin HTTP port: /metrics for Prometheus, /healthz, /debug/state for tests, and /drain
+"""The admin HTTP port: /metrics for Prometheus, /healthz, /debug/state and /debug/settled
+(each settled request's charge) for tests, and /drain
 (where Envoy streams oversized uploads to be discarded and answered 413)."""
 
 from __future__ import annotations
@@ -21,10 +22,17 @@ def admin_app(runtime: Runtime) -> web.Application:
     async def state(_: web.Request) -> web.Response:
         return web.json_response(runtime.status())
 
+    async def settled(request: web.Request) -> web.Response:
+        after = request.query.get("after", "0")
+        if not after.isdigit():
+            return web.json_response({"error": "after must be a non-negative integer"}, status=400)
+        return web.json_response(runtime.settle_log.report(int(after)))
+
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/debug/state", state)
+    app.router.add_get("/debug/settled", settled)  # extproc/runtime/settle_log.py
     # Envoy sends oversized uploads here (the drain route); see extproc/service/drain.py.
     app.router.add_route("*", DRAIN_PATH, drain_handler(runtime))
     return app

@@ -74,6 +74,9 @@ class Count:
     complete: bool = True  # False: stopped early, past the limit
     hard_cuts: int = 0
     seconds: float = 0.0  # time spent counting
+    # A count of separate inputs (``per_text``): the first text past the limit on its own,
+    # which stopped the count (None: none was).
+    over_text: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -176,12 +179,12 @@ class TokenCounter:
                 raise
             raise TokenizerFailed(f"{self.name}: {type(exc).__name__}: {str(exc)[:200]}") from exc
 
-    def job(self, texts: list[str], limit: int | None = None) -> CountJob:
-        return CountJob(self, texts, limit)
+    def job(self, texts: list[str], limit: int | None = None, per_text: bool = False) -> CountJob:
+        return CountJob(self, texts, limit, per_text)
 
-    def count(self, texts: list[str], limit: int | None = None) -> Count:
+    def count(self, texts: list[str], limit: int | None = None, per_text: bool = False) -> Count:
         """All at once, on the calling thread (bounded by the slices and the limit)."""
-        job = self.job(texts, limit)
+        job = self.job(texts, limit, per_text)
         while not job.step():
             pass
         return job.result()
@@ -193,19 +196,24 @@ class CountJob:
     One step counts one slice, or several short texts (chat messages) together up to
     ``SLICE_CHARS`` characters. Stops once the running total passes ``limit``: the
     result is then a lower bound above the limit (``complete`` False), which is all a
-    context-window check needs.
+    context-window check needs. With ``per_text`` the texts are separate inputs (an
+    embeddings list), each held to ``limit`` alone: the count stops at the first that
+    passes it (``Count.over_text``), and otherwise counts them all, whatever their sum.
     """
 
-    __slots__ = ("counter", "limit", "counted", "hard_cuts", "chars_done", "seconds", "_slices", "_next",
-                 "_done", "_complete")
+    __slots__ = ("counter", "limit", "per_text", "counted", "hard_cuts", "chars_done", "seconds",
+                 "_slices", "_next", "_done", "_complete", "_text", "_text_counted")
 
-    def __init__(self, counter: TokenCounter, texts: list[str], limit: int | None) -> None:
-        self.counter, self.limit = counter, limit
+    def __init__(self, counter: TokenCounter, texts: list[str], limit: int | None,
+                 per_text: bool = False) -> None:
+        self.counter, self.limit, self.per_text = counter, limit, per_text
         self.counted = self.hard_cuts = self.chars_done = 0
         self.seconds = 0.0
-        self._slices = (piece for t in texts if t for piece in slices(t))
+        self._slices = ((i, piece, hard) for i, t in enumerate(texts) if t
+                        for piece, hard in slices(t))
         self._next = next(self._slices, None)
         self._done = self._complete = self._next is None
+        self._text, self._text_counted = -1, 0  # the text being counted, and its tokens so far
 
     def step(self) -> bool:
         """Count the next slice (or run of short texts); True when the job is finished."""
@@ -215,17 +223,22 @@ class CountJob:
         t0 = time.perf_counter()
         try:
             while self._next is not None:
-                text, hard = self._next
+                index, text, hard = self._next
                 # Up to 4 UTF-8 bytes a character: a step stays near SLICE_CHARS bytes.
                 cost = len(text) if text.isascii() else 4 * len(text)
                 if budget < SLICE_CHARS and cost > budget:
                     break  # does not fit in what is left of this step: the next one
-                self.counted += self.counter.count_piece(text)
+                tokens = self.counter.count_piece(text)
+                self.counted += tokens
                 self.hard_cuts += hard
                 self.chars_done += len(text)
                 budget -= cost
                 self._next = next(self._slices, None)
-                if self.limit is not None and self.counted > self.limit:
+                if index != self._text:
+                    self._text, self._text_counted = index, 0
+                self._text_counted += tokens
+                held = self._text_counted if self.per_text else self.counted
+                if self.limit is not None and held > self.limit:
                     self._done = True
                     self._complete = self._next is None
                     return True
@@ -238,4 +251,6 @@ class CountJob:
         return self._done
 
     def result(self) -> Count:
-        return Count(self.counted, self._complete, self.hard_cuts, self.seconds)
+        over = self.per_text and self.limit is not None and self._text_counted > self.limit
+        return Count(self.counted, self._complete, self.hard_cuts, self.seconds,
+                     self._text if over else None)

@@ -29,6 +29,24 @@ SKIP_REST = PM(
     request_trailer_mode=PM.SKIP, response_trailer_mode=PM.SKIP,
 )
 
+# The whole processing mode of a request Sluice admits, per response_processing, sent as the
+# mode_override of its answer to the request headers (the filter's static mode leaves the
+# response side off: extproc.envoy.extproc_filter). usage_trailers: response headers (status,
+# first byte) and the trailers Envoy's usage filter synthesizes with the usage, never a body
+# chunk; streamed: every response body chunk, no headers (the status is an attribute).
+RESPONSE_MODES = {
+    "usage_trailers": PM(
+        request_header_mode=PM.SEND, response_header_mode=PM.SEND,
+        request_body_mode=PM.BUFFERED, response_body_mode=PM.NONE,
+        request_trailer_mode=PM.SKIP, response_trailer_mode=PM.SEND,
+    ),
+    "streamed": PM(
+        request_header_mode=PM.SEND, response_header_mode=PM.SKIP,
+        request_body_mode=PM.BUFFERED, response_body_mode=PM.STREAMED,
+        request_trailer_mode=PM.SKIP, response_trailer_mode=PM.SKIP,
+    ),
+}
+
 # A response whose usage Envoy's usage filter cannot read (the Responses API: its usage
 # rides in a response.completed event) is read here, chunk by chunk, under either
 # response_processing; the response headers bring the status and the first byte. The
@@ -42,13 +60,16 @@ READ_RESPONSE_BODY = PM(
 
 
 def header_map(headers: pb.HttpHeaders, wanted: frozenset[str] | None = None) -> dict[str, str]:
-    """Header values by lower-case name; only the ``wanted`` ones are decoded."""
-    out = {}
+    """Header values by lower-case name; only the ``wanted`` ones are decoded. A repeated
+    header's values are joined with commas, as HTTP reads them (and as Envoy already joins
+    some): never one of them silently picked."""
+    out: dict[str, str] = {}
     for h in headers.headers.headers:
         key = h.key
         if wanted is None or key in wanted:
             raw = h.raw_value
-            out[key] = raw.decode("utf-8", "replace") if raw else h.value
+            value = raw.decode("utf-8", "replace") if raw else h.value
+            out[key] = f"{out[key]},{value}" if key in out else value
     return out
 
 

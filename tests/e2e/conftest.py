@@ -4,6 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.e2e.billing import Billing
 from tests.e2e.harness import Stack, running
 
 
@@ -37,3 +38,15 @@ def settled_and_balanced(request: pytest.FixtureRequest) -> Iterator[None]:
     assert ledger["outstanding"] == 0, ledger
     assert ledger["balanced"], ledger
     assert ledger["precharged"] + ledger["excess"] == ledger["charged"] + ledger["refunded"], ledger
+
+
+@pytest.fixture
+def billing(request: pytest.FixtureRequest, stack: Stack) -> Iterator[Billing]:
+    """Charged == processed over one test (tests/e2e/billing.py): every request settled during
+    it was charged what the engine's own record says it processed, within its basis' bound.
+    A test may tighten the bounds (``billing.bounds = Bounds(...)``) or check early itself."""
+    b = Billing.of(stack)
+    yield b
+    failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
+    if not failed:
+        b.check()

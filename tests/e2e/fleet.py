@@ -26,7 +26,7 @@ import httpx
 
 from bench.procs import Proc, free_port, get_json, tails, wait_http, wait_idle
 from bench.redis_server import RedisServer
-from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, gateway_options, write_config
+from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, policy_options, write_config
 from extproc.policy.schema import build_policy
 from tests.e2e.harness import Stack, envoy_binary
 
@@ -61,11 +61,12 @@ class Fleet(Stack):
 
     def start_envoy(self) -> None:
         assert self.policy_doc is not None
-        gw = build_policy(self.policy_doc).gateway
+        policy = build_policy(self.policy_doc)
         opts = EnvoyOptions(listen_port=self.envoy_port, admin_port=self.envoy_admin_port,
                             extproc_port=self.grpc_ports[0],
                             extproc_more=tuple(("127.0.0.1", p) for p in self.grpc_ports[1:]),
-                            drain_port=self.admin_port, **gateway_options(gw))  # type: ignore[arg-type]
+                            drain_port=self.admin_port,
+                            **policy_options(policy))  # type: ignore[arg-type]
         cfg = write_config(self.workdir / "envoy.yaml", [BackendRoute("sim", "127.0.0.1", self.sim_port)], opts)
         p = Proc("envoy", [envoy_binary(), "-c", str(cfg), "--disable-hot-restart", "-l", "warning",
                            "--concurrency", "1"], self.workdir / "envoy.log")

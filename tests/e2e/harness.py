@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from bench.procs import ROOT, Proc, envoy_binary, free_port, get_json, tails, wait_http, wait_idle
-from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, gateway_options, write_config
+from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, policy_options, write_config
 from extproc.policy.schema import build_policy, hash_key
 from tests.waiting import eventually
 
@@ -124,10 +124,9 @@ class Stack:
     def start_envoy(self) -> None:
         assert self.policy_doc is not None
         policy = build_policy(self.policy_doc)
-        gw = policy.gateway
         opts = EnvoyOptions(listen_port=self.envoy_port, admin_port=self.envoy_admin_port,
                             extproc_port=self.grpc_port, drain_port=self.admin_port, eds_dir=str(self.eds_dir),
-                            **gateway_options(gw))  # type: ignore[arg-type]
+                            **policy_options(policy))  # type: ignore[arg-type]
         # A pool (the first backend lists endpoints) gets the EDS cluster; extproc, started
         # first, has written its endpoint file.
         routes = [BackendRoute("sim", "127.0.0.1", self.sim_port, pool=policy.backends[0].is_pool)]
@@ -153,6 +152,16 @@ class Stack:
     def metrics_text(self) -> str:
         with urllib.request.urlopen(f"{self.admin_url}/metrics", timeout=5) as r:
             return r.read().decode()
+
+    def metric_sum(self, name: str, **labels: str) -> float:
+        """The sum of ``name``'s series on extproc's /metrics whose labels include ``labels``."""
+        want = {f'{k}="{v}"' for k, v in labels.items()}
+        total = 0.0
+        for line in self.metrics_text().splitlines():
+            series, _, value = line.rpartition(" ")
+            if series.startswith(name + "{") and want <= set(series[len(name) + 1:-1].split(",")):
+                total += float(value)
+        return total
 
     def sim_requests(self) -> list[dict[str, Any]]:
         return get_json(f"{self.sim_url}/admin/requests")

@@ -279,7 +279,9 @@ def test_backend_abort_mid_stream_settles(stack: Stack) -> None:
 
 
 def test_metrics_exposed(stack: Stack) -> None:
-    post(stack, chat_body(), {})  # at least one rejection and one phase observation
+    # At least one rejection and one phase observation (a key of the right shape: a request
+    # without one is answered by Envoy and never counted here, extproc.envoy.edge).
+    post(stack, chat_body(), {"authorization": "Bearer sk-no-such-tenant"})
     post(stack, chat_body(), {**auth(), "x-sim-tokens": "1"})
     text = stack.metrics_text()
     for name in ("sluice_requests_total", "sluice_tokens_precharged_total", "sluice_tokens_refunded_total",

@@ -16,7 +16,7 @@ import yaml
 
 from bench.procs import Proc, wait_http, wait_idle
 from bench.redis_server import RedisServer
-from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, gateway_options, write_config
+from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, policy_options, write_config
 from extproc.policy.schema import build_policy
 from tests.e2e.harness import Stack, envoy_binary, running
 from tests.e2e.test_datapath import auth, chat_body, post
@@ -40,10 +40,10 @@ class WorkersStack(Stack):
 
     def start_envoy(self) -> None:
         assert self.policy_doc is not None
-        gw = build_policy(self.policy_doc).gateway
+        policy = build_policy(self.policy_doc)
         opts = EnvoyOptions(listen_port=self.envoy_port, admin_port=self.envoy_admin_port,
                             extproc_port=self.grpc_port, drain_port=self.admin_port,
-                            **gateway_options(gw))  # type: ignore[arg-type]
+                            **policy_options(policy))  # type: ignore[arg-type]
         cfg = write_config(self.workdir / "envoy.yaml", [BackendRoute("sim", "127.0.0.1", self.sim_port)], opts)
         doc = yaml.safe_load(cfg.read_text())
         for c in doc["static_resources"]["clusters"]:
