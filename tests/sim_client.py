@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from bench.simbackend import STATE, SimConfig, create_app
@@ -60,3 +61,29 @@ def chat_prompt_tokens(enc: Any, *texts: str) -> int:
     return sum(len(enc.encode_ordinary(t)) + len(enc.encode_ordinary("user")) for t in texts) + 3 * len(texts) + 3
 
 
+def drive(engine: Engine, max_steps: int = 200_000) -> tuple[float, float]:
+    """Step until nothing is left to do; returns (model time, peak kv usage)."""
+    now, peak = 0.0, 0.0
+    for _ in range(max_steps):
+        out = engine.step(now)
+        peak = max(peak, engine.kv_usage)
+        if out.duration > 0:
+            now += out.duration
+        elif out.wake_at is not None:
+            now = out.wake_at
+        else:
+            return now, peak
+    raise AssertionError("engine did not settle")
+
+
+@contextlib.asynccontextmanager
+async def served(cancellation: bool, **cfg: Any) -> AsyncIterator[tuple[str, Engine]]:
+    """A real runner; handler_cancellation=False is what a plain web.run_app does."""
+    app = create_app(SimConfig(**cfg))
+    runner = web.AppRunner(app, handler_cancellation=cancellation, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", app[STATE].engine
+    finally:
+        await runner.cleanup()

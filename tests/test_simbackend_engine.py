@@ -6,24 +6,10 @@ import pytest
 
 from bench.simbackend import SimConfig
 from bench.simbackend.engine import Engine, Sequence
+from tests.sim_client import drive
 
 
 # ---- engine, driven by a fake clock ----------------------------------------------------
-def drive(engine: Engine, max_steps: int = 200_000) -> tuple[float, float]:
-    """Step until nothing is left to do; returns (model time, peak kv usage)."""
-    now, peak = 0.0, 0.0
-    for _ in range(max_steps):
-        out = engine.step(now)
-        peak = max(peak, engine.kv_usage)
-        if out.duration > 0:
-            now += out.duration
-        elif out.wake_at is not None:
-            now = out.wake_at
-        else:
-            return now, peak
-    raise AssertionError("engine did not settle")
-
-
 def test_engine_ample_blocks_never_preempts() -> None:
     e = Engine(SimConfig(kv_blocks=1000, block_size=16))
     seqs = [Sequence(prompt_tokens=300, max_tokens=60) for _ in range(20)]

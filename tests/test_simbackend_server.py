@@ -4,28 +4,25 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 import subprocess
 import sys
 import urllib.request
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from bench.simbackend import STATE, BackgroundServer, SimConfig, create_app
+from bench.simbackend import BackgroundServer, SimConfig
 from bench.simbackend.engine import Engine
 from tests.sim_client import (
     CHAT,
     aio,
     chat,
     engine_of,
+    served,
     sim,
 )
 
@@ -89,19 +86,6 @@ async def test_oom_mode_fails_requests_with_500() -> None:
         # The mode is live too: preempt mode serves the same load completely.
         await c.post("/admin/config", json={"mode": "preempt", "time_scale": 50.0})
         assert await _many(c, 8, 200, 150) == [200] * 8
-
-
-@contextlib.asynccontextmanager
-async def served(cancellation: bool, **cfg: Any) -> AsyncIterator[tuple[str, Engine]]:
-    """A real runner; handler_cancellation=False is what a plain web.run_app does."""
-    app = create_app(SimConfig(**cfg))
-    runner = web.AppRunner(app, handler_cancellation=cancellation, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}", app[STATE].engine
-    finally:
-        await runner.cleanup()
 
 
 async def _until_freed(e: Engine) -> None:

@@ -58,11 +58,11 @@ def _slow_redis_run(url: str, prefix: str, fixed: bool) -> tuple[int, int, int, 
     the bound pinned at its floor, as it was before it followed the answers."""
     stop = threading.Event()
 
-    def keep_busy() -> None:  # a busy Redis: each exchange waits up to 15 ms behind this
+    def keep_busy() -> None:  # a busy Redis: each exchange waits up to 30 ms behind this
         c = redis.Redis.from_url(url)
         script = c.register_script(BUSY)
         while not stop.is_set():
-            script(args=[15])
+            script(args=[30])
             time.sleep(0.002)
         c.close()
 
