@@ -71,8 +71,11 @@ def test_not_serving_while_draining(picker: PickerStack) -> None:
     stays SERVING) while the gateway's checks see it."""
     p = picker.procs["extproc"]
     assert p.popen is not None
-    p.popen.send_signal(15)
     with grpc.insecure_channel(f"127.0.0.1:{picker.health_port}") as ch:
+        # Checking before the signal makes this channel a live checker, which the drain waits
+        # for (as it waits for a gateway's): else a loaded host may see the process gone first.
+        assert check(ch, "readiness") == SERVING
+        p.popen.send_signal(15)
         eventually(lambda: check(ch, "readiness") == NOT_SERVING, 5, "readiness NOT_SERVING on SIGTERM")
         assert check(ch, "envoy.service.ext_proc.v3.ExternalProcessor") == NOT_SERVING
         assert check(ch, "liveness") == SERVING
