@@ -138,12 +138,8 @@ class PlacementIndex:
                 taken += 1
                 if taken == n:
                     break
-        if len(found) > n:
-            found.sort(key=lambda p: p.score)
-            del found[n:]
-        elif len(found) > 1:
-            found.sort(key=lambda p: p.score)
-        return found
+        found.sort(key=lambda p: p.score)
+        return found[:n]
 
     def fits(self, kv: int, exclude: Collection[str] = ()) -> bool:
         return bool(self.best(kv, exclude, 1))
