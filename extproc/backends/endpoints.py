@@ -173,8 +173,9 @@ class EndpointState:
             in_flight += self.others_slots
         spec = self.spec
         return Candidate(key=self.key, usable=usable, kv_in_use=kv_in_use,
-                         kv_capacity=spec.kv_capacity_tokens, kv_scale=s.kv_scale, in_flight=in_flight,
-                         max_concurrency=spec.max_concurrency, waiting=s.waiting), room
+                         kv_capacity=spec.kv_capacity_tokens, kv_scale=s.kv_scale,
+                         in_flight=in_flight, max_concurrency=spec.max_concurrency,
+                         waiting=s.waiting), room
 
 
 @dataclass
