@@ -34,7 +34,7 @@ from bisect import bisect_left, insort
 from collections.abc import Collection
 from dataclasses import dataclass, replace
 
-from extproc.policy.placement import Candidate, Placement, fits, score
+from extproc.policy.placement import Candidate, Placement, fits, headroom, score
 
 __all__ = ["PlacementIndex", "for_footprint"]
 
@@ -58,6 +58,10 @@ def budget_room(c: Candidate) -> float:
         return math.inf
     within = math.floor(cap * c.kv_scale) - c.kv_in_use  # an int within a float: within its floor
     return max(within, cap) if c.kv_in_use == 0 else within
+
+
+def _by_score(p: Placement) -> tuple[float, float, float, str]:
+    return p.score
 
 
 @dataclass(slots=True)
@@ -120,9 +124,13 @@ class PlacementIndex:
 
     def best(self, kv: int, exclude: Collection[str] = (), n: int = 2) -> list[Placement]:
         """The ``n`` best by the score where ``kv`` fits, none in ``exclude``, best first."""
-        found: list[Placement] = []
+        top: list[Placement] = []  # the best so far, best first
         entries = self._entries
         for members in self._groups.values():
+            # No one in a group has more headroom than its first: a group whose first has
+            # less than the n-th best so far has nothing better.
+            if len(top) == n and -headroom(entries[members[0][3]].cand, kv) > top[-1].score[0]:
+                continue
             taken = 0
             for order in members:
                 key = order[3]
@@ -134,12 +142,15 @@ class PlacementIndex:
                 c = for_footprint(e.cand, e.lease_room, kv)
                 if not fits(c, kv):
                     continue
-                found.append(Placement(key, score(c, kv)))
+                s = score(c, kv)
+                if len(top) == n and s >= top[-1].score:
+                    break  # the rest of the group scores worse still
+                insort(top, Placement(key, s), key=_by_score)
+                del top[n:]
                 taken += 1
                 if taken == n:
                     break
-        found.sort(key=lambda p: p.score)
-        return found[:n]
+        return top
 
     def fits(self, kv: int, exclude: Collection[str] = ()) -> bool:
         return bool(self.best(kv, exclude, 1))
