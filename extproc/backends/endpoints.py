@@ -15,6 +15,10 @@ The endpoints come from a list: today the policy's ``endpoints:``, on every relo
 (``sync``). A discovery source would call ``sync`` with what it found. An endpoint
 that leaves the list drains: it takes no new requests, and is forgotten once its
 last request has finished.
+
+Placement reads the endpoints through an index of their candidates, renewed as they
+change (``extproc.backends.endpoint_index``), so a pick costs per group of like endpoints,
+not per endpoint.
 """
 
 from __future__ import annotations
@@ -22,14 +26,17 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from extproc.backends import build
+from extproc.backends.endpoint_index import COUNTS, STANDING, EndpointIndex, Standing, through
 from extproc.policy.affinity import PrefixAffinity
 from extproc.policy.breaker import Breaker, BreakerState, Outcome
 from extproc.policy.owed import owed_endpoints
-from extproc.policy.placement import Candidate, Placement, largest_capacity, pick, second_choice
+from extproc.policy.placement import Candidate, Placement, largest_capacity, pick
+from extproc.policy.placement_index import for_footprint
 from extproc.policy.schema import (
     Backend,
     BreakerOverride,
@@ -40,6 +47,7 @@ from extproc.policy.schema import (
 from extproc.policy.watermark import WatermarkController
 
 UNUSABLE_METRICS = ("no_data", "unreachable", "stale")
+_UNSET = object()
 
 
 def resolve(host: str) -> str | None:
@@ -89,6 +97,26 @@ class EndpointState:
     # Requests Envoy re-picked away from this endpoint (it refused the connection) and onto it.
     repicked_away: int = 0
     repicked_here: int = 0
+    # Told when something placement reads changes (watch; extproc.backends.endpoint_index).
+    on_change: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        old = self.__dict__.get(name, _UNSET)
+        object.__setattr__(self, name, value)
+        hook = self.__dict__.get("on_change")
+        if hook is not None and (name in COUNTS or name in STANDING) and old != value:
+            if name in ("wm", "breaker"):
+                old.on_change = None  # type: ignore[attr-defined]
+                value.on_change = partial(hook, name)  # type: ignore[attr-defined]
+            hook(name)
+
+    def watch(self, hook: Callable[[str], None] | None) -> None:
+        """Call ``hook(what)`` whenever something placement reads changes (None: stop)."""
+        object.__setattr__(self, "on_change", hook)
+        self.wm.on_change = None if hook is None else partial(hook, "wm")
+        self.breaker.on_change = None if hook is None else partial(hook, "breaker")
+        if hook is not None:
+            hook("spec")
 
     @property
     def key(self) -> str:
@@ -116,21 +144,38 @@ class EndpointState:
         Leased: unusable unless this replica's lease holds one more slot and ``kv`` more
         (``lease=False`` skips that check: could a bigger lease hold it?); the counts
         include what the other replicas hold and ``extra``, demand planned here already."""
+        return for_footprint(*self.counted(self.standing(now), extra, lease), kv)
+
+    def standing(self, now: float) -> Standing:
+        """What the breaker, the metrics and the settings say at ``now``, and until when."""
         waiting = 0.0
         st = self.wm.state(now) if self.spec.metrics_url else None
         if st is not None and st.smoothed_waiting is not None:
             waiting = st.smoothed_waiting
-        usable = self.usable(now)
+        change = self.breaker.next_change(now)
+        if self.spec.metrics_url:
+            change = min(change, self.wm.next_change(now))
+        scale = self.scale(now) * self.overcommit
+        return Standing(self.usable(now), scale, waiting, through(change, now))
+
+    def counted(self, s: Standing, extra: tuple[int, int] = (0, 0),
+                lease: bool = True) -> tuple[Candidate, int | None]:
+        """The candidate for a footprint of 0 from ``s`` and the counts, and how much more KV
+        this replica's lease holds here (None: no lease bounds it; see ``candidate``)."""
+        usable, room = s.usable, None
         kv_in_use, in_flight = self.kv_in_use + extra[1], self.in_flight + extra[0]
         if self.leased_slots is not None:
             if lease:
-                usable = usable and self.in_flight < self.leased_slots and (
-                    self.spec.kv_capacity_tokens is None or self.kv_in_use + kv <= self.leased_kv)
+                usable = usable and self.in_flight < self.leased_slots
+                if self.spec.kv_capacity_tokens is not None:
+                    room = self.leased_kv - self.kv_in_use
             kv_in_use += self.others_kv
             in_flight += self.others_slots
+        spec = self.spec
         return Candidate(key=self.key, usable=usable, kv_in_use=kv_in_use,
-                         kv_capacity=self.spec.kv_capacity_tokens, kv_scale=self.scale(now) * self.overcommit,
-                         in_flight=in_flight, max_concurrency=self.spec.max_concurrency, waiting=waiting)
+                         kv_capacity=spec.kv_capacity_tokens, kv_scale=s.kv_scale,
+                         in_flight=in_flight, max_concurrency=spec.max_concurrency,
+                         waiting=s.waiting), room
 
 
 @dataclass
@@ -144,6 +189,11 @@ class EndpointSet:
     # last served it; None while off. ``affinity_counts``: hit | spill | miss.
     affinity: PrefixAffinity | None = None
     affinity_counts: dict[str, int] = field(default_factory=lambda: {"hit": 0, "spill": 0, "miss": 0})
+    index: EndpointIndex = field(default_factory=EndpointIndex, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for st in self.by_key.values():
+            self.index.watch(st)
 
     @classmethod
     def create(cls, spec: Backend, now: float) -> EndpointSet:
@@ -166,8 +216,10 @@ class EndpointSet:
         for key, e in wanted.items():
             st = self.by_key.get(key)
             if st is None:
-                self.by_key[key] = EndpointState(e, resolve(e.host), build.watermark_controller(spec),
-                                                 build.breaker(spec.breaker, now))
+                st = EndpointState(e, resolve(e.host), build.watermark_controller(spec),
+                                   build.breaker(spec.breaker, now))
+                self.by_key[key] = st
+                self.index.watch(st)
                 continue
             st.draining = False
             if st.spec != e:
@@ -210,11 +262,13 @@ class EndpointSet:
                 st.breaker.set_manual(ov.state, ov.reason, until, now)
 
     def candidates(self, now: float, kv: int = 0) -> list[Candidate]:
-        return [st.candidate(now, kv) for st in self.by_key.values()]
+        index = self.index.fresh(self.by_key, now)
+        return [c for k in self.by_key if (c := index.candidate(k, kv)) is not None]
 
     def largest_capacity(self) -> int | None:
-        return largest_capacity([Candidate(k, True, 0, st.spec.kv_capacity_tokens, 1.0, 0, 1)
-                                 for k, st in self.by_key.items() if not st.draining])
+        return self.index.largest_capacity(lambda: largest_capacity([
+            Candidate(k, True, 0, st.spec.kv_capacity_tokens, 1.0, 0, 1)
+            for k, st in self.by_key.items() if not st.draining]))
 
     def owed(self, heads: Mapping[str, int], priorities: Mapping[str, int], tier: str | None,
              now: float, behind_head: bool = False) -> tuple[str, ...]:
@@ -222,6 +276,12 @@ class EndpointSet:
         tier's head footprint): to the head of a tier above ``tier``, and with ``behind_head``
         to the head of ``tier`` itself."""
         if tier is None or not heads:
+            return ()
+        # Only a head that fits no endpoint is owed one: while each fits somewhere (the usual
+        # case) the answer is known without a look at every endpoint.
+        mine, index = priorities.get(tier, 0), self.index.fresh(self.by_key, now)
+        if all(index.fits(kv) for t, kv in heads.items()
+               if priorities.get(t, 0) > mine or (behind_head and t == tier)):
             return ()
         return owed_endpoints(self.candidates(now), heads, priorities, tier, behind_head)
 
@@ -234,13 +294,12 @@ class EndpointSet:
         aff = self.affinity if prefix else None
         known = aff.lookup(prefix, now) if aff is not None else None
         preferred = known[0] if known is not None else None
-        candidates = self.candidates(now, kv)
-        got = pick(candidates, kv, preferred, self.placement.affinity_min_headroom, exclude)
+        index = self.index.fresh(self.by_key, now)
+        got, second = index.pick(kv, preferred, self.placement.affinity_min_headroom, exclude)
         if got is not None:
             st = self.by_key[got.key]
             st.kv_in_use += kv
             st.in_flight += 1
-            second = second_choice(candidates, kv, got.key, exclude) if len(candidates) > 1 else None
             if second is not None:
                 got = replace(got, second=second)
             if aff is not None:
@@ -251,7 +310,7 @@ class EndpointSet:
         return got
 
     def fits_somewhere(self, kv: int, now: float, exclude: Collection[str] = ()) -> bool:
-        return pick(self.candidates(now, kv), kv, exclude=exclude) is not None
+        return self.index.fresh(self.by_key, now).fits(kv, exclude)
 
     def plan(self, kvs: list[int], now: float) -> dict[str, tuple[int, int]]:
         """Where requests of footprints ``kvs`` would go if this replica's leases could grow:
@@ -300,7 +359,7 @@ class EndpointSet:
         return None
 
     def _forget(self, key: str) -> None:
-        del self.by_key[key]
+        self.index.forget(self.by_key.pop(key))
         if self.affinity is not None:
             self.affinity.forget(key)  # a prefix it served now goes by the score
 

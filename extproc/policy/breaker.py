@@ -37,12 +37,17 @@ trips). After a manual *open* it resumes in HALF_OPEN (probe, then ramp): nobody
 seen the backend healthy since. After a manual *closed* it resumes in CLOSED with the
 window gathered during the override, so a backend that kept failing trips at once.
 
+Watching (``on_change``, ``next_change``): whoever caches what ``state`` says (a pool's
+placement index, ``extproc.backends.endpoints``) is called on every transition and
+whenever a ramp step starts, and asks when time alone could next change the state.
+
 Pure: no I/O, no clock (``now`` is monotonic seconds, passed in), no threads.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any, Literal, NamedTuple
@@ -155,10 +160,24 @@ class Breaker:
         self._credit = 0.0
         self._manual: _Manual | None = None
         self._events: deque[BreakerEvent] = deque(maxlen=1000)
+        self.on_change: Callable[[], None] | None = None  # called at every transition and ramp step
 
     def state(self, now: float) -> BreakerState:
         self._advance(now)
         return self._effective()
+
+    def next_change(self, now: float) -> float:
+        """The earliest time at which ``state`` may change with nothing recorded, tripped or
+        overridden meanwhile: when the cooldown, the manual override or the ramp step ends
+        (inf while none runs)."""
+        now = self._advance(now)
+        if (m := self._manual) is not None:
+            return float("inf") if m.until is None else m.until
+        if self._state is BreakerState.OPEN:
+            return self._open_until
+        if self._state is BreakerState.HALF_OPEN and self._step >= 0:
+            return self._step_start + self.config.ramp_step_s
+        return float("inf")
 
     def drain_events(self) -> list[BreakerEvent]:
         """Transitions since the last call, oldest first (the newest 1000 are kept)."""
@@ -331,6 +350,8 @@ class Breaker:
 
     def _emit(self, at: float, src: BreakerState, dst: BreakerState, cause: str) -> None:
         self._events.append(BreakerEvent(at, src, dst, cause))
+        if self.on_change is not None:
+            self.on_change()
 
     def _enter(self, at: float, state: BreakerState, cause: str, src: BreakerState) -> None:
         self._state, self._since = state, at
@@ -368,6 +389,8 @@ class Breaker:
 
     def _start_step(self, step: int, at: float) -> None:
         self._step, self._step_start, self._step_seen = step, at, [0, 0]
+        if self.on_change is not None:
+            self.on_change()  # a step's end is a time a trip may fall due (next_change)
 
     def _end_manual(self, at: float, cause: str) -> None:
         m, self._manual = self._manual, None

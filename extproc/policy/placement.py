@@ -74,13 +74,16 @@ def fits(c: Candidate, kv: int) -> bool:
     return c.kv_in_use == 0 and kv <= c.kv_capacity
 
 
-def score(c: Candidate, kv: int) -> tuple[float, float, float, str]:
+def headroom(c: Candidate, kv: int) -> float:
+    """The fraction of ``c``'s KV budget free after placing ``kv`` there (the score's first key)."""
     if c.kv_capacity is None:
-        headroom = 1.0
-    else:
-        budget = max(c.kv_capacity * c.kv_scale, 1.0)
-        headroom = (budget - c.kv_in_use - kv) / budget
-    return (-headroom, max(c.waiting, 0.0), c.in_flight / max(c.max_concurrency, 1), c.key)
+        return 1.0
+    budget = max(c.kv_capacity * c.kv_scale, 1.0)
+    return (budget - c.kv_in_use - kv) / budget
+
+
+def score(c: Candidate, kv: int) -> tuple[float, float, float, str]:
+    return (-headroom(c, kv), max(c.waiting, 0.0), c.in_flight / max(c.max_concurrency, 1), c.key)
 
 
 def pick(candidates: Iterable[Candidate], kv: int, preferred: str | None = None,

@@ -14,6 +14,7 @@ Pure: no I/O, no clock; ``now`` is passed in (seconds, monotonic).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["WatermarkController", "WatermarkState", "scale_for"]
@@ -127,12 +128,17 @@ class WatermarkController:
         self._waiting: float | None = None  # EWMA
         self._last_waiting_raw: float | None = None
         self._growing = False
+        # Called at every sample: a cache of what scale() and state() say (a pool's placement
+        # index) is renewed then, and at next_change().
+        self.on_change: Callable[[], None] | None = None
 
     # -- inputs ------------------------------------------------------------------------
 
     def observe(self, usage: float | None, waiting: float | None, now: float) -> None:
         """Feed one scrape. ``usage`` None/NaN = metrics unreachable; ``waiting`` None =
         the backend does not export a queue length (ignored, not treated as pressure)."""
+        if self.on_change is not None:
+            self.on_change()
         if self._t is not None:
             now = max(now, self._t)
         self._advance(now)
@@ -171,6 +177,20 @@ class WatermarkController:
         """The capacity scale in [floor, 1] at ``now``."""
         self._advance(now)
         return self._scale
+
+    def next_change(self, now: float) -> float:
+        """The earliest time at which ``scale`` or ``state`` may change with no new sample:
+        ``now`` while the scale moves (ramping up), the stale deadline while the metrics are
+        fresh, inf once they are stale, unreachable or not seen yet."""
+        self._advance(now)
+        t = self._t_or(now)
+        if not self._seeded or self._unreachable or self._stale_at(t):
+            return math.inf
+        target = self._target()
+        if self._scale != target and not (self._growing and self._scale < target):
+            return t
+        assert self._last_obs_t is not None
+        return self._last_obs_t + self.stale_after_s
 
     def state(self, now: float) -> WatermarkState:
         scale = self.scale(now)
