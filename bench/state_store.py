@@ -105,10 +105,14 @@ async def bench_redis_near(url: str, seconds: float, clients: int) -> tuple[floa
 
 
 # -- accuracy: replicas as processes ------------------------------------------------------
-def _replica(url: str, prefix: str, idx: int, clients: int, start: float, seconds: float, out: Any) -> None:
+def _replica(url: str, prefix: str, idx: int, clients: int, start_at: Any, seconds: float, out: Any) -> None:
     async def main() -> list[tuple[float, float, int]]:
         s = RedisState(url, replica_id=f"acc{idx}", prefix=prefix)
         await _admit(s, TIGHT, 1)  # register
+        out.send("ready")
+        while start_at.value == 0.0:  # the parent sets it once every replica is ready
+            await asyncio.sleep(0.01)
+        start = start_at.value
         await asyncio.sleep(max(0.0, start - time.monotonic()))
         end = start + seconds
         events: list[tuple[float, float, int]] = []
@@ -151,14 +155,20 @@ def _worst_window(events: list[tuple[float, float, int]], w: float) -> float:
 
 def accuracy(url: str, replicas: int, seconds: float, clients: int = 64) -> tuple[float, float]:
     ctx = mp.get_context("spawn")
-    start = time.monotonic() + 3.0  # the children import and register first
+    start_at = ctx.Value("d", 0.0)
     pipes, procs = [], []
     for i in range(replicas):
         a, b = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_replica, args=(url, f"acc{replicas}", i, clients // replicas, start, seconds, b))
+        p = ctx.Process(target=_replica, args=(url, f"acc{replicas}", i, clients // replicas, start_at, seconds, b))
         p.start()
         pipes.append(a)
         procs.append(p)
+    # Start together once all have imported and registered: a fixed lead was too short on a
+    # loaded host, and a replica starting late lowered the steady consumption measured.
+    for a in pipes:
+        assert a.recv() == "ready"
+    start = time.monotonic() + 0.2
+    start_at.value = start
     events = [e for a in pipes for e in a.recv()]
     for p in procs:
         p.join(10)
