@@ -27,7 +27,8 @@ from dataclasses import dataclass, field, replace
 
 from extproc.backends import build
 from extproc.policy.affinity import PrefixAffinity
-from extproc.policy.breaker import Breaker, BreakerState, Outcome
+from extproc.policy.breaker import Breaker, BreakerState
+from extproc.policy.breaker_outcome import Outcome
 from extproc.policy.owed import owed_endpoints
 from extproc.policy.placement import Candidate, Placement, largest_capacity, pick, second_choice
 from extproc.policy.schema import (
