@@ -173,30 +173,30 @@ def sync_handlers(codec: str, dest: str) -> Any:
 
 
 def own_handlers(dest: str, fast: bool) -> dict[str, Any]:
-    from extproc.wire import h2grpc
+    from extproc.wire.h2grpc.calls import Call, streaming
 
-    async def run(call: h2grpc.Call) -> None:
+    async def run(call: Call) -> None:
         s = Mini(dest, True)
         while (data := await call.read()) is not None:
             for a in s.answer_raw(data):
                 call.write(a)
 
-    def echo(call: h2grpc.Call, data: bytes) -> bool:
+    def echo(call: Call, data: bytes) -> bool:
         got = pp.response_chunk(data)
         if got is None:
             return False
         call.write(pp.echo(pp.RESPONSE_BODY_FIELD, got[0], got[1]))
         return True
 
-    return {METHOD: h2grpc.streaming(run, echo if fast else None)}
+    return {METHOD: streaming(run, echo if fast else None)}
 
 
 async def serve_own(args: argparse.Namespace) -> None:
-    from extproc.wire import h2grpc
     from extproc.wire import tls as sluice_tls
+    from extproc.wire.h2grpc.server import Server, ssl_context
 
-    server = h2grpc.Server(own_handlers(args.dest, args.stack == "own"))
-    ctx = h2grpc.ssl_context(*sluice_tls.self_signed()) if args.tls else None
+    server = Server(own_handlers(args.dest, args.stack == "own"))
+    ctx = ssl_context(*sluice_tls.self_signed()) if args.tls else None
     await server.start("127.0.0.1", args.port, ctx, reuse_port=args.reuse_port)
     print("serving", flush=True)
     await _until_term()

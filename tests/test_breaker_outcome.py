@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.policy.breaker import BreakerState, Outcome, outcome_at_settle
+from extproc.policy.breaker import BreakerState
+from extproc.policy.breaker_outcome import Outcome, outcome_at_settle
 from extproc.policy.schema import Policy, build_policy, hash_key
 from extproc.request.admission import route
 from extproc.request.ticket import Ticket

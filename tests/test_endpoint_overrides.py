@@ -10,7 +10,8 @@ import pytest
 from extproc.backends.hold import Hold
 from extproc.backends.pool_report import pool_status
 from extproc.backends.state import BackendState
-from extproc.policy.breaker import BreakerState, Outcome
+from extproc.policy.breaker import BreakerState
+from extproc.policy.breaker_outcome import Outcome
 from extproc.policy.schema import PolicyError, build_policy
 from extproc.runtime.runtime import Runtime
 from extproc.service.monitor import refresh

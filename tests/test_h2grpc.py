@@ -12,7 +12,20 @@ from typing import Any
 import grpc
 import pytest
 
-from extproc.wire import h2grpc, tls
+from extproc.wire import tls
+from extproc.wire.h2grpc.calls import Call, streaming, unary
+from extproc.wire.h2grpc.frames import (
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    GOAWAY,
+    HEADERS,
+    PREFACE,
+    SETTINGS,
+    frame,
+)
+from extproc.wire.h2grpc.server import Server, ssl_context
+from extproc.wire.h2grpc.stream import Handler
 from extproc.wire.health import SERVING, Health, HealthCheckRequest, HealthCheckResponse
 from tests.waiting import eventually_async
 
@@ -31,7 +44,7 @@ class Recorder:
         self.seen: list[bytes] = []
         self.release = asyncio.Event()  # what a b"hold" message waits for
 
-    async def run(self, call: h2grpc.Call) -> None:
+    async def run(self, call: Call) -> None:
         try:
             while (data := await call.read()) is not None:
                 if data == self.fail_on:
@@ -46,20 +59,20 @@ class Recorder:
             self.ended.append("cancelled")
             raise
 
-    def fast(self, call: h2grpc.Call, data: bytes) -> bool:
+    def fast(self, call: Call, data: bytes) -> bool:
         if not self.use_fast or not data.startswith(b"f"):
             return False
         self.fast_count += 1
         call.write(b"fast:" + data)
         return True
 
-    def handler(self) -> h2grpc.Handler:
-        return h2grpc.streaming(self.run, self.fast)
+    def handler(self) -> Handler:
+        return streaming(self.run, self.fast)
 
 
-async def serve(handlers: dict[str, h2grpc.Handler], ssl_context: Any = None) -> tuple[h2grpc.Server, int]:
-    server = h2grpc.Server(handlers)
-    port = await server.start("127.0.0.1", 0, ssl_context)
+async def serve(handlers: dict[str, Handler], tls_context: Any = None) -> tuple[Server, int]:
+    server = Server(handlers)
+    port = await server.start("127.0.0.1", 0, tls_context)
     return server, port
 
 
@@ -162,7 +175,7 @@ def test_unary_health_check_over_tls() -> None:
     cert, key = tls.self_signed()
 
     async def go() -> None:
-        server, port = await serve({CHECK: h2grpc.unary(health.check_wire)}, h2grpc.ssl_context(cert, key))
+        server, port = await serve({CHECK: unary(health.check_wire)}, ssl_context(cert, key))
         creds = grpc.ssl_channel_credentials(root_certificates=cert)
         async with grpc.aio.secure_channel(f"127.0.0.1:{port}", creds,
                                            options=[("grpc.ssl_target_name_override", "localhost")]) as ch:
@@ -275,8 +288,8 @@ def test_not_http2_is_closed() -> None:
             while chunk := await asyncio.wait_for(loop.sock_recv(s, 4096), 5):
                 data += chunk
         # its SETTINGS, then a GOAWAY with PROTOCOL_ERROR, then the close
-        assert data[3] == h2grpc.SETTINGS
-        assert h2grpc.frame(h2grpc.GOAWAY, 0, 0, b"")[3:9] in data and b"preface" in data
+        assert data[3] == SETTINGS
+        assert frame(GOAWAY, 0, 0, b"")[3:9] in data and b"preface" in data
         await server.stop(0)
 
     run(go)
@@ -294,9 +307,9 @@ def test_frames_read_a_byte_at_a_time() -> None:
         block = enc.encode([(":method", "POST"), (":scheme", "http"), (":path", ECHO), (":authority", "x"),
                             ("content-type", "application/grpc"), ("te", "trailers")])
         msg = b"\x00" + (5).to_bytes(4, "big") + b"hello"
-        wire = (h2grpc.PREFACE + h2grpc.frame(h2grpc.SETTINGS, 0, 0)
-                + h2grpc.frame(h2grpc.HEADERS, h2grpc.END_HEADERS, 1, block)
-                + h2grpc.frame(h2grpc.DATA, h2grpc.END_STREAM, 1, msg))
+        wire = (PREFACE + frame(SETTINGS, 0, 0)
+                + frame(HEADERS, END_HEADERS, 1, block)
+                + frame(DATA, END_STREAM, 1, msg))
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.setblocking(False)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -11,9 +11,8 @@ from extproc.policy.breaker import (
     Breaker,
     BreakerConfig,
     BreakerState,
-    Outcome,
-    outcome_for_status,
 )
+from extproc.policy.breaker_outcome import Outcome, outcome_for_status
 
 CLOSED, OPEN, HALF = BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN
 

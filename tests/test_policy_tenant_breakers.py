@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.policy.breaker import Breaker, BreakerConfig, BreakerState, Outcome
+from extproc.policy.breaker import Breaker, BreakerConfig, BreakerState
+from extproc.policy.breaker_outcome import Outcome
 from extproc.policy.tenant_breakers import TenantBreakers
 
 OK, FAIL, CLIENT, GONE = Outcome.SUCCESS, Outcome.FAILURE, Outcome.CLIENT_ERROR, Outcome.CANCELLED

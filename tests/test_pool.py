@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from extproc.backends.hold import Hold
 from extproc.backends.state import BackendState
-from extproc.policy.breaker import Outcome
+from extproc.policy.breaker_outcome import Outcome
 from extproc.policy.schema import PolicyError, build_policy, hash_key
 from extproc.policy.slots import Denied
 from tests.backend_ops import try_acquire

@@ -8,7 +8,8 @@ import asyncio
 from typing import Any
 
 from extproc.backends.probe import ProbeResult, request_for
-from extproc.policy.breaker import BreakerState, Outcome
+from extproc.policy.breaker import BreakerState
+from extproc.policy.breaker_outcome import Outcome
 from extproc.policy.schema import build_policy, hash_key
 from extproc.runtime.runtime import Runtime
 from extproc.service.prober import Prober

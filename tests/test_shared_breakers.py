@@ -11,7 +11,8 @@ import pytest
 from bench.procs import free_port
 from bench.redis_server import RedisServer
 from extproc.backends.hold import Hold
-from extproc.policy.breaker import Breaker, BreakerConfig, BreakerState, Outcome
+from extproc.policy.breaker import Breaker, BreakerConfig, BreakerState
+from extproc.policy.breaker_outcome import Outcome
 from extproc.policy.schema import build_policy
 from extproc.runtime.runtime import Runtime
 from extproc.store import ENV_URL

@@ -33,7 +33,8 @@ from functools import partial
 from extproc.backends import build
 from extproc.backends.endpoint_index import COUNTS, STANDING, EndpointIndex, Standing, through
 from extproc.policy.affinity import PrefixAffinity
-from extproc.policy.breaker import Breaker, BreakerState, Outcome
+from extproc.policy.breaker import Breaker, BreakerState
+from extproc.policy.breaker_outcome import Outcome
 from extproc.policy.owed import owed_endpoints
 from extproc.policy.placement import Candidate, Placement, largest_capacity, pick
 from extproc.policy.placement_index import for_footprint

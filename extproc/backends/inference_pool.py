@@ -26,7 +26,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from extproc.policy.schema import Backend, Endpoint, Policy
-from extproc.policy.schema_parse import pool_totals
+from extproc.policy.schema_backends import pool_totals
 
 # The request headers that name an InferenceObjective (llm-d-router's, then GIE's older one).
 OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")

@@ -21,13 +21,7 @@ any run), each step lasting ``ramp_step_s``; after the last, CLOSED. Any failure
 HALF_OPEN re-opens with the next, longer cooldown; with an SLO set, so does a slow
 probe, and a step whose slow share reaches ``latency_breach_ratio``.
 
-What counts (``outcome_for_status``): ``FAILURE`` is any 5xx (503 included: the
-backend says it cannot serve), a timeout, a transport error or an OOM. Every 4xx is
-``CLIENT_ERROR`` and ignored, a backend 429 too: it is load, which the slot pool and
-the KV watermark already answer, and one tenant's burst must not open the breaker for
-everyone. ``CANCELLED`` (the client left) says nothing about the backend: ignored.
-``TENANT_FAILURE`` is a failure blamed on its tenant alone (``tenant_breakers``): the
-tenant's own breaker counts it, the backend's ignores it.
+What counts as a failure, and what is ignored: ``breaker_outcome``.
 Outcomes arriving while OPEN come from requests admitted before the trip: ignored. In
 HALF_OPEN every outcome, a straggler's too, is fresh evidence and counts.
 
@@ -53,7 +47,7 @@ from enum import StrEnum
 from typing import Any, Literal, NamedTuple
 
 from extproc.policy.breaker_config import BreakerConfig
-from extproc.policy.reasons import Ending
+from extproc.policy.breaker_outcome import Outcome
 from extproc.policy.window import Window as _Window
 
 __all__ = [
@@ -65,9 +59,6 @@ __all__ = [
     "BreakerEvent",
     "BreakerState",
     "BreakerVerdict",
-    "Outcome",
-    "outcome_at_settle",
-    "outcome_for_status",
 ]
 
 REASON_OPEN = "breaker_open"
@@ -80,36 +71,6 @@ class BreakerState(StrEnum):
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
-
-
-class Outcome(StrEnum):
-    SUCCESS = "success"
-    FAILURE = "failure"  # 5xx, timeout, transport error, OOM
-    CLIENT_ERROR = "client_error"  # 4xx: not counted
-    CANCELLED = "cancelled"  # client disconnected: not counted
-    TENANT_FAILURE = "tenant_failure"  # a failure blamed on its tenant: not the backend's
-
-
-def outcome_for_status(status: int) -> Outcome:
-    """Classify an upstream HTTP status (timeouts and resets are ``FAILURE`` directly).
-
-    5xx (503 included) is the backend's failure; 4xx (429 included) the client's.
-    """
-    if status >= 500:
-        return Outcome.FAILURE
-    return Outcome.CLIENT_ERROR if status >= 400 else Outcome.SUCCESS
-
-
-def outcome_at_settle(how: Ending, status: int) -> Outcome:
-    """What a request that settles ``how`` (extproc.request.settle) tells its breakers.
-
-    A response that ended gives its status' outcome; an upstream error (reset, timeout) is
-    a failure; anything else (refused, client gone, the stream reset before an answer)
-    says nothing about the backend: ``CANCELLED`` gives a half-open probe's place back.
-    """
-    if how == Ending.END_OF_STREAM and status:
-        return outcome_for_status(status)
-    return Outcome.FAILURE if how == Ending.ERROR else Outcome.CANCELLED
 
 
 @dataclass(frozen=True)

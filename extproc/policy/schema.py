@@ -4,8 +4,8 @@ Pure: no file access. ``policyfile`` turns YAML files into the plain document an
 map from document paths to ``file:line`` so every error points at what to fix. The
 console imports this module (and only this one) to validate operator edits.
 
-Section parsers live in ``schema_parse``, the dataclasses in ``model``; every name
-stays importable from here.
+Section parsers live in ``schema_parse`` and ``schema_backends``, the dataclasses in
+``model``; every name stays importable from here.
 """
 
 from __future__ import annotations
@@ -32,12 +32,10 @@ from extproc.policy.model import (
     hash_key,
 )
 from extproc.policy.reader import Locator, PolicyError, Problem, Reader
+from extproc.policy.schema_backends import ENGINES, KNOWN_ENCODINGS, _backends
 from extproc.policy.schema_parse import (
-    ENGINES,
-    KNOWN_ENCODINGS,
     MAX_QUEUE_WAIT_MS,
     SHADOW_RULES,
-    _backends,
     _breakers,
     _cross_checks,
     _gateway,

@@ -44,8 +44,8 @@ from extproc.policy.breaker import (
     BreakerEvent,
     BreakerState,
     BreakerVerdict,
-    Outcome,
 )
+from extproc.policy.breaker_outcome import Outcome
 
 __all__ = ["TenantBreakers"]
 

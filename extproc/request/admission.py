@@ -28,7 +28,7 @@ from extproc.openai_api.prefix_key import prefix_keys
 from extproc.policy import decision, ladder
 from extproc.policy import kv as kvmath
 from extproc.policy.admit import SlotRequest
-from extproc.policy.breaker import Outcome
+from extproc.policy.breaker_outcome import Outcome
 from extproc.policy.context import completion_budget, input_too_long
 from extproc.policy.gate import Verdict
 from extproc.policy.reasons import Reason

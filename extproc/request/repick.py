@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from extproc.policy.breaker import Outcome
+from extproc.policy.breaker_outcome import Outcome
 
 if TYPE_CHECKING:
     from extproc.request.ticket import Ticket

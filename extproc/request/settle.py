@@ -17,7 +17,7 @@ import logging
 from extproc.envoy.usage_record import EnvoyUsage
 from extproc.openai_api.body import ParsedRequest
 from extproc.openai_api.usage import JSONTracker, SSETracker, Usage
-from extproc.policy.breaker import outcome_at_settle
+from extproc.policy.breaker_outcome import outcome_at_settle
 from extproc.policy.charge import Basis, Charge, SettleFacts, charge
 from extproc.policy.reasons import CHARGED, Ending, Reason
 from extproc.policy.schema import Limits, Tenant, Tier

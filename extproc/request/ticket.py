@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, replace
 from extproc.backends.hold import Hold
 from extproc.backends.state import BackendState
 from extproc.policy.admit import SlotRequest
-from extproc.policy.breaker import BreakerVerdict, Outcome
+from extproc.policy.breaker import BreakerVerdict
+from extproc.policy.breaker_outcome import Outcome
 from extproc.policy.gate import Verdict
 from extproc.policy.schema import Backend, Model
 

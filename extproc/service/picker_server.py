@@ -33,7 +33,11 @@ from extproc.policy.reasons import Ending
 from extproc.request.picker import Answer, PickerOptions, PickerStream
 from extproc.runtime.runtime import Runtime
 from extproc.service.server import SERVER_OPTIONS
-from extproc.wire import h2grpc, tls
+from extproc.wire import tls
+from extproc.wire.h2grpc.calls import Call, unary
+from extproc.wire.h2grpc.server import Server as H2Server
+from extproc.wire.h2grpc.server import ssl_context
+from extproc.wire.h2grpc.stream import Handler, Stream
 from extproc.wire.health import PICKER_SERVICES, Health
 from extproc.wire.health import SERVICE as HEALTH_SERVICE
 from extproc.wire.peer import PeerStream
@@ -101,7 +105,7 @@ class PickerProcessor:
                 response_serializer=_serialize),
         })
 
-    def h2_handler(self) -> h2grpc.Handler:
+    def h2_handler(self) -> Handler:
         return lambda st: _H2Stream(self, st).call
 
 
@@ -110,7 +114,7 @@ class _Requests:
 
     __slots__ = ("call",)
 
-    def __init__(self, call: h2grpc.Call) -> None:
+    def __init__(self, call: Call) -> None:
         self.call = call
 
     def __aiter__(self) -> _Requests:
@@ -130,18 +134,18 @@ class _H2Stream:
 
     __slots__ = ("proc", "stream", "call")
 
-    def __init__(self, proc: PickerProcessor, st: h2grpc.Stream) -> None:
+    def __init__(self, proc: PickerProcessor, st: Stream) -> None:
         self.proc = proc
         self.stream: PickerStream | None = None
-        self.call = h2grpc.Call(st, self.run, self.fast)
+        self.call = Call(st, self.run, self.fast)
 
-    async def run(self, call: h2grpc.Call) -> None:
+    async def run(self, call: Call) -> None:
         peer = PeerStream(_Requests(call))
         stream = self.stream = self.proc.stream(peer)
         async for a in self.proc.answers(peer, stream):
             call.write(_serialize(a))
 
-    def fast(self, call: h2grpc.Call, data: bytes) -> bool:
+    def fast(self, call: Call, data: bytes) -> bool:
         stream = self.stream
         if stream is None or not stream.responding:  # before the response: the loop decides
             return False
@@ -176,7 +180,7 @@ class PickerPorts:
 
 @dataclass
 class PickerServers:
-    grpc: grpc.aio.Server | h2grpc.Server
+    grpc: grpc.aio.Server | H2Server
     health_server: grpc.aio.Server | None
     metrics: web.AppRunner | None
     health: Health
@@ -200,12 +204,12 @@ def _bind(server: grpc.aio.Server, host: str, port: int, creds: grpc.ServerCrede
         raise OSError(f"cannot bind the picker on {address}")
 
 
-async def _start_h2(runtime: Runtime, ports: PickerPorts, health: Health) -> h2grpc.Server:
-    server = h2grpc.Server({
+async def _start_h2(runtime: Runtime, ports: PickerPorts, health: Health) -> H2Server:
+    server = H2Server({
         f"/{SERVICE}/Process": PickerProcessor(runtime, ports.options).h2_handler(),
-        f"/{HEALTH_SERVICE}/Check": h2grpc.unary(health.check_wire),
+        f"/{HEALTH_SERVICE}/Check": unary(health.check_wire),
     })
-    ctx = None if ports.plaintext else h2grpc.ssl_context(*tls.certificate(ports.cert_file, ports.key_file))
+    ctx = None if ports.plaintext else ssl_context(*tls.certificate(ports.cert_file, ports.key_file))
     host, port = ports.grpc
     try:
         await server.start(host, port, ctx)
@@ -228,7 +232,7 @@ async def start_picker(runtime: Runtime, ports: PickerPorts, health: Health | No
     if ports.stack not in STACKS:
         raise ValueError(f"unknown picker stack {ports.stack!r} (one of {', '.join(STACKS)})")
     start = _start_h2 if ports.stack == "h2" else _start_grpcio
-    server: grpc.aio.Server | h2grpc.Server = await start(runtime, ports, health)
+    server: grpc.aio.Server | H2Server = await start(runtime, ports, health)
     health_server = None
     if ports.health is not None:
         health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])

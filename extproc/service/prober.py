@@ -28,7 +28,8 @@ import aiohttp
 
 from extproc.backends.probe import ProbeResult, probe
 from extproc.backends.state import BackendState
-from extproc.policy.breaker import Breaker, Outcome
+from extproc.policy.breaker import Breaker
+from extproc.policy.breaker_outcome import Outcome
 from extproc.policy.tenant_breakers import TenantBreakers
 from extproc.runtime.runtime import Runtime
 
