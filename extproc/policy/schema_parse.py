@@ -28,11 +28,12 @@ from extproc.policy.model import (
     WatermarkSettings,
 )
 from extproc.policy.reader import NAME, Path, Reader, read_flat
+from extproc.policy.schema_budget import read_budget, read_money, read_price
 
 KNOWN_ENCODINGS = ("cl100k_base", "o200k_base")
 ENGINES = tuple(PRESETS)
 # Rules that can run in shadow mode: decided and recorded, not enforced.
-SHADOW_RULES = ("tpm", "rpm", "slots", "queue", "shed", "degrade", "breaker")
+SHADOW_RULES = ("tpm", "rpm", "slots", "queue", "shed", "degrade", "breaker", "budget")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -74,7 +75,16 @@ def _gateway(r: Reader, doc: Any) -> Gateway:
         response_processing=r.get(m, path, "response_processing", str, d.response_processing,
                                   choices=("usage_trailers", "streamed")),
         edge=read_flat(r, m.get("edge"), (*path, "edge"), EdgeSettings),
+        currency=_currency(r, m, path),
     )
+
+
+def _currency(r: Reader, m: Mapping[str, Any], path: Path) -> str:
+    v = r.get(m, path, "currency", str, "USD")
+    if not re.fullmatch(r"[A-Za-z]{3}", v or ""):
+        r.fail((*path, "currency"), f"expected a three-letter currency code (USD, EUR, ...), got {v!r}")
+        return "USD"
+    return str(v).upper()
 
 
 STATE_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -113,7 +123,7 @@ def _metric_names(r: Reader, m: Mapping[str, Any], path: Path) -> dict[str, tupl
 _BACKEND_FIELDS = ("name", "address", "max_concurrency", "models", "metrics_url", "engine", "metric_names",
                    "watermark", "breaker", "kv_capacity_tokens", "kv_block_size", "kv_overcommit",
                    "kv_reservation", "learned_quantile", "tpm_precharge", "adaptive_concurrency",
-                   "endpoints", "placement")
+                   "endpoints", "placement", "gpu_hour_cost")
 _ENDPOINT_FIELDS = ("address", "metrics_url", "kv_capacity_tokens", "max_concurrency")
 
 
@@ -198,6 +208,7 @@ def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
                 fallback_model=r.get(mmap, mp, "fallback_model", str, None),
                 breaker=read_flat(r, mmap["breaker"], (*mp, "breaker"), BreakerSettings)
                 if mmap.get("breaker") is not None else None,
+                price=read_price(r, mmap.get("price"), (*mp, "price")),
             ))
         out.append(Backend(
             name=name or "", host=host, port=port,
@@ -217,6 +228,8 @@ def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
             adaptive_concurrency=_adaptive(r, m.get("adaptive_concurrency"), (*path, "adaptive_concurrency")),
             endpoints=endpoints,
             placement=read_flat(r, m.get("placement"), (*path, "placement"), PlacementSettings),
+            gpu_hour_cost_nanos=read_money(r, m["gpu_hour_cost"], (*path, "gpu_hour_cost"))
+            if m.get("gpu_hour_cost") is not None else None,
         ))
     return tuple(out)
 
@@ -279,6 +292,7 @@ def _tiers(r: Reader, doc: Any) -> dict[str, Tier]:
             shadow=_shadow(r, t, path),
             ttft_p99_ms=r.get(t, path, "ttft_p99_ms", int, None, minimum=1),
             itl_p99_ms=r.get(t, path, "itl_p99_ms", int, None, minimum=1),
+            budget=read_budget(r, t.get("budget"), (*path, "budget"), may_disable=False),
         )
     if not out:
         r.fail(("tiers",), "at least one tier is required")
@@ -294,7 +308,7 @@ def _tenants(r: Reader, doc: Any, tiers: Mapping[str, Tier]) -> tuple[dict[str, 
     out: dict[str, Tenant] = {}
     for i, item in enumerate(doc):
         path: Path = ("tenants", i)
-        m = r.mapping(item, path, ("name", "tier", "keys", "tpm", "rpm", "max_concurrency"))
+        m = r.mapping(item, path, ("name", "tier", "keys", "tpm", "rpm", "max_concurrency", "budget"))
         name = r.name(m, path)
         tier = r.get(m, path, "tier", str)
         if tier is not None and tier not in tiers:
@@ -318,6 +332,7 @@ def _tenants(r: Reader, doc: Any, tiers: Mapping[str, Tier]) -> tuple[dict[str, 
             tpm=r.get(m, path, "tpm", int, None, minimum=1),
             rpm=r.get(m, path, "rpm", int, None, minimum=1),
             max_concurrency=r.get(m, path, "max_concurrency", int, None, minimum=1),
+            budget=read_budget(r, m.get("budget"), (*path, "budget"), may_disable=True),
         )
         if name in out:
             r.fail((*path, "name"), f"duplicate tenant {name!r}")
