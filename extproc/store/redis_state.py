@@ -255,6 +255,14 @@ class RedisState(Exchanges):
         if self.breaker.answered():
             self._poke()  # reconcile every tenant that ran on its local share
 
+    def trip(self, why: str) -> None:
+        """Another user of this connection (shared budgets) found Redis unreachable."""
+        self._trip(why)
+
+    def answered(self) -> None:
+        """Another user of this connection got an answer from Redis."""
+        self._answered()
+
     async def _beat(self, now: float) -> None:
         fenced = await self.registry.beat(self.client, repr(now) if self.caller_clock else "", self.clock())
         if fenced:
