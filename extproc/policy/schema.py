@@ -18,6 +18,7 @@ from extproc.policy.model import (
     Backend,
     BreakerOverride,
     BreakerSettings,
+    Budget,
     Degrade,
     EdgeSettings,
     Endpoint,
@@ -26,6 +27,7 @@ from extproc.policy.model import (
     Model,
     PlacementSettings,
     Policy,
+    Price,
     Tenant,
     Tier,
     WatermarkSettings,
@@ -45,8 +47,9 @@ from extproc.policy.schema_parse import (
     _tiers,
 )
 
-__all__ = ["AdaptiveSettings", "Backend", "BreakerOverride", "BreakerSettings", "Degrade",
+__all__ = ["AdaptiveSettings", "Backend", "BreakerOverride", "BreakerSettings", "Budget", "Degrade",
            "EdgeSettings", "Endpoint", "Gateway", "Limits", "Model", "PlacementSettings", "Policy",
+           "Price",
            "PolicyError", "Problem", "Tenant", "Tier", "WatermarkSettings", "build_policy", "hash_key",
            "ENGINES", "KNOWN_ENCODINGS", "MAX_QUEUE_WAIT_MS", "SECTIONS", "SHADOW_RULES"]
 
