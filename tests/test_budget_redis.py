@@ -98,7 +98,7 @@ def test_admit_reserves_and_settles_through_redis(server: RedisServer) -> None:
         assert again.hold is not None
         b.settle(again.hold, again.hold.cost, time.time())
         await b.sync()
-        assert b.ledgers.snapshot()["balanced"] and b.ledgers.tokens.outstanding == 0
+        assert b.ledgers.snapshot()["balanced"] and b.ledgers.outstanding_t == 0
         await close([b])
 
     asyncio.run(run())
@@ -150,7 +150,7 @@ def test_three_replicas_never_reserve_past_the_budget(server: RedisServer) -> No
         final = redis_count(server.url, "three", budget=budget)
         assert final["out_t"] == 0 and final["settled_t"] == sum(admitted)
         assert sum(admitted) <= budget.tokens
-        assert sum(b.ledgers.tokens.charged for b in books) == sum(admitted)
+        assert sum(b.ledgers.spent_t for b in books) == sum(admitted)
         await close(books)
 
     asyncio.run(run())

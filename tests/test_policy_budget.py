@@ -59,7 +59,7 @@ def test_admit_reserves_settle_corrects_and_a_refusal_points_at_the_next_period(
     assert again.admitted and again.view.remaining == Amount(200, -1)
     assert again.hold is not None
     b.settle(again.hold, Amount(500, 0), T0 + 4)
-    assert b.ledgers.snapshot()["balanced"] and b.ledgers.tokens.outstanding == 0
+    assert b.ledgers.snapshot()["balanced"] and b.ledgers.outstanding_t == 0
 
 
 def test_a_request_larger_than_the_whole_budget_is_refused_without_a_retry() -> None:
@@ -159,4 +159,4 @@ def test_spend_never_exceeds_the_budget_plus_the_excess_over_reservations(
         extra = excess_by_key.get(row["key"], ZERO)
         assert row["settled_tokens"] <= tokens + extra.tokens
         assert row["settled_nanos"] <= cost + extra.nanos
-    assert b.ledgers.snapshot()["balanced"] and b.ledgers.tokens.outstanding == 0
+    assert b.ledgers.snapshot()["balanced"] and b.ledgers.outstanding_t == 0

@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.policy.bucket import Ledger
 from extproc.policy.budget import ZERO, Amount, Budget, format_money
 from extproc.policy.period import Span
 
@@ -92,47 +91,72 @@ def _amount(b: Budget, a: Amount, currency: str) -> str:
 
 
 class BudgetLedgers:
-    """The budget's integer books (tokens and nanos), checked like TPM's: every
-    reservation is settled once, ``reserved + excess == spent + refunded``."""
+    """The budget's integer books, as TPM's ``Ledger`` keeps them: every reservation is
+    settled once, and ``reserved + excess == spent + refunded + outstanding`` in tokens
+    and in nanos. Plain integers: this runs twice per budgeted request."""
 
-    __slots__ = ("tokens", "nanos")
+    __slots__ = ("reserved_t", "reserved_c", "spent_t", "spent_c", "refunded_t", "refunded_c", "excess_t",
+                 "excess_c", "outstanding_t", "outstanding_c")
 
     def __init__(self) -> None:
-        self.tokens, self.nanos = Ledger(), Ledger()
+        self.reserved_t = self.reserved_c = self.spent_t = self.spent_c = 0
+        self.refunded_t = self.refunded_c = self.excess_t = self.excess_c = 0
+        self.outstanding_t = self.outstanding_c = 0
 
     def reserved(self, cost: Amount) -> None:
-        self.tokens.record_precharge(cost.tokens)
-        self.nanos.record_precharge(cost.nanos)
+        self.reserved_t += cost[0]
+        self.reserved_c += cost[1]
+        self.outstanding_t += cost[0]
+        self.outstanding_c += cost[1]
 
     def settled(self, cost: Amount, actual: Amount) -> None:
-        self.tokens.record_settle(cost.tokens, actual.tokens)
-        self.nanos.record_settle(cost.nanos, actual.nanos)
+        if cost[0] > self.outstanding_t or cost[1] > self.outstanding_c:
+            # Settling more than is in flight means a double settle somewhere: fail loudly.
+            raise ValueError(f"a budget settle of {cost} exceeds what is reserved")
+        self.outstanding_t -= cost[0]
+        self.outstanding_c -= cost[1]
+        self.spent_t += actual[0]
+        self.spent_c += actual[1]
+        dt, dc = cost[0] - actual[0], cost[1] - actual[1]
+        if dt >= 0:
+            self.refunded_t += dt
+        else:
+            self.excess_t -= dt
+        if dc >= 0:
+            self.refunded_c += dc
+        else:
+            self.excess_c -= dc
+
+    def balanced(self) -> bool:
+        return (self.reserved_t + self.excess_t == self.spent_t + self.refunded_t + self.outstanding_t
+                and self.reserved_c + self.excess_c == self.spent_c + self.refunded_c + self.outstanding_c)
 
     def snapshot(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for name, ledger in (("tokens", self.tokens), ("nanos", self.nanos)):
-            out[name] = {"reserved": ledger.precharged, "spent": ledger.charged, "refunded": ledger.refunded,
-                         "excess": ledger.excess, "outstanding": ledger.outstanding}
-        out["balanced"] = self.tokens.balanced() and self.nanos.balanced()
+        for unit, suffix in (("tokens", "_t"), ("nanos", "_c")):
+            out[unit] = {k: getattr(self, k + suffix) for k in ("reserved", "spent", "refunded", "excess",
+                                                                  "outstanding")}
+        out["balanced"] = self.balanced()
         return out
 
 
 class _Book:
-    """One tenant's one period: ``base`` (the durable copy's, from before this process),
-    ``spent`` (settled here), ``out`` (reserved, in flight)."""
+    """One tenant's one period, in plain integers: ``base`` (the durable copy's, from before
+    this process), ``spent`` (settled here), ``out`` (reserved, in flight)."""
 
-    __slots__ = ("span", "base", "spent", "out")
+    __slots__ = ("span", "base_t", "base_c", "spent_t", "spent_c", "out_t", "out_c")
 
     def __init__(self, span: Span) -> None:
-        self.span, self.base, self.spent, self.out = span, ZERO, ZERO, ZERO
+        self.span = span
+        self.base_t = self.base_c = self.spent_t = self.spent_c = self.out_t = self.out_c = 0
 
     @property
     def used(self) -> Amount:
-        return self.base.plus(self.spent).plus(self.out)
+        return Amount(self.base_t + self.spent_t + self.out_t, self.base_c + self.spent_c + self.out_c)
 
     @property
     def settled(self) -> Amount:
-        return self.base.plus(self.spent)
+        return Amount(self.base_t + self.spent_t, self.base_c + self.spent_c)
 
 
 class LocalBudgets:
@@ -154,7 +178,7 @@ class LocalBudgets:
             book = self._books[(tenant, key)] = _Book(span)
             seed = self._seeds.pop((tenant, key), None)
             if seed is not None:
-                book.base = seed
+                book.base_t, book.base_c = seed
         return key, book
 
     def admit(self, tenant: str, budget: Budget, cost: Amount, wall: float,
@@ -162,12 +186,16 @@ class LocalBudgets:
         """Reserve ``cost`` in the current period, or refuse; ``force`` reserves past the
         budget (shadow mode keeps honest books)."""
         key, book = self._book(tenant, budget, wall)
-        view = BudgetView(budget, book.span, book.used)
-        if not force and not budget.fits(view.used, cost):
-            return refusal(view, cost, wall, self.currency)
-        book.out = book.out.plus(cost)
+        t, c = cost
+        used_t, used_c = book.base_t + book.spent_t + book.out_t, book.base_c + book.spent_c + book.out_c
+        if not force and ((budget.tokens is not None and used_t + t > budget.tokens)
+                          or (budget.cost_nanos is not None and used_c + c > budget.cost_nanos)):
+            return refusal(BudgetView(budget, book.span, Amount(used_t, used_c)), cost, wall, self.currency)
+        book.out_t += t
+        book.out_c += c
         self.ledgers.reserved(cost)
-        return BudgetVerdict(True, BudgetView(budget, book.span, book.used), BudgetHold(tenant, key, cost))
+        return BudgetVerdict(True, BudgetView(budget, book.span, Amount(used_t + t, used_c + c)),
+                             BudgetHold(tenant, key, cost))
 
     def settle(self, hold: BudgetHold, actual: Amount, wall: float) -> None:
         """The request used ``actual``: in the period it was admitted in, whenever it ends."""
@@ -177,8 +205,10 @@ class LocalBudgets:
         self.ledgers.settled(hold.cost, actual)
         book = self._books.get((hold.tenant, hold.key))
         if book is not None:
-            book.out = book.out.minus(hold.cost)
-            book.spent = book.spent.plus(actual)
+            book.out_t -= hold.cost[0]
+            book.out_c -= hold.cost[1]
+            book.spent_t += actual[0]
+            book.spent_c += actual[1]
         self._prune(wall)
 
     def view(self, tenant: str, budget: Budget, wall: float) -> BudgetView:
@@ -202,7 +232,7 @@ class LocalBudgets:
     def _prune(self, wall: float) -> None:
         if len(self._books) < 64:
             return
-        for k in [k for k, b in self._books.items() if b.span.end <= wall and b.out == ZERO]:
+        for k in [k for k, b in self._books.items() if b.span.end <= wall and not (b.out_t or b.out_c)]:
             del self._books[k]
 
     def forget(self, keep: set[str]) -> None:
@@ -213,7 +243,7 @@ class LocalBudgets:
     def report(self, wall: float) -> list[dict[str, Any]]:
         """Every current or unsettled period's books, for the console's durable copy."""
         return [period_row(t, k, b.span, b.settled, b.used) for (t, k), b in self._books.items()
-                if b.span.end > wall or b.out != ZERO]
+                if b.span.end > wall or b.out_t or b.out_c]
 
     def snapshot(self, wall: float) -> dict[str, Any]:
         return {"kind": "memory", "ledgers": self.ledgers.snapshot(), "periods": self.report(wall)}

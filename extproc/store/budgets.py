@@ -114,6 +114,7 @@ class RedisBudgets:
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._closing = False
+        self._loaded = False
 
     # -- the budget seam -------------------------------------------------------------
     def admit(self, tenant: str, budget: Budget, cost: Amount, wall: float,
@@ -257,10 +258,20 @@ class RedisBudgets:
     async def _exchange(self, book: _Book, args: list[str], waiters: list[tuple[Amount, Any]],
                         sent: tuple[Amount, Amount]) -> None:
         sent_at = self.clock()
+        loop = asyncio.get_running_loop()
+        try:
+            if not self._loaded:  # so that no request waits for Redis to compile the script
+                await self.client.script_load(BUDGET_EXCHANGE)
+                self._loaded = True
+        except STORE_ERRORS as exc:
+            book.inflight, book.dirty = None, True
+            self.state.trip(f"budget script: {type(exc).__name__}: {exc}")
+            self._release(book, waiters)
+            return
         # A watchdog, not a timeout on the call: a late answer is still applied (what it
         # admitted for a request that fell back meanwhile goes back at once, below).
-        loop = asyncio.get_running_loop()
-        watchdog = loop.call_later(self.wait_s, self._overdue, book, waiters)
+        due = loop.time() + self.wait_s
+        watchdog = loop.call_at(due, self._overdue, book, waiters, due, loop)
         try:
             reply = await self._script(keys=[f"{self.prefix}:bud:{book.tenant}:{book.key}"], args=args)
         except STORE_ERRORS as exc:
@@ -280,7 +291,15 @@ class RedisBudgets:
         if book.waiters and self.state.up:
             self._begin(book)
 
-    def _overdue(self, book: _Book, waiters: list[tuple[Amount, Any]]) -> None:
+    def _overdue(self, book: _Book, waiters: list[tuple[Amount, Any]], due: float,
+                 loop: asyncio.AbstractEventLoop, rechecked: bool = False) -> None:
+        if not rechecked and loop.time() - due > self.wait_s / 4:
+            # This loop was busy, not Redis slow: the answer may be read and not yet handled.
+            again = loop.time() + self.wait_s / 2
+            loop.call_at(again, self._overdue, book, waiters, again, loop, True)
+            return
+        if book.inflight is None:
+            return  # answered meanwhile
         self.state.trip(f"budget exchange: no answer within {self.wait_s * 1000:.0f} ms")
         self._release(book, waiters)
 
