@@ -125,3 +125,14 @@ def test_the_overview_lists_top_spenders_and_the_cost_per_million_tokens(make_co
     assert "0.195000 USD" in text and "22 %" in text, "hobbyist's budget: 1100 of 5000 tokens"
     # 24 h x 2.00 USD for 1,001,100 tokens: 47.947258 per million
     assert "48.000000 USD" in text and "47.947258 USD" in text
+
+
+def test_the_tenants_page_shows_each_budget_s_share_and_its_alerts(make_console: MakeConsole) -> None:
+    c = make_console(policy_files={**POLICY_FILES, "tiers.yaml": TIERS_WITH_BUDGET})
+    c.login("vic")
+    post(c, report([], periods=[period(2000, used=4200)]))
+    body = c.client.get("/tenants/live", headers={"HX-Request": "true"}).get_data(as_text=True)
+    cell = re.search(r'<tr id="live-hobbyist">.*?<td class="num budget">(.*?)</td>', body, re.S)
+    assert cell and "84 %" in cell.group(1) and "80 % reached" in cell.group(1)
+    acme = re.search(r'<tr id="live-acme">.*?<td class="num budget">(.*?)</td>', body, re.S)
+    assert acme and acme.group(1).strip() == "—", "acme's tier has no budget"
