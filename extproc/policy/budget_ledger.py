@@ -22,6 +22,7 @@ from typing import Any
 
 from extproc.policy.budget import ZERO, Amount, Budget, format_money
 from extproc.policy.period import Span
+from extproc.policy.reasons import Reason
 
 __all__ = ["BudgetHold", "BudgetLedgers", "BudgetVerdict", "BudgetView", "LocalBudgets", "refusal"]
 
@@ -61,7 +62,7 @@ class BudgetVerdict:
     admitted: bool
     view: BudgetView
     hold: BudgetHold | None = None
-    reason: str | None = None  # "budget" | "budget_request_too_large"
+    reason: Reason | None = None  # BUDGET, BUDGET_REQUEST_TOO_LARGE, STATE_STORE_DOWN
     message: str = ""
     retry_after_s: float | None = None  # to the next period; None: retrying cannot help
 
@@ -70,11 +71,11 @@ def refusal(view: BudgetView, cost: Amount, wall: float, currency: str) -> Budge
     """The refusal for a request of ``cost`` that does not fit beside ``view.used``."""
     b = view.budget
     if b.exceeds(cost):
-        return BudgetVerdict(False, view, reason="budget_request_too_large",
+        return BudgetVerdict(False, view, reason=Reason.BUDGET_REQUEST_TOO_LARGE,
                              message=f"This request could use {_amount(b, cost, currency)}, more than this key's "
                                      f"whole {b.period} budget ({_amount(b, b.limit(), currency)}). Lower "
                                      "max_tokens or shorten the prompt.")
-    return BudgetVerdict(False, view, reason="budget", retry_after_s=view.span.remaining_s(wall),
+    return BudgetVerdict(False, view, reason=Reason.BUDGET, retry_after_s=view.span.remaining_s(wall),
                          message=f"Budget reached: this key may use {_amount(b, b.limit(), currency)} per "
                                  f"{b.period} ({b.zone_name}); {_amount(b, view.remaining, currency)} remain and "
                                  f"this request could use {_amount(b, cost, currency)}. The next {b.period} "

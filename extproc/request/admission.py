@@ -3,8 +3,9 @@
 ``admit()`` runs the whole sequence, cheapest refusal first: count the prompt (fairly,
 stopping past the context window) → the completion budget (400 when it cannot fit) →
 breakers and the degradation ladder (``route``) → the completion reservation (learned
-or ``max_tokens``) → the RPM/TPM pre-charge → a concurrency slot and KV room, or a wait in
-the fair queue (``SlotWait``). It yields ``Wait`` while the request must wait (the adapter
+or ``max_tokens``) → the budget's pre-charge (its worst case: n × the enforced
+``max_tokens``, priced), beside → the RPM/TPM pre-charge → a concurrency slot and KV room,
+or a wait in the fair queue (``SlotWait``). It yields ``Wait`` while the request must wait (the adapter
 tells Envoy to wait longer) and the ``Ticket`` last; a refusal is a ``Refusal`` raised.
 A rule in shadow mode runs, is counted as what it would have done, and lets the
 request through: ``_unless_shadowed`` is where that is decided.
@@ -23,12 +24,15 @@ from dataclasses import dataclass
 from extproc.backends.hold import Hold
 from extproc.backends.queue import Expired, Waiter
 from extproc.openai_api.body import ParsedRequest
-from extproc.openai_api.errors import ratelimit_headers, retry_after_headers
+from extproc.openai_api.errors import budget_headers, ratelimit_headers, retry_after_headers
 from extproc.openai_api.prefix_key import prefix_keys
 from extproc.policy import decision, ladder
 from extproc.policy import kv as kvmath
 from extproc.policy.admit import SlotRequest
 from extproc.policy.breaker import Outcome
+from extproc.policy.budget import Amount, Budget, reservation
+from extproc.policy.budget_ledger import BudgetVerdict, BudgetView
+from extproc.policy.budget_ledger import refusal as refusal_of
 from extproc.policy.context import completion_budget, input_too_long
 from extproc.policy.gate import Verdict
 from extproc.policy.reasons import Reason
@@ -49,7 +53,8 @@ PROMPT_PARAM = {"chat": "messages", "completions": "prompt", "embeddings": "inpu
 # The shadow rule each refusal reason belongs to (policy ``shadow``): a shadowed rule counts
 # what it would have refused and lets the request through.
 SHADOW_RULE = {Reason.RPM: "rpm", Reason.TPM: "tpm", Reason.TPM_REQUEST_TOO_LARGE: "tpm",
-               Reason.SLOTS: "slots", Reason.QUEUE_FULL: "queue", Reason.QUEUE_TIMEOUT: "queue"}
+               Reason.SLOTS: "slots", Reason.QUEUE_FULL: "queue", Reason.QUEUE_TIMEOUT: "queue",
+               Reason.BUDGET: "budget", Reason.BUDGET_REQUEST_TOO_LARGE: "budget"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +70,7 @@ class Admission:
         self.rt, self.policy, self.tenant, self.limits, self.peer = rt, policy, tenant, limits, peer
         self.settlement = settlement
         self.tier = policy.tiers[tenant.tier]
+        self.budget = policy.budget(tenant)
 
     def _unless_shadowed(self, reason: Reason, count: bool = True) -> bool:
         """True when ``reason``'s rule is shadowed for this tier: counted (``count``), not refused."""
@@ -79,6 +85,8 @@ class Admission:
     def precheck(self, now: float) -> None:
         """Refuse a tenant that cannot pay for one token now, before its body is read or tokenized.
         Shadowed, it goes on unrecorded: the charge decides and records it once."""
+        if self.budget is not None:
+            self._budget_precheck(self.budget)
         v = self.rt.state.peek(self.tenant.name, self.limits, 1, now)
         if v.admitted:
             return
@@ -89,6 +97,50 @@ class Admission:
             f"Rate limit reached: {self.limits.tpm} tokens per minute, and this key's token budget is spent "
             "(prompts refused after counting are charged too).")
         raise self._rate_refusal(v, message)
+
+    def _budget_precheck(self, budget: Budget) -> None:
+        """A spent budget: refused as the admission would, before the body (one token; money only
+        when every model has a price, a free model fits a spent cost budget)."""
+        wall = self.rt.wall()
+        view = self.rt.budgets.view(self.tenant.name, budget, wall)
+        one = Amount(1, 1 if all(m.price is not None and (m.price.input or m.price.output)
+                                 for _, m in self.policy.by_model.values()) else 0)
+        if budget.fits(view.used, one) or self._unless_shadowed(Reason.BUDGET, count=False):
+            return
+        raise self._budget_refusal(refusal_of(view, one, wall, self.policy.gateway.currency), wall)
+
+    def _budget_refusal(self, v: BudgetVerdict, wall: float) -> Refusal:
+        assert v.reason is not None
+        extra = budget_headers(v.view, wall)
+        if v.retry_after_s is not None:
+            extra.update(retry_after_headers(v.retry_after_s))
+        code = "service_unavailable" if v.reason is Reason.STATE_STORE_DOWN else "rate_limit_exceeded"
+        return Refusal(v.reason, v.message, code=code, headers=extra)
+
+    async def _charge_budget(self, ticket: Ticket, req: ParsedRequest, prompt: int) -> None:
+        """Reserve the request's worst case in the tenant's current period (n x the completion
+        Sluice enforces upstream, every prompt token at the uncached price), or refuse; shadowed,
+        reserve it past the budget (the books stay honest) and go on."""
+        budget, wall = self.budget, self.rt.wall()
+        assert budget is not None
+        cost = reservation(prompt, req.n * ticket.completion, ticket.model.price)
+        v = self.rt.budgets.admit(self.tenant.name, budget, cost, wall)
+        if not isinstance(v, BudgetVerdict):
+            v = await v  # a shared store's lease was short: one round trip
+        if not v.admitted and v.reason is not None and self._unless_shadowed(v.reason):
+            forced = self.rt.budgets.admit(self.tenant.name, budget, cost, wall, force=True)
+            assert isinstance(forced, BudgetVerdict)  # a forced reservation never waits for a store
+            v = forced
+        if not v.admitted or v.hold is None:
+            raise self._budget_refusal(v, wall)
+        self.settlement.budgeted(v.hold)
+        ticket.budget = v.view
+
+    def budget_view(self) -> BudgetView | None:
+        """Where the tenant stands in its budget's current period (None: it has no budget)."""
+        if self.budget is None:
+            return None
+        return self.rt.budgets.view(self.tenant.name, self.budget, self.rt.wall())
 
     def _rate_refusal(self, v: Verdict, message: str) -> Refusal:
         assert v.reason is not None
@@ -113,6 +165,8 @@ class Admission:
                                         placement.prefix_max_bytes)
         reserve = observe.completion_tokens(self.rt, ticket, self.tenant.name, self.tenant.tier)
         cost = prompt + req.n * reserve.tpm_completion
+        if self.budget is not None:
+            await self._charge_budget(ticket, req, prompt)
         verdict = self._charge(ticket, cost, now)
         if not isinstance(verdict, Verdict):
             verdict = await verdict  # a shared store's lease was short: one round trip

@@ -37,6 +37,7 @@ from extproc.policy.budget_ledger import (
     refusal,
 )
 from extproc.policy.period import Span
+from extproc.policy.reasons import Reason
 from extproc.store.budget_script import BUDGET_EXCHANGE
 from extproc.store.exchange import STORE_ERRORS
 
@@ -196,7 +197,7 @@ class RedisBudgets:
         """Redis unreachable, the lease spent or expired: a local share, or refuse."""
         view = self._view(book)
         if self.fail_closed:
-            return BudgetVerdict(False, view, reason="state_store_down", retry_after_s=1.0,
+            return BudgetVerdict(False, view, reason=Reason.STATE_STORE_DOWN, retry_after_s=1.0,
                                  message="The shared budget store is unreachable; retry shortly.")
         if book.share is None:
             # Half of the room this replica last saw, split over the replicas it last saw:
