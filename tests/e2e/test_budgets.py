@@ -4,7 +4,8 @@
 received never passes the budget plus one reservation, the engine served exactly what
 Sluice settled (nothing lost, nothing counted twice), the refusals are 429 ``budget``
 with a Retry-After at the next minute, every answer carries the budget headers, and the
-tenant is admitted again once the minute rolls.
+tenant is admitted again once the minute rolls. (A spent budget refused before the body
+is read: tests/test_stream_budget.py.)
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ def engine_tokens(stack: Stack) -> tuple[float, float]:
     return m.get("vllm:prompt_tokens_total", 0.0), m.get("vllm:generation_tokens_total", 0.0)
 
 
+def metric(stack: Stack, series: str) -> float:
+    for line in stack.metrics_text().splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {series} in /metrics")
+
+
 def budget_books(stack: Stack) -> dict[str, Any]:
     return stack.state()["budgets"]["ledgers"]
 
@@ -66,24 +74,8 @@ def test_32_streams_never_pass_the_budget_and_are_admitted_again_next_period(sta
     again = asyncio.run(admitted_again(stack.url, last))
     assert again.period and again.period > last
     assert int(again.headers["x-ratelimit-remaining-budget-tokens"]) >= BUDGET - 200
-
-
-def body_messages(stack: Stack) -> float:
-    for line in stack.metrics_text().splitlines():
-        if line.startswith('sluice_extproc_phase_seconds_count{phase="request_body"}'):
-            return float(line.split()[-1])
-    return 0.0
-
-
-def test_a_spent_budget_is_refused_before_the_body_is_read(stack: Stack) -> None:
-    """Past the budget the key is refused on its headers (the same 429): its body never
-    reaches extproc, so nothing is read or tokenized for it."""
-    before = body_messages(stack)
-    load = BudgetLoad(stack.url, clients=8, stop_after_refusals_s=1.0, seed=3)
-    asyncio.run(load.run())
-    refused = [a for a in load.answers if a.reason == "budget"]
-    assert refused and all(a.headers["content-type"].startswith("application/json") for a in refused)
-    assert body_messages(stack) - before < len(load.answers), "some refusals came before the body"
-    text = stack.metrics_text()
-    assert 'sluice_requests_total{tenant="t-budget",outcome="budget"}' in text
-    assert 'sluice_budget_limit{tenant="t-budget",unit="tokens"} 4000.0' in text
+    # Prometheus says the same (the budget gauges refresh once a second).
+    assert metric(stack, 'sluice_requests_total{outcome="budget",tenant="t-budget"}') >= len(refused)
+    assert metric(stack, 'sluice_budget_limit{tenant="t-budget",unit="tokens"}') == BUDGET
+    assert metric(stack, 'sluice_usage_tokens_total{kind="completion",model="sim-llama-8b",tenant="t-budget"}') \
+        == completion + again.completion
