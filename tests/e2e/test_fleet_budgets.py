@@ -84,11 +84,13 @@ def test_three_replicas_hold_the_budget_through_a_redis_restart(fleet: Fleet) ->
     assert restarted, f"Redis was not restarted mid-period: {load.summary()}"
     summary = load.summary()
     sums = load.check_within_budget(BUDGET)
-    refused = load.check_refusals(BUDGET)
+    refused = load.check_refusals(BUDGET, one_replica=False)
     assert sums[restarted[0]] >= BUDGET * 0.9, f"the period of the restart was spent: {sums}"
     assert any(a.period == restarted[0] for a in refused), "refused in the period Redis lost, after it came back"
-    # While Redis was away a request may get a transient refusal; nothing else fails.
-    assert set(summary) <= {"200", "429 budget", "503 state_store_down", "429 slots"}, summary
+    # While Redis was away a request may get a transient refusal (TPM's and the slots' local
+    # shares, extproc.store.redis_state and slot_leases); nothing fails.
+    assert set(summary) <= {"200", "429 budget", "429 tpm", "429 slots"}, summary
+    assert summary["429 budget"] > 10 * sum(v for k, v in summary.items() if k in ("429 tpm", "429 slots"))
     fleet.wait_settled_all(30)
     prompt, completion = load.received()
     m1 = backend_metrics(fleet.sim_url)
