@@ -20,8 +20,9 @@ import httpx
 import pytest
 
 from extproc.policy.schema import hash_key
+from tests.e2e import harness
 from tests.e2e.console_stack import ConsoleStack
-from tests.e2e.harness import eventually, running, test_policy
+from tests.e2e.harness import eventually, running
 from tests.e2e.test_console_browser import browser, log_in, new_page  # noqa: F401 - the browser fixture
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser]
@@ -33,7 +34,7 @@ BUDGET = 2500  # tokens per day: about 40 requests
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ConsoleStack]:
     s = ConsoleStack(tmp_path_factory.mktemp("budget-console"))
-    doc = test_policy(s.sim_port)
+    doc = harness.test_policy(s.sim_port)
     doc["backends"][0]["models"][0]["price"] = {"input": 0.20, "output": 0.60}
     doc["tiers"]["budgeted"] = {"priority": 5, "tpm": 10_000_000, "rpm": 1_000_000,
                                 "budget": {"period": "day", "tokens": BUDGET}}
