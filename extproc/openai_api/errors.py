@@ -75,7 +75,7 @@ def budget_headers(view: BudgetView, wall: float) -> dict[str, str]:
         out["x-ratelimit-limit-budget-tokens"] = str(b.tokens)
         out["x-ratelimit-remaining-budget-tokens"] = str(left.tokens)
     if b.cost_nanos is not None:
-        out["x-ratelimit-limit-budget-cost"] = format_money(b.cost_nanos)
+        out["x-ratelimit-limit-budget-cost"] = b.cost_text
         out["x-ratelimit-remaining-budget-cost"] = format_money(left.nanos)
     out["x-ratelimit-reset-budget"] = format_duration(view.span.remaining_s(wall))
     out["x-sluice-budget-period"] = view.key

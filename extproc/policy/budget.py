@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, tzinfo
-from decimal import Decimal
 from typing import NamedTuple
 
 from extproc.policy.period import Span, span_at
@@ -79,6 +78,14 @@ class Budget:
     tokens: int | None = None
     cost_nanos: int | None = None
     alerts: tuple[float, ...] = ALERTS
+    # Derived once: every answer to a budgeted tenant names its period and limits.
+    prefix: str = field(init=False, repr=False, compare=False, default="")
+    cost_text: str = field(init=False, repr=False, compare=False, default="")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefix", f"{self.period}:{self.zone}:")
+        if self.cost_nanos is not None:
+            object.__setattr__(self, "cost_text", format_money(self.cost_nanos))
 
     @property
     def limited(self) -> bool:
@@ -94,7 +101,7 @@ class Budget:
 
     def key(self, span: Span) -> str:
         """The period's name where its spend is kept: a new period, zone or kind starts a new count."""
-        return f"{self.period}:{self.zone_name}:{span.label}"
+        return self.prefix + span.label
 
     def limit(self) -> Amount:
         """The limits as an Amount, an unlimited unit as -1 (the Redis script's convention)."""
@@ -125,6 +132,14 @@ class Budget:
 
 
 def format_money(nanos: int, places: int = 6) -> str:
-    """Nanos as a decimal amount of the currency, e.g. 1500000000 -> '1.500000'."""
-    q = Decimal(1).scaleb(-places)
-    return format((Decimal(nanos) / NANOS).quantize(q), "f")
+    """Nanos as a decimal amount of the currency, e.g. 1500000000 -> '1.500000' (rounded half
+    to even at ``places``, in integers: this runs on every answer to a budgeted tenant)."""
+    if places >= 9:
+        whole, frac = divmod(abs(nanos), NANOS)
+        return f"{'-' if nanos < 0 else ''}{whole}.{frac:09d}{'0' * (places - 9)}"
+    step = 10 ** (9 - places)
+    q, r = divmod(abs(nanos), step)
+    if r * 2 > step or (r * 2 == step and q % 2):
+        q += 1
+    whole, frac = divmod(q, 10**places)
+    return f"{'-' if nanos < 0 else ''}{whole}.{frac:0{places}d}" if places else f"{'-' if nanos < 0 else ''}{whole}"

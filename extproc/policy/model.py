@@ -362,6 +362,7 @@ class Policy:
     breakers: tuple[BreakerOverride, ...] = ()
     # Derived per tenant on first use; the snapshot is immutable, so this never goes stale.
     _limits: dict[str, tuple[Tenant, Limits]] = field(default_factory=dict, repr=False, compare=False)
+    _priced: list[bool] = field(default_factory=list, repr=False, compare=False)  # all_priced, once
 
     def limits(self, tenant: Tenant) -> Limits:
         cached = self._limits.get(tenant.name)
@@ -379,6 +380,13 @@ class Policy:
             burst_tokens=burst,
             max_concurrency=tenant.max_concurrency if tenant.max_concurrency is not None else tier.max_concurrency,
         )
+
+    def all_priced(self) -> bool:
+        """Every model has a price: a request costs money whatever model it names."""
+        if not self._priced:
+            self._priced.append(all(m.price is not None and (m.price.input or m.price.output) > 0
+                                    for _, m in self.by_model.values()))
+        return self._priced[0]
 
     def budget(self, tenant: Tenant) -> Budget | None:
         """The tenant's budget: its own, else its tier's; None when it has none."""

@@ -103,8 +103,7 @@ class Admission:
         when every model has a price, a free model fits a spent cost budget)."""
         wall = self.rt.wall()
         view = self.rt.budgets.view(self.tenant.name, budget, wall)
-        one = Amount(1, 1 if all(m.price is not None and (m.price.input or m.price.output)
-                                 for _, m in self.policy.by_model.values()) else 0)
+        one = Amount(1, 1 if self.policy.all_priced() else 0)
         if budget.fits(view.used, one) or self._unless_shadowed(Reason.BUDGET, count=False):
             return
         raise self._budget_refusal(refusal_of(view, one, wall, self.policy.gateway.currency), wall)
