@@ -195,6 +195,11 @@ def top_spenders(store: Store, since: float, limit: int = 5) -> list[dict[str, A
                        [since, limit])
 
 
+def first_hour(store: Store, since: float) -> float | None:
+    row = store.one("SELECT MIN(hour) AS h FROM usage_hourly WHERE hour >= ?", [since])
+    return None if row is None or row["h"] is None else float(row["h"])
+
+
 def tokens_by_model(store: Store, since: float) -> dict[str, int]:
     """Tokens served per model since ``since`` (for the cost per million tokens served)."""
     return {r["model"]: r["tokens"] for r in store.query(

@@ -96,7 +96,11 @@ def spenders_context() -> dict[str, Any]:
 
 
 def _gpu_costs(snap: Any, store: Any, since: float, now: float) -> list[dict[str, Any]]:
+    """GPU cost over the window the console has usage for (from its first hour in the last
+    24 h: before it, the console cannot tell what was served), divided by the tokens served."""
     by_model = usage.tokens_by_model(store, since)
+    first = usage.first_hour(store, since)
+    since = max(since, first) if first is not None else now
     out = []
     for b in snap.policy.backends:
         if b.gpu_hour_cost_nanos is None:
@@ -104,7 +108,8 @@ def _gpu_costs(snap: Any, store: Any, since: float, now: float) -> list[dict[str
         tokens = sum(by_model.get(m.name, 0) for m in b.models)
         gpus = max(1, len(b.endpoints))
         cost = b.gpu_hour_cost_nanos * gpus * (now - since) / 3600
-        out.append({"backend": b.name, "gpus": gpus, "tokens": tokens, "cost_nanos": int(cost),
+        out.append({"backend": b.name, "gpus": gpus, "hours": (now - since) / 3600, "tokens": tokens,
+                    "cost_nanos": int(cost),
                     "per_million_nanos": int(cost * 1_000_000 / tokens) if tokens else None})
     return out
 

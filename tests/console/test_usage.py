@@ -123,8 +123,9 @@ def test_the_overview_lists_top_spenders_and_the_cost_per_million_tokens(make_co
     spenders = re.findall(r'<tr id="spender-([a-z-]+)">', page.get_data(as_text=True))
     assert spenders == ["acme", "hobbyist"]
     assert "0.195000 USD" in text and "22 %" in text, "hobbyist's budget: 1100 of 5000 tokens"
-    # 24 h x 2.00 USD for 1,001,100 tokens: 47.947258 per million
-    assert "48.000000 USD" in text and "47.947258 USD" in text
+    # The console has usage from this hour's start on, 800 s ago: 2.00 USD x 800 / 3600 for
+    # 1,001,100 tokens, 0.443956 per million (idle GPU time costs too).
+    assert "0.444444 USD" in text and "0.2 h" in text and "0.443956 USD" in text
 
 
 def test_the_tenants_page_shows_each_budget_s_share_and_its_alerts(make_console: MakeConsole) -> None:
