@@ -37,7 +37,7 @@ async def fleet(url: str, n: int, prefix: str, **kw: Any) -> list[RedisBudgets]:
     for i in range(n):
         st = RedisState(url, replica_id=f"r{i}", prefix=prefix, background=False, socket_timeout_s=0.5)
         assert await st._registered(time.monotonic())
-        out.append(RedisBudgets(st, background=False, **kw))
+        out.append(RedisBudgets(st, **kw))
     return out
 
 

@@ -108,6 +108,13 @@ class BudgetLedgers:
         self.outstanding_t += cost[0]
         self.outstanding_c += cost[1]
 
+    def settle_once(self, hold: BudgetHold, actual: Amount) -> None:
+        """Settle ``hold`` to ``actual``, or fail loudly: a reservation settles exactly once."""
+        if hold.done:
+            raise ValueError("a budget reservation settled twice")
+        hold.done = True
+        self.settled(hold.cost, actual)
+
     def settled(self, cost: Amount, actual: Amount) -> None:
         if cost[0] > self.outstanding_t or cost[1] > self.outstanding_c:
             # Settling more than is in flight means a double settle somewhere: fail loudly.
@@ -198,10 +205,7 @@ class LocalBudgets:
 
     def settle(self, hold: BudgetHold, actual: Amount, wall: float) -> None:
         """The request used ``actual``: in the period it was admitted in, whenever it ends."""
-        if hold.done:
-            raise ValueError("a budget reservation settled twice")
-        hold.done = True
-        self.ledgers.settled(hold.cost, actual)
+        self.ledgers.settle_once(hold, actual)
         book = self._books.get((hold.tenant, hold.key))
         if book is not None:
             book.out_t -= hold.cost[0]

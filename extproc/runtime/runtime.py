@@ -321,6 +321,9 @@ class Runtime:
         self.token_pool.close()
         if self.slot_leases is not None:
             self.slot_leases.release_all_sync(getattr(self.state, "url", None))
+        closer = getattr(self.budgets, "close", None)
+        if closer is not None:
+            closer()  # shared budgets send their last settles
         closer = getattr(self.state, "close", None)
         if closer is not None:
             closer()  # a shared store gets its leases back

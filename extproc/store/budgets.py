@@ -7,7 +7,8 @@ shares). Each replica admits from a lease (room Redis set aside for it, at most
 the end) synchronously; when the lease cannot cover a request, ``admit`` returns an
 awaitable and the request waits for one exchange (``budget_script.BUDGET_EXCHANGE``),
 which carries every request of that tenant waiting at that moment and this replica's
-settles. A background task sends settles within ``flush_s``.
+settles. The store's background task (``RedisState._run``) sends settles within its
+``flush_s``; at shutdown ``close`` sends the last ones.
 
 Redis unreachable (the store breaker open): admission continues from an unexpired
 lease, then from a local share of the room this replica last saw (half of it, split
@@ -26,6 +27,8 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+import redis
 
 from extproc.policy.budget import ZERO, Amount, Budget
 from extproc.policy.budget_ledger import (
@@ -97,14 +100,14 @@ class RedisBudgets:
 
     shared = True
 
-    def __init__(self, state: Any, *, currency: str = "USD", lease_ttl_s: float = 5.0, flush_s: float = 0.05,
-                 slice_fraction: float = 0.05, fail_closed: bool = False, background: bool = True,
-                 wait_s: float = 0.05, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, state: Any, *, currency: str = "USD", lease_ttl_s: float = 5.0,
+                 slice_fraction: float = 0.05, fail_closed: bool = False, wait_s: float = 0.05,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         # ``state``: the RedisState whose client, registry and breaker these budgets share.
         self.state, self.currency = state, currency
         self.client, self.prefix = state.client, state.prefix
-        self.lease_ttl_s, self.flush_s, self.slice_fraction = lease_ttl_s, flush_s, slice_fraction
-        self.fail_closed, self.background, self.clock = fail_closed, background, clock
+        self.lease_ttl_s, self.slice_fraction = lease_ttl_s, slice_fraction
+        self.fail_closed, self.clock = fail_closed, clock
         self.wait_s = wait_s  # an exchange unanswered this long trips the store's breaker
         self.holder = f"{state.registry.replica_id}/{secrets.token_hex(6)}"  # this process, stable across fences
         self._script = self.client.register_script(BUDGET_EXCHANGE)
@@ -112,15 +115,15 @@ class RedisBudgets:
         self._seeds: dict[tuple[str, str], Amount] = {}
         self.ledgers = BudgetLedgers()
         self.exchanges = 0  # round trips that carried a request (for the bench)
-        self._task: asyncio.Task[None] | None = None
-        self._wake: asyncio.Event | None = None
         self._closing = False
+        # Settles and local admissions go out with the store's own flush (its flush_s).
+        state.flushers.append(lambda: self.sync(only_due=True))
         self._loaded = False
 
     # -- the budget seam -------------------------------------------------------------
     def admit(self, tenant: str, budget: Budget, cost: Amount, wall: float,
               force: bool = False) -> BudgetVerdict | Awaitable[BudgetVerdict]:
-        self._ensure_started()
+        self.state.start()  # its background task sends what this admits and settles
         book = self._book(tenant, budget, wall)
         now = self.clock()
         book.touched = now
@@ -136,15 +139,12 @@ class RedisBudgets:
         return self._remote(book, cost, wall)
 
     def settle(self, hold: BudgetHold, actual: Amount, wall: float) -> None:
-        if hold.done:
-            raise ValueError("a budget reservation settled twice")
-        hold.done = True
-        self.ledgers.settled(hold.cost, actual)
+        self.ledgers.settle_once(hold, actual)
         book = self._books.get((hold.tenant, hold.key))
         if book is not None:
             book.o = book.o.minus(hold.cost)
             book.s = book.s.plus(actual)
-            book.dirty = True  # sent within flush_s
+            book.dirty = True  # sent with the store's next flush
 
     def view(self, tenant: str, budget: Budget, wall: float) -> BudgetView:
         span = budget.span(wall)
@@ -243,6 +243,9 @@ class RedisBudgets:
         return [self.holder, "", " ".join(map(repr, nums)), book.gen,
                 " ".join(f"{c.tokens}:{c.nanos}" for c in costs)]
 
+    def _key(self, book: _Book) -> str:
+        return f"{self.prefix}:bud:{book.tenant}:{book.key}"
+
     def _begin(self, book: _Book) -> None:
         """Send one exchange carrying every request of this book waiting now; the lease goes back."""
         waiters, book.waiters = book.waiters, []
@@ -274,7 +277,7 @@ class RedisBudgets:
         due = loop.time() + self.wait_s
         watchdog = loop.call_at(due, self._overdue, book, waiters, due, loop)
         try:
-            reply = await self._script(keys=[f"{self.prefix}:bud:{book.tenant}:{book.key}"], args=args)
+            reply = await self._script(keys=[self._key(book)], args=args)
         except STORE_ERRORS as exc:
             book.inflight, book.dirty = None, True
             self.state.trip(f"budget exchange: {type(exc).__name__}: {exc}")
@@ -341,33 +344,7 @@ class RedisBudgets:
             if not fut.done():
                 fut.set_result(None)
 
-    # -- the background task ----------------------------------------------------------
-    def _ensure_started(self) -> None:
-        if self._task is not None or not self.background or self._closing:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        self._wake = asyncio.Event()
-        self._task = loop.create_task(self._run())
-
-    def _poke(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
-
-    async def _run(self) -> None:
-        assert self._wake is not None
-        while not self._closing:
-            if self.state.up:
-                try:
-                    await self.sync(only_due=True)
-                except Exception:  # noqa: BLE001 - a bug here must not stop the settles being sent
-                    log.exception("budgets: sync failed")
-            self._wake.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.flush_s)
-
+    # -- sending ------------------------------------------------------------------------
     async def sync(self, only_due: bool = False) -> None:
         """One exchange for each book with something to send (every book: ``only_due`` False)."""
         wall, tasks = time.time(), []
@@ -382,12 +359,26 @@ class RedisBudgets:
             await asyncio.wait(tasks)
 
     async def aclose(self) -> None:
-        """Send what is unsent and stop (leases expire by themselves within their ttl)."""
+        """Send what is unsent (leases expire by themselves within their ttl)."""
         self._closing = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
         if self.state.up:
             with contextlib.suppress(*STORE_ERRORS):
                 await self.sync(only_due=True)
+
+    def close(self) -> None:
+        """At shutdown, without an event loop: the settles not yet sent, through a blocking
+        client (else their reservations would stay counted as spent for the period)."""
+        self._closing = True
+        url = getattr(self.state, "url", None)
+        dirty = [b for b in self._books.values() if b.dirty and b.inflight is None]
+        if url is None or not dirty:
+            return
+        try:
+            c = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+            script = c.register_script(BUDGET_EXCHANGE)
+            for book in dirty:
+                book.seq += 1
+                script(keys=[self._key(book)], args=self._args(book, [], want=False))
+            c.close()
+        except (redis.RedisError, OSError) as exc:
+            log.warning("budgets: settles not sent at shutdown (%s); their reservations stay counted", exc)

@@ -87,6 +87,8 @@ class RedisState(Exchanges):
         self._register: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._closing = False
+        # Others sharing this connection (budgets) send what they hold within flush_s too.
+        self.flushers: list[Callable[[], Awaitable[None]]] = []
 
     @property
     def up(self) -> bool:
@@ -322,6 +324,11 @@ class RedisState(Exchanges):
                     self._answered()
             if self.up:
                 await self.sync(self.clock(), only_due=True)
+                for flush in self.flushers:
+                    try:
+                        await flush()
+                    except Exception:  # noqa: BLE001 - one user's bug must not stop the others' flushes
+                        log.exception("state store: a flush failed")
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.flush_s):
