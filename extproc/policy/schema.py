@@ -34,13 +34,13 @@ from extproc.policy.model import (
     hash_key,
 )
 from extproc.policy.reader import Locator, PolicyError, Problem, Reader
+from extproc.policy.schema_breakers import read_breakers
 from extproc.policy.schema_parse import (
     ENGINES,
     KNOWN_ENCODINGS,
     MAX_QUEUE_WAIT_MS,
     SHADOW_RULES,
     _backends,
-    _breakers,
     _cross_checks,
     _gateway,
     _tenants,
@@ -66,8 +66,8 @@ def build_policy(doc: Mapping[str, Any], locate: Locator | None = None) -> Polic
     backends = _backends(r, doc.get("backends"))
     tiers = _tiers(r, doc.get("tiers", {}))
     tenants, by_key = _tenants(r, doc.get("tenants", []), tiers)
-    breakers = _breakers(r, doc.get("breakers"), {b.name: {m.name for m in b.models} for b in backends},
-                         {b.name: [e.key for e in b.endpoints] for b in backends})
+    breakers = read_breakers(r, doc.get("breakers"), {b.name: {m.name for m in b.models} for b in backends},
+                             {b.name: [e.key for e in b.endpoints] for b in backends})
     by_model = _cross_checks(r, backends, tiers, gateway)
     if r.problems:
         raise PolicyError(r.problems)

@@ -8,6 +8,7 @@ is refused rather than rounded. The time zone is an IANA name, resolved once her
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -17,7 +18,7 @@ from extproc.policy.budget import ALERTS, NANOS, Budget, Price
 from extproc.policy.period import PERIODS
 from extproc.policy.reader import Path, Reader
 
-__all__ = ["BUDGET_FIELDS", "PRICE_FIELDS", "read_budget", "read_money", "read_price"]
+__all__ = ["BUDGET_FIELDS", "PRICE_FIELDS", "read_budget", "read_currency", "read_money", "read_price"]
 
 BUDGET_FIELDS = ("period", "time_zone", "tokens", "cost", "alerts")
 PRICE_FIELDS = ("input", "output", "cached_input")
@@ -98,3 +99,12 @@ def read_budget(r: Reader, doc: Any, path: Path, *, may_disable: bool) -> Budget
     budget = Budget(period=period or "month", tokens=tokens, cost_nanos=cost,
                     alerts=_alerts(r, m.get("alerts"), (*path, "alerts")))
     return budget if zone is None else Budget(budget.period, zone, budget.tokens, budget.cost_nanos, budget.alerts)
+
+
+def read_currency(r: Reader, m: Mapping[str, Any], path: Path) -> str:
+    """The gateway's ``currency``: a three-letter code, upper-cased (a label; never converted)."""
+    v = r.get(m, path, "currency", str, "USD")
+    if not re.fullmatch(r"[A-Za-z]{3}", v or ""):
+        r.fail((*path, "currency"), f"expected a three-letter currency code (USD, EUR, ...), got {v!r}")
+        return "USD"
+    return str(v).upper()
