@@ -179,3 +179,32 @@ def test_a_spent_cost_budget_is_refused_at_the_headers_unless_a_model_is_free(fr
     else:
         assert immediate(out)[1]["x-sluice-reason"] == "budget"
     rt.close()
+
+
+def failed(status: int) -> pb.ProcessingRequest:
+    raw = json.dumps({"error": {"message": "out of memory", "type": "server_error"}}).encode()
+    r = pb.ProcessingRequest(response_body=pb.HttpBody(body=raw, end_of_stream=True))
+    r.attributes["envoy.filters.http.ext_proc"].fields["response.code"].number_value = status
+    return r
+
+
+@pytest.mark.parametrize("ending", ["reported", "estimated", "failed"])
+def test_the_budget_is_charged_what_tpm_charged(ending: str) -> None:
+    """One charge for both books (extproc.policy.charge): a tenant's spend is what its
+    TPM settle says the engine processed, on every basis, not a second estimate."""
+    rt, _ = runtime(policy({"period": "day", "tokens": 10_000}))
+    tail = {"reported": [answer(9, 4)], "estimated": [], "failed": [failed(500)]}[ending]
+    asyncio.run(exchange(rt, headers(**CHAT), chat(20), *tail))  # "estimated": cut before any answer
+    [record] = rt.settle_log.report()["requests"]
+    assert record["basis"] == ending
+    budget = rt.policy.budget(rt.policy.tenants["a"])
+    assert budget is not None
+    used = rt.budgets.view("a", budget, WALL).used
+    assert used.tokens == record["charged"]
+    assert used.tokens == {"reported": 13, "estimated": record["reserved"], "failed": 0}[ending]
+    # Priced by the engine's own split when it reported one; else the counted prompt at the
+    # input price and the rest at the output price.
+    prompt = 9 if ending == "reported" else min(record["prompt"], record["charged"])
+    assert used.nanos == prompt * 1000 + (record["charged"] - prompt) * 2000
+    assert rt.budgets.ledgers.balanced() and rt.budgets.ledgers.outstanding_t == 0
+    rt.close()
