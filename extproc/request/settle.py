@@ -7,8 +7,8 @@ runs on every way the stream ends: it charges the tenant what the request used (
 usage the backend reported, Envoy's usage record, or an estimate) and refunds the rest
 of the pre-charge, releases the slot and KV, reports the outcome to the breakers that
 let it through, and feeds the latency observations. A prompt refused after it was
-counted is charged as spent (``charge_refused``). A budget's reservation settles to what
-the request used, priced (``budgeted``), and the usage goes into the tenant's history.
+counted is charged as spent (``charge_refused``). A budget's reservation (``budgeted``)
+settles to the same charge, priced, and the usage goes into the tenant's history.
 """
 
 from __future__ import annotations
