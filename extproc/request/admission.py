@@ -24,20 +24,18 @@ from dataclasses import dataclass
 from extproc.backends.hold import Hold
 from extproc.backends.queue import Expired, Waiter
 from extproc.openai_api.body import ParsedRequest
-from extproc.openai_api.errors import budget_headers, ratelimit_headers, retry_after_headers
+from extproc.openai_api.errors import ratelimit_headers, retry_after_headers
 from extproc.openai_api.prefix_key import prefix_keys
 from extproc.policy import decision, ladder
 from extproc.policy import kv as kvmath
 from extproc.policy.admit import SlotRequest
 from extproc.policy.breaker import Outcome
-from extproc.policy.budget import Amount, Budget, reservation
-from extproc.policy.budget_ledger import BudgetVerdict, BudgetView
-from extproc.policy.budget_ledger import refusal as refusal_of
 from extproc.policy.context import completion_budget, input_too_long
 from extproc.policy.gate import Verdict
 from extproc.policy.reasons import Reason
 from extproc.policy.schema import Backend, Limits, Model, Policy, Tenant, Tier
 from extproc.request import observe
+from extproc.request.budget_charge import BudgetCharge
 from extproc.request.refusal import Refusal
 from extproc.request.settle import Settlement
 from extproc.request.ticket import Ticket
@@ -70,7 +68,9 @@ class Admission:
         self.rt, self.policy, self.tenant, self.limits, self.peer = rt, policy, tenant, limits, peer
         self.settlement = settlement
         self.tier = policy.tiers[tenant.tier]
-        self.budget = policy.budget(tenant)
+        budget = policy.budget(tenant)
+        self.budget = None if budget is None else BudgetCharge(rt, policy, tenant, budget, settlement,
+                                                               self._unless_shadowed)
 
     def _unless_shadowed(self, reason: Reason, count: bool = True) -> bool:
         """True when ``reason``'s rule is shadowed for this tier: counted (``count``), not refused."""
@@ -86,7 +86,7 @@ class Admission:
         """Refuse a tenant that cannot pay for one token now, before its body is read or tokenized.
         Shadowed, it goes on unrecorded: the charge decides and records it once."""
         if self.budget is not None:
-            self._budget_precheck(self.budget)
+            self.budget.precheck()
         v = self.rt.state.peek(self.tenant.name, self.limits, 1, now)
         if v.admitted:
             return
@@ -97,49 +97,6 @@ class Admission:
             f"Rate limit reached: {self.limits.tpm} tokens per minute, and this key's token budget is spent "
             "(prompts refused after counting are charged too).")
         raise self._rate_refusal(v, message)
-
-    def _budget_precheck(self, budget: Budget) -> None:
-        """A spent budget: refused as the admission would, before the body (one token; money only
-        when every model has a price, a free model fits a spent cost budget)."""
-        wall = self.rt.wall()
-        view = self.rt.budgets.view(self.tenant.name, budget, wall)
-        one = Amount(1, 1 if self.policy.all_priced() else 0)
-        if budget.fits(view.used, one) or self._unless_shadowed(Reason.BUDGET, count=False):
-            return
-        raise self._budget_refusal(refusal_of(view, one, wall, self.policy.gateway.currency), wall)
-
-    def _budget_refusal(self, v: BudgetVerdict, wall: float) -> Refusal:
-        assert v.reason is not None
-        extra = budget_headers(v.view, wall)
-        if v.retry_after_s is not None:
-            extra.update(retry_after_headers(v.retry_after_s))
-        code = "service_unavailable" if v.reason is Reason.STATE_STORE_DOWN else "rate_limit_exceeded"
-        return Refusal(v.reason, v.message, code=code, headers=extra)
-
-    async def _charge_budget(self, ticket: Ticket, req: ParsedRequest, prompt: int) -> None:
-        """Reserve the request's worst case in the tenant's current period (n x the completion
-        Sluice enforces upstream, every prompt token at the uncached price), or refuse; shadowed,
-        reserve it past the budget (the books stay honest) and go on."""
-        budget, wall = self.budget, self.rt.wall()
-        assert budget is not None
-        cost = reservation(prompt, req.n * ticket.completion, ticket.model.price)
-        v = self.rt.budgets.admit(self.tenant.name, budget, cost, wall)
-        if not isinstance(v, BudgetVerdict):
-            v = await v  # a shared store's lease was short: one round trip
-        if not v.admitted and v.reason is not None and self._unless_shadowed(v.reason):
-            forced = self.rt.budgets.admit(self.tenant.name, budget, cost, wall, force=True)
-            assert isinstance(forced, BudgetVerdict)  # a forced reservation never waits for a store
-            v = forced
-        if not v.admitted or v.hold is None:
-            raise self._budget_refusal(v, wall)
-        self.settlement.budgeted(v.hold)
-        ticket.budget = v.view
-
-    def budget_view(self) -> BudgetView | None:
-        """Where the tenant stands in its budget's current period (None: it has no budget)."""
-        if self.budget is None:
-            return None
-        return self.rt.budgets.view(self.tenant.name, self.budget, self.rt.wall())
 
     def _rate_refusal(self, v: Verdict, message: str) -> Refusal:
         assert v.reason is not None
@@ -165,7 +122,7 @@ class Admission:
         reserve = observe.completion_tokens(self.rt, ticket, self.tenant.name, self.tenant.tier)
         cost = prompt + req.n * reserve.tpm_completion
         if self.budget is not None:
-            await self._charge_budget(ticket, req, prompt)
+            await self.budget.reserve(ticket, req, prompt)
         verdict = self._charge(ticket, cost, now)
         if not isinstance(verdict, Verdict):
             verdict = await verdict  # a shared store's lease was short: one round trip
