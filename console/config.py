@@ -28,6 +28,8 @@ class ConsoleConfig:
     # their row is deleted after replica_forget_after_s.
     replica_hide_after_s: float = 300.0
     replica_forget_after_s: float = 3600.0
+    # Usage history per tenant, model and hour (console.usage) is kept this long.
+    usage_retention_days: float = 90.0
     # Login throttling (console.throttle): see Throttle for the meaning of each.
     login_free_failures: int = 5
     login_addr_free_failures: int = 20

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from console import breaker_events, ttft
+from console import breaker_events, ttft, usage
 from console.pool_views import (
     AffinityView,
     EndpointView,
@@ -34,9 +34,10 @@ def _counters(value: Any) -> dict[str, int]:
 
 
 def ingest(store: Store, replica: str, status: Mapping[str, Any], now: float,
-           known: set[str] | None = None) -> None:
+           known: set[str] | None = None, tenants: set[str] | None = None) -> None:
     """Store a report; samples and breaker history only for the ``known`` backends (the
-    policy's), so made-up backend names cost one stored report, not rows every second."""
+    policy's), so made-up backend names cost one stored report, not rows every second;
+    usage history and budget spend only for the policy's ``tenants`` (console.usage)."""
     with store.write() as db:
         # Read inside the transaction: the increments are against exactly the previous report.
         prev_rows = list(db.query("SELECT status FROM replicas WHERE id = ?", [replica]))
@@ -58,6 +59,7 @@ def ingest(store: Store, replica: str, status: Mapping[str, Any], now: float,
                     _sample(db, now, replica, endpoint_series_key(str(name), e["address"]), e)
             before = as_map(as_map(prev.get("backends")).get(name))
             breaker_events.record(db, now, replica, str(name), b, before)
+        usage.ingest(db, status, prev, now, tenants)
         prev_tenants = as_map(prev.get("tenants"))
         for tenant, t in as_map(status.get("tenants")).items():
             old = as_map(prev_tenants.get(tenant))
@@ -82,9 +84,12 @@ FORGET_AFTER_S = 3600.0
 HIDE_AFTER_S = 300.0
 
 
-def prune(store: Store, now: float, forget_after: float = FORGET_AFTER_S) -> None:
-    """Old samples and events go, and so do replicas silent for ``forget_after`` seconds."""
+def prune(store: Store, now: float, forget_after: float = FORGET_AFTER_S,
+          usage_retention_days: float = usage.RETENTION_DAYS) -> None:
+    """Old samples and events go, and so do replicas silent for ``forget_after`` seconds;
+    usage history after ``usage_retention_days``."""
     with store.write() as db:
+        usage.prune(db, now, usage_retention_days)
         db.execute("DELETE FROM replicas WHERE last_seen < ?", [now - forget_after])
         db.execute("DELETE FROM kv_samples WHERE at < ?", [now - SAMPLE_KEEP_S])
         db.execute("DELETE FROM tenant_events WHERE at < ?", [now - SAMPLE_KEEP_S])

@@ -173,12 +173,57 @@ def _breaker_scopes(db: Database) -> None:
     """)
 
 
+def _usage(db: Database) -> None:
+    _statements(db, """
+    -- What each tenant used per model and UTC hour (the hour's start, epoch seconds): the
+    -- increments of the replicas' cumulative counts (console.usage), kept for the
+    -- configured retention. Refusals by reason in their own table.
+    CREATE TABLE usage_hourly (
+        tenant TEXT NOT NULL,
+        model TEXT NOT NULL,
+        hour INTEGER NOT NULL,
+        requests INTEGER NOT NULL DEFAULT 0,
+        prompt_tokens INTEGER NOT NULL DEFAULT 0,
+        completion_tokens INTEGER NOT NULL DEFAULT 0,
+        cached_tokens INTEGER NOT NULL DEFAULT 0,
+        spend_nanos INTEGER NOT NULL DEFAULT 0,
+        refused INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (tenant, model, hour)
+    );
+    CREATE INDEX usage_hourly_hour ON usage_hourly (hour);
+    CREATE TABLE usage_refusals (
+        tenant TEXT NOT NULL,
+        model TEXT NOT NULL,
+        hour INTEGER NOT NULL,
+        reason TEXT NOT NULL,
+        count INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (tenant, model, hour, reason)
+    );
+    -- The durable copy of each budget period's spend: the highest settled total any replica
+    -- reported (a replica, or Redis, that lost the count starts again from it).
+    CREATE TABLE budget_spend (
+        tenant TEXT NOT NULL,
+        period TEXT NOT NULL,    -- e.g. day:Europe/Berlin:2025-03-10
+        start REAL NOT NULL,
+        end REAL NOT NULL,
+        settled_tokens INTEGER NOT NULL DEFAULT 0,
+        settled_nanos INTEGER NOT NULL DEFAULT 0,
+        used_tokens INTEGER NOT NULL DEFAULT 0,
+        used_nanos INTEGER NOT NULL DEFAULT 0,
+        updated_at REAL NOT NULL,
+        PRIMARY KEY (tenant, period)
+    );
+    CREATE INDEX budget_spend_end ON budget_spend (end)
+    """)
+
+
 MIGRATIONS: list[Migration] = [
     (1, "initial schema", _initial),
     (2, "server-side sessions and login throttling", _sessions),
     (3, "tenants and keys as overrides", _tenant_overrides),
     (4, "TTFT bucket increments per backend and tier", _ttft_samples),
     (5, "endpoint and tenant breakers in the breaker history", _breaker_scopes),
+    (6, "usage history per tenant, model and hour; budget periods' spend", _usage),
 ]
 
 

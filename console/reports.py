@@ -20,6 +20,9 @@ MAX_BACKENDS = 256
 MAX_TENANTS = 2000
 MAX_KEYS = 256  # entries of any other mapping or list (reasons, tiers, ...)
 MAX_STRING = 256  # characters of any key or string value
+# Lists that grow with the tenants rather than with a replica's structure: usage per
+# tenant, model and hour (extproc.runtime.usage_history), budget periods per tenant.
+WIDE_LISTS = {"usage.rows": 4 * MAX_TENANTS, "budgets.periods": MAX_TENANTS}
 
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
@@ -123,7 +126,7 @@ def _walk(value: Any, path: str, top: bool = False) -> Violation | None:
                 return found
         return None
     if isinstance(value, list):
-        if len(value) > MAX_KEYS:
+        if len(value) > WIDE_LISTS.get(path, MAX_KEYS):
             return Violation("report_too_wide", f"a list in a status report has at most {MAX_KEYS} items, "
                              f"got {len(value)}", path)
         for i, v in enumerate(value):

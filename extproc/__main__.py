@@ -67,6 +67,11 @@ async def _serve(args: argparse.Namespace) -> int:
             await asyncio.wait_for(client.fetch_policy_once(), timeout=5)
         except Exception as exc:  # noqa: BLE001 - any failure: start from files, keep polling
             print(f"console not reachable at start ({exc}); using {args.policy} until it is", flush=True)
+        else:
+            try:
+                await asyncio.wait_for(client.fetch_spend_once(), timeout=5)
+            except Exception as exc:  # noqa: BLE001 - the status reports bring it later
+                print(f"budget spend not read from the console at start ({exc})", flush=True)
     leases = None
     if runtime.slot_leases is not None:
         # A replica admits from its leased part of each backend's pool: lease before serving.

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from extproc.policy.budget import Budget, Price
 from extproc.policy.schema import (
     AdaptiveSettings,
     Backend,
@@ -430,7 +431,9 @@ def test_cli_hash_key() -> None:
 
 # Dataclass fields whose YAML spelling differs.
 YAML_NAMES = {(Backend, "host"): "address", (Backend, "port"): "address", (Tenant, "key_hashes"): "keys",
-              (Endpoint, "host"): "address", (Endpoint, "port"): "address"}
+              (Endpoint, "host"): "address", (Endpoint, "port"): "address",
+              (Backend, "gpu_hour_cost_nanos"): "gpu_hour_cost", (Budget, "zone"): "time_zone",
+              (Budget, "cost_nanos"): "cost"}
 
 
 POLICY_REFERENCE = REPO / "docs" / "policy.md"
@@ -448,8 +451,8 @@ def test_policy_reference_documents_every_policy_field() -> None:
     section = policy_reference()
     missing = []
     for cls in (Gateway, Model, Backend, Tier, Tenant, WatermarkSettings, BreakerSettings, Degrade,
-                BreakerOverride, AdaptiveSettings, Endpoint, PlacementSettings):
-        for f in dataclasses.fields(cls):
+                BreakerOverride, AdaptiveSettings, Endpoint, PlacementSettings, Budget, Price):
+        for f in (f for f in dataclasses.fields(cls) if f.init):  # derived fields are not YAML
             name = YAML_NAMES.get((cls, f.name), f.name)
             if not re.search(rf"\b{re.escape(name)}\b", section):
                 missing.append(f"{cls.__name__}.{f.name}" + (f" ({name})" if name != f.name else ""))

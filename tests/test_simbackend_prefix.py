@@ -186,11 +186,15 @@ def test_http_repeated_system_prompt_hits_and_metrics_say_so() -> None:
         app = create_app(SimConfig(time_scale=20.0, prefix_caching=True))
         async with TestClient(TestServer(app)) as client:
             system = "You are a careful assistant. " * 200  # ~1,200 tokens
+            cached = []
             for q in ("What is KV?", "What is a block?"):
                 r = await client.post("/v1/chat/completions", json={
                     "model": "m", "max_tokens": 2,
                     "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]})
                 assert r.status == 200
+                cached.append((await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"])
+            # The usage says what hit, as vLLM's prompt_tokens_details does (priced apart by budgets).
+            assert cached[0] == 0 and cached[1] >= 1100 and cached[1] % 16 == 0
             text = await (await client.get("/metrics")).text()
             queries = float(re.search(r'^vllm:prefix_cache_queries_total\{[^}]*\} (\S+)$', text, re.M).group(1))
             hits = float(re.search(r'^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$', text, re.M).group(1))

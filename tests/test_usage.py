@@ -375,3 +375,17 @@ def test_an_embeddings_body_is_read_for_its_trailing_usage_only() -> None:
     tail = b'{"data": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}'
     assert usage_in_tail(tail) == Usage(3, 2)
     assert usage_in_tail(b'{"data": []}') is None
+
+
+def test_cached_prompt_tokens_are_read_where_the_engine_reports_them() -> None:
+    from extproc.openai_api.usage import usage_from
+
+    got = usage_from({"usage": {"prompt_tokens": 100, "completion_tokens": 5,
+                                "prompt_tokens_details": {"cached_tokens": 64}}})
+    assert got is not None and (got.prompt_tokens, got.completion_tokens, got.cached_tokens) == (100, 5, 64)
+    odd = usage_from({"usage": {"prompt_tokens": 10, "completion_tokens": 5,
+                                "prompt_tokens_details": {"cached_tokens": 640}}})
+    assert odd is not None and odd.cached_tokens == 10, "never more than the prompt"
+    assert usage_from({"usage": {"prompt_tokens": 10, "completion_tokens": 5}}).cached_tokens == 0  # type: ignore[union-attr]
+    none = usage_from({"usage": {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": True}}})
+    assert none is not None and none.cached_tokens == 0

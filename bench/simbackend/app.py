@@ -231,7 +231,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     )
     seq.block_hashes = hashes
     handle = st.scheduler.submit(seq)
-    job = Job(request, handle, kind, req.model or st.config.model, req, sim, prompt)
+    job = Job(request, handle, kind, req.model or st.config.model, req, sim, prompt, caching=caching)
     try:
         if req.stream:
             return await (stream_responses(job) if kind == "responses" else stream(job))

@@ -25,6 +25,7 @@ class Job:
     sim: SimHeaders
     prompt_tokens: int
     embedding_dim: int = 8
+    caching: bool = False  # the engine caches prefixes: usage says how much of the prompt hit
 
     @property
     def finish_reason(self) -> str:
@@ -33,7 +34,8 @@ class Job:
     def usage(self) -> dict[str, int] | None:
         if self.sim.usage_none:
             return None
-        return fmt.usage(self.prompt_tokens, self.handle.visible * self.req.choices)
+        cached = self.handle.seq.cache_hit_tokens if self.caching else None
+        return fmt.usage(self.prompt_tokens, self.handle.visible * self.req.choices, cached)
 
     def responses_usage(self, output_tokens: int) -> dict[str, object] | None:
         return None if self.sim.usage_none else fmt.responses_usage(self.prompt_tokens, output_tokens)

@@ -13,8 +13,9 @@ from console.views import (
     overview,
     tenants,
     tiers,
+    usage,
     users,
 )
 
 BLUEPRINTS = [auth.bp, overview.bp, tenants.bp, keys.bp, tiers.bp, breakers.bp,
-              endpoint_breakers.bp, audit.bp, users.bp, export.bp, api.bp]
+              endpoint_breakers.bp, audit.bp, users.bp, export.bp, usage.bp, api.bp]

@@ -6,8 +6,11 @@
     ``If-None-Match`` the answer is held until the policy changes or the time is up,
     so a change reaches every replica within about a second without polling fast.
 ``POST /api/v1/replicas/<id>/status``
-    the replica's live state (see ``console.live``); answers ``{"policy_etag": ...}``
-    so a replica can tell it is behind.
+    the replica's live state (see ``console.live``); answers ``{"policy_etag": ...,
+    "budget_spend": [...]}`` so a replica can tell it is behind, and has the durable copy
+    of the current budget periods' spend (``console.usage``).
+``GET /api/v1/budgets``
+    that copy alone: a replica reads it once before serving.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 
 from flask import Blueprint, Response, jsonify, request
 
-from console import live, reports
+from console import live, reports, usage
 from console.policystate import NoPolicy, Snapshot
 from console.views.common import sluice
 
@@ -82,18 +85,24 @@ def status(replica: str) -> Response | tuple[Response, int]:
     s = sluice()
     now = s.now()
     try:
-        known: set[str] | None = {b.name for b in s.state.snapshot().policy.backends}
+        snap = s.state.snapshot()
+        known: set[str] | None = {b.name for b in snap.policy.backends}
+        tenants: set[str] | None = set(snap.policy.tenants)
+        etag: str | None = snap.etag
     except NoPolicy:
-        known = None
-    live.ingest(s.store, replica, body, now, known)
+        known = tenants = etag = None
+    live.ingest(s.store, replica, body, now, known, tenants)
     if now - s.last_prune > PRUNE_EVERY_S:
         s.last_prune = now
-        live.prune(s.store, now, forget_after=s.config.replica_forget_after_s)
-    try:
-        etag: str | None = s.state.snapshot().etag
-    except NoPolicy:
-        etag = None
-    return jsonify({"ok": True, "policy_etag": etag})
+        live.prune(s.store, now, forget_after=s.config.replica_forget_after_s,
+                   usage_retention_days=s.config.usage_retention_days)
+    return jsonify({"ok": True, "policy_etag": etag, "budget_spend": usage.current_spend(s.store, now)})
+
+
+@bp.get("/budgets")
+def budgets() -> Response:
+    s = sluice()
+    return jsonify({"budget_spend": usage.current_spend(s.store, s.now())})
 
 
 @bp.get("/replicas")

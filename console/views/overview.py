@@ -11,6 +11,7 @@ from console.pool_views import endpoint_series_key
 from console.security import is_htmx
 from console.views.breakers import backend_manual, manual_by_endpoint
 from console.views.common import region, sluice, snapshot
+from console.views.usage import spenders_context
 
 bp = Blueprint("overview", __name__)
 SPARK_WINDOW_S = 15 * 60
@@ -67,7 +68,7 @@ def _ttft_rows(store: Any, backend: str, now: float, slos: dict[str, Any]) -> li
 
 @bp.get("/")
 def page() -> tuple[str, int]:
-    return region("overview.html", "overview.html", **_context())
+    return region("overview.html", "overview.html", **_context(), **spenders_context())
 
 
 @bp.get("/overview/backends")

@@ -7,7 +7,7 @@ from typing import Any
 from flask import Blueprint
 from werkzeug.wrappers import Response
 
-from console import live, validation
+from console import live, usage, validation
 from console.overrides import TENANT_FIELDS
 from console.security import operator_required
 from console.views._forms import RowEditor, posted
@@ -39,7 +39,26 @@ def _context(**extra: Any) -> dict[str, Any]:
     reps = live.replicas(s.store, now, s.config.stale_after_s, s.config.replica_hide_after_s)
     return {"rows": _rows(), "tiers": sorted(snap.policy.tiers) if snap else [],
             "live": live.tenant_live(s.store, reps, now - LIVE_WINDOW_S), "window_min": LIVE_WINDOW_S // 60,
+            "budgets": _budget_shares(snap, s.store, now),
             "editing": {}, "new_form": {}, "new_errors": {}, "keys_tenant": None, **extra}
+
+
+def _budget_shares(snap: Any, store: Any, now: float) -> dict[str, dict[str, Any]]:
+    """Per budgeted tenant: its budget's period, the share used and the alerts reached."""
+    if snap is None:
+        return {}
+    from extproc.policy.budget import Amount
+
+    found = usage.standings(store, now)
+    out = {}
+    for t in snap.policy.tenants.values():
+        b = snap.policy.budget(t)
+        if b is None:
+            continue
+        st = found.get(t.name)
+        share = b.used_fraction(Amount(st.used_tokens, st.used_nanos)) if st is not None else 0.0
+        out[t.name] = {"period": b.period, "share": share, "alerts": [a for a in b.alerts if share >= a]}
+    return out
 
 
 EDITOR = RowEditor(scope="tenant", index="tenants.page", page="tenants.html", row_template="_tenant_row.html",

@@ -9,6 +9,8 @@ import json
 import math
 import random
 
+from extproc.policy.budget import format_money
+from extproc.policy.budget_ledger import BudgetView
 from extproc.policy.gate import RateView
 
 
@@ -56,6 +58,28 @@ def retry_after_headers(seconds: float, jitter: float | None = None) -> dict[str
     u = _rng.random() if jitter is None else min(max(jitter, 0.0), 1.0)
     delay = max(seconds, 0.0) + u * jitter_bound(seconds)
     return {"retry-after": str(max(1, math.ceil(delay))), "retry-after-ms": str(max(1, math.ceil(delay * 1000)))}
+
+
+# Where a tenant with a budget stands in its period, on every answer it gets (docs/budgets.md).
+BUDGET_HEADERS = ("x-ratelimit-limit-budget-tokens", "x-ratelimit-remaining-budget-tokens",
+                  "x-ratelimit-limit-budget-cost", "x-ratelimit-remaining-budget-cost", "x-ratelimit-reset-budget",
+                  "x-sluice-budget-period")
+
+
+def budget_headers(view: BudgetView, wall: float) -> dict[str, str]:
+    """The budget's limit and what is left of it (not yet spent or reserved), per limited unit;
+    the time to the next period; the period counted."""
+    b, left = view.budget, view.remaining
+    out = {}
+    if b.tokens is not None:
+        out["x-ratelimit-limit-budget-tokens"] = str(b.tokens)
+        out["x-ratelimit-remaining-budget-tokens"] = str(left.tokens)
+    if b.cost_nanos is not None:
+        out["x-ratelimit-limit-budget-cost"] = b.cost_text
+        out["x-ratelimit-remaining-budget-cost"] = format_money(left.nanos)
+    out["x-ratelimit-reset-budget"] = format_duration(view.span.remaining_s(wall))
+    out["x-sluice-budget-period"] = view.key
+    return out
 
 
 def ratelimit_headers(tokens: RateView, requests: RateView) -> dict[str, str]:

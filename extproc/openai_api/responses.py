@@ -36,6 +36,7 @@ class InvalidInput(ValueError):
 class ResponsesUsage(NamedTuple):
     input_tokens: int
     output_tokens: int
+    cached_tokens: int = 0  # input_tokens_details.cached_tokens, where the engine reports it
 
 
 class PromptParts(NamedTuple):
@@ -143,7 +144,9 @@ def _usage(u: Any) -> ResponsesUsage | None:
     total = u.get("total_tokens")
     if o == 0 and _count(total) and total > i:
         o = total - i
-    return ResponsesUsage(i, o)
+    details = u.get("input_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return ResponsesUsage(i, o, min(cached, i) if _count(cached) else 0)
 
 
 def usage_of_body(obj: Any) -> ResponsesUsage | None:

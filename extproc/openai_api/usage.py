@@ -25,6 +25,7 @@ MAX_HELD_EVENT = 1 << 20  # the most of one unfinished SSE event held back  # no
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt, served from the engine's prefix cache (priced apart)
 
     @property
     def total(self) -> int:
@@ -49,11 +50,13 @@ def usage_from(obj: Any) -> Usage | None:
     total = u.get("total_tokens")
     if c == 0 and _count(total) and total > p:
         c = total - p
-    return Usage(p, c)
+    details = u.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(p, c, min(cached, p) if _count(cached) else 0)
 
 
 def _from_responses(u: responses_api.ResponsesUsage | None) -> Usage | None:
-    return None if u is None else Usage(u.input_tokens, u.output_tokens)
+    return None if u is None else Usage(u.input_tokens, u.output_tokens, u.cached_tokens)
 
 
 def _choice_texts(obj: dict[str, Any]) -> list[str]:

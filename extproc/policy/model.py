@@ -12,10 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from extproc.policy.breaker_config import BreakerConfig
+from extproc.policy.budget import Budget, Price
 
-__all__ = ["AdaptiveSettings", "Backend", "Endpoint", "BreakerOverride", "BreakerSettings",
-           "Degrade", "EdgeSettings", "Gateway", "Limits", "Model", "Policy", "Tenant", "Tier",
-           "WatermarkSettings", "hash_key", "KV_RESERVATIONS", "PROBES", "TPM_PRECHARGES"]
+__all__ = ["AdaptiveSettings", "Backend", "Budget", "Price", "Endpoint", "BreakerOverride",
+           "BreakerSettings", "Degrade", "EdgeSettings", "Gateway", "Limits", "Model", "Policy",
+           "Tenant", "Tier", "WatermarkSettings", "hash_key", "KV_RESERVATIONS", "PROBES",
+           "TPM_PRECHARGES"]
 
 KV_RESERVATIONS = ("worst_case", "learned")
 PROBES = ("completions", "chat", "embeddings", "health")
@@ -96,6 +98,7 @@ class Gateway:
     # "streamed": every response chunk goes through extproc (per-chunk inspection)
     response_processing: str = "usage_trailers"
     edge: EdgeSettings = field(default_factory=EdgeSettings)
+    currency: str = "USD"  # what budgets' cost and models' prices are counted in
 
 
 @dataclass(frozen=True)
@@ -225,6 +228,7 @@ class Model:
     # A breaker for this model's route alone, besides the backend's: one broken model
     # (a bad adapter, a crashing tokenizer) need not take its backend's others down.
     breaker: BreakerSettings | None = None
+    price: Price | None = None  # per token, in nanos (extproc.policy.budget); None: free
 
 
 @dataclass(frozen=True)
@@ -282,6 +286,8 @@ class Backend:
     # ``kv_capacity_tokens`` above are the pool's sums: the admission budget.
     endpoints: tuple[Endpoint, ...] = ()
     placement: PlacementSettings = field(default_factory=PlacementSettings)
+    # What one engine endpoint costs per hour (nanos), for the cost per million tokens served.
+    gpu_hour_cost_nanos: int | None = None
 
     @property
     def is_pool(self) -> bool:
@@ -307,6 +313,7 @@ class Tier:
     # mean time between tokens of a stream. Either drives the adaptive concurrency limit.
     ttft_p99_ms: int | None = None
     itl_p99_ms: int | None = None
+    budget: Budget | None = None  # every tenant's of this tier, unless it sets its own
 
 
 @dataclass(frozen=True)
@@ -317,6 +324,7 @@ class Tenant:
     tpm: int | None = None
     rpm: int | None = None
     max_concurrency: int | None = None
+    budget: Budget | None = None  # None: the tier's; a Budget without limits: none at all
 
 
 @dataclass(frozen=True)
@@ -354,6 +362,7 @@ class Policy:
     breakers: tuple[BreakerOverride, ...] = ()
     # Derived per tenant on first use; the snapshot is immutable, so this never goes stale.
     _limits: dict[str, tuple[Tenant, Limits]] = field(default_factory=dict, repr=False, compare=False)
+    _priced: list[bool] = field(default_factory=list, repr=False, compare=False)  # all_priced, once
 
     def limits(self, tenant: Tenant) -> Limits:
         cached = self._limits.get(tenant.name)
@@ -371,6 +380,18 @@ class Policy:
             burst_tokens=burst,
             max_concurrency=tenant.max_concurrency if tenant.max_concurrency is not None else tier.max_concurrency,
         )
+
+    def all_priced(self) -> bool:
+        """Every model has a price: a request costs money whatever model it names."""
+        if not self._priced:
+            self._priced.append(all(m.price is not None and (m.price.input or m.price.output) > 0
+                                    for _, m in self.by_model.values()))
+        return self._priced[0]
+
+    def budget(self, tenant: Tenant) -> Budget | None:
+        """The tenant's budget: its own, else its tier's; None when it has none."""
+        b = tenant.budget if tenant.budget is not None else self.tiers[tenant.tier].budget
+        return b if b is not None and b.limited else None
 
     def tenant_for_key(self, api_key: str) -> Tenant | None:
         name = self.by_key.get(hash_key(api_key))

@@ -45,6 +45,8 @@ class Reason(StrEnum):
     RPM = "rpm", 429, _RATE
     SLOTS = "slots", 429, _RATE
     QUEUE_FULL = "queue_full", 429, _RATE
+    BUDGET = "budget", 429, _RATE  # the tenant's budget for this period is spent (docs/budgets.md)
+    BUDGET_REQUEST_TOO_LARGE = "budget_request_too_large", 429, _RATE  # more than a whole period's budget
     QUEUE_TIMEOUT = "queue_timeout", 503, _SERVER
     BREAKER_OPEN = "breaker_open", 503, _SERVER
     TENANT_BREAKER_OPEN = "tenant_breaker_open", 503, _SERVER

@@ -18,6 +18,7 @@ from extproc.policy.model import (
     Backend,
     BreakerOverride,
     BreakerSettings,
+    Budget,
     Degrade,
     EdgeSettings,
     Endpoint,
@@ -26,6 +27,7 @@ from extproc.policy.model import (
     Model,
     PlacementSettings,
     Policy,
+    Price,
     Tenant,
     Tier,
     WatermarkSettings,
@@ -33,18 +35,19 @@ from extproc.policy.model import (
 )
 from extproc.policy.reader import Locator, PolicyError, Problem, Reader
 from extproc.policy.schema_backends import ENGINES, KNOWN_ENCODINGS, _backends
+from extproc.policy.schema_breakers import read_breakers
 from extproc.policy.schema_parse import (
     MAX_QUEUE_WAIT_MS,
     SHADOW_RULES,
-    _breakers,
     _cross_checks,
     _gateway,
     _tenants,
     _tiers,
 )
 
-__all__ = ["AdaptiveSettings", "Backend", "BreakerOverride", "BreakerSettings", "Degrade",
+__all__ = ["AdaptiveSettings", "Backend", "BreakerOverride", "BreakerSettings", "Budget", "Degrade",
            "EdgeSettings", "Endpoint", "Gateway", "Limits", "Model", "PlacementSettings", "Policy",
+           "Price",
            "PolicyError", "Problem", "Tenant", "Tier", "WatermarkSettings", "build_policy", "hash_key",
            "ENGINES", "KNOWN_ENCODINGS", "MAX_QUEUE_WAIT_MS", "SECTIONS", "SHADOW_RULES"]
 
@@ -61,8 +64,8 @@ def build_policy(doc: Mapping[str, Any], locate: Locator | None = None) -> Polic
     backends = _backends(r, doc.get("backends"))
     tiers = _tiers(r, doc.get("tiers", {}))
     tenants, by_key = _tenants(r, doc.get("tenants", []), tiers)
-    breakers = _breakers(r, doc.get("breakers"), {b.name: {m.name for m in b.models} for b in backends},
-                         {b.name: [e.key for e in b.endpoints] for b in backends})
+    breakers = read_breakers(r, doc.get("breakers"), {b.name: {m.name for m in b.models} for b in backends},
+                             {b.name: [e.key for e in b.endpoints] for b in backends})
     by_model = _cross_checks(r, backends, tiers, gateway)
     if r.problems:
         raise PolicyError(r.problems)

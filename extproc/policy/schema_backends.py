@@ -21,6 +21,7 @@ from extproc.policy.model import (
     WatermarkSettings,
 )
 from extproc.policy.reader import Path, Reader, read_flat
+from extproc.policy.schema_budget import read_money, read_price
 
 KNOWN_ENCODINGS = ("cl100k_base", "o200k_base")
 ENGINES = tuple(PRESETS)
@@ -51,7 +52,7 @@ def _metric_names(r: Reader, m: Mapping[str, Any], path: Path) -> dict[str, tupl
 _BACKEND_FIELDS = ("name", "address", "max_concurrency", "models", "metrics_url", "engine", "metric_names",
                    "watermark", "breaker", "kv_capacity_tokens", "kv_block_size", "kv_overcommit",
                    "kv_reservation", "learned_quantile", "tpm_precharge", "adaptive_concurrency",
-                   "endpoints", "placement")
+                   "endpoints", "placement", "gpu_hour_cost")
 _ENDPOINT_FIELDS = ("address", "metrics_url", "kv_capacity_tokens", "max_concurrency")
 
 
@@ -136,6 +137,7 @@ def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
                 fallback_model=r.get(mmap, mp, "fallback_model", str, None),
                 breaker=read_flat(r, mmap["breaker"], (*mp, "breaker"), BreakerSettings)
                 if mmap.get("breaker") is not None else None,
+                price=read_price(r, mmap.get("price"), (*mp, "price")),
             ))
         out.append(Backend(
             name=name or "", host=host, port=port,
@@ -155,6 +157,8 @@ def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
             adaptive_concurrency=_adaptive(r, m.get("adaptive_concurrency"), (*path, "adaptive_concurrency")),
             endpoints=endpoints,
             placement=read_flat(r, m.get("placement"), (*path, "placement"), PlacementSettings),
+            gpu_hour_cost_nanos=read_money(r, m["gpu_hour_cost"], (*path, "gpu_hour_cost"))
+            if m.get("gpu_hour_cost") is not None else None,
         ))
     return tuple(out)
 

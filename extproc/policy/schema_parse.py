@@ -12,7 +12,6 @@ from typing import Any
 
 from extproc.policy.model import (
     Backend,
-    BreakerOverride,
     Degrade,
     EdgeSettings,
     Gateway,
@@ -21,9 +20,10 @@ from extproc.policy.model import (
     Tier,
 )
 from extproc.policy.reader import NAME, Path, Reader, read_flat
+from extproc.policy.schema_budget import read_budget, read_currency
 
 # Rules that can run in shadow mode: decided and recorded, not enforced.
-SHADOW_RULES = ("tpm", "rpm", "slots", "queue", "shed", "degrade", "breaker")
+SHADOW_RULES = ("tpm", "rpm", "slots", "queue", "shed", "degrade", "breaker", "budget")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -65,6 +65,7 @@ def _gateway(r: Reader, doc: Any) -> Gateway:
         response_processing=r.get(m, path, "response_processing", str, d.response_processing,
                                   choices=("usage_trailers", "streamed")),
         edge=read_flat(r, m.get("edge"), (*path, "edge"), EdgeSettings),
+        currency=read_currency(r, m, path),
     )
 
 
@@ -117,6 +118,7 @@ def _tiers(r: Reader, doc: Any) -> dict[str, Tier]:
             shadow=_shadow(r, t, path),
             ttft_p99_ms=r.get(t, path, "ttft_p99_ms", int, None, minimum=1),
             itl_p99_ms=r.get(t, path, "itl_p99_ms", int, None, minimum=1),
+            budget=read_budget(r, t.get("budget"), (*path, "budget"), may_disable=False),
         )
     if not out:
         r.fail(("tiers",), "at least one tier is required")
@@ -132,7 +134,7 @@ def _tenants(r: Reader, doc: Any, tiers: Mapping[str, Tier]) -> tuple[dict[str, 
     out: dict[str, Tenant] = {}
     for i, item in enumerate(doc):
         path: Path = ("tenants", i)
-        m = r.mapping(item, path, ("name", "tier", "keys", "tpm", "rpm", "max_concurrency"))
+        m = r.mapping(item, path, ("name", "tier", "keys", "tpm", "rpm", "max_concurrency", "budget"))
         name = r.name(m, path)
         tier = r.get(m, path, "tier", str)
         if tier is not None and tier not in tiers:
@@ -156,62 +158,13 @@ def _tenants(r: Reader, doc: Any, tiers: Mapping[str, Tier]) -> tuple[dict[str, 
             tpm=r.get(m, path, "tpm", int, None, minimum=1),
             rpm=r.get(m, path, "rpm", int, None, minimum=1),
             max_concurrency=r.get(m, path, "max_concurrency", int, None, minimum=1),
+            budget=read_budget(r, m.get("budget"), (*path, "budget"), may_disable=True),
         )
         if name in out:
             r.fail((*path, "name"), f"duplicate tenant {name!r}")
         else:
             out[name or f"#{i}"] = tenant
     return out, by_key
-
-
-def _breakers(r: Reader, doc: Any, backends: Mapping[str, set[str]],
-              endpoints: Mapping[str, list[str]] | None = None) -> tuple[BreakerOverride, ...]:
-    """Manual overrides; ``backends`` maps each backend to the models it serves,
-    ``endpoints`` each pool to its endpoints' ``host:port``."""
-    if doc is None:
-        return ()
-    if not isinstance(doc, list):
-        r.fail(("breakers",), "expected a list of manual breaker overrides")
-        return ()
-    out = []
-    for i, item in enumerate(doc):
-        path: Path = ("breakers", i)
-        m = r.mapping(item, path, tuple(BreakerOverride.__dataclass_fields__))
-        backend = r.get(m, path, "backend", str)
-        if backend is not None and backend not in backends:
-            r.fail((*path, "backend"), f"unknown backend {backend!r}")
-        state = r.get(m, path, "state", str, choices=("open", "closed"))
-        reason = r.get(m, path, "reason", str)
-        if reason is not None and not reason.strip():
-            r.fail((*path, "reason"), "a manual override needs a reason")
-        until = r.get(m, path, "until", (int, float), None)
-        model = r.get(m, path, "model", str, None)
-        if model is not None and backend in backends and model not in backends[backend]:
-            r.fail((*path, "model"), f"backend {backend!r} does not serve model {model!r}")
-        endpoint = r.get(m, path, "endpoint", str, None)
-        if endpoint is not None:
-            _check_endpoint(r, path, backend, endpoint, model, backends, endpoints or {})
-        out.append(BreakerOverride(backend=backend or "", state=state or "open", reason=reason or "",
-                                   until=float(until) if until is not None else None,
-                                   by=r.get(m, path, "by", str, ""),
-                                   at=r.get(m, path, "at", (int, float), None), model=model,
-                                   endpoint=endpoint))
-    return tuple(out)
-
-
-def _check_endpoint(r: Reader, path: Path, backend: str | None, endpoint: str, model: str | None,
-                    backends: Mapping[str, set[str]], endpoints: Mapping[str, list[str]]) -> None:
-    """An endpoint override names one endpoint of a pool; a model route has no endpoints of its own."""
-    if model is not None:
-        r.fail((*path, "endpoint"), "an override names a model route or a pool endpoint, not both")
-    if backend is None or backend not in backends:
-        return
-    known = endpoints.get(backend) or []
-    if not known:
-        r.fail((*path, "endpoint"), f"backend {backend!r} is not a pool (it has no endpoints)")
-    elif endpoint not in known:
-        r.fail((*path, "endpoint"), f"backend {backend!r} has no endpoint {endpoint!r} "
-                                    f"(its endpoints: {', '.join(known)})")
 
 
 # Envoy's request_timeout runs until the request goes upstream, so it includes the time a

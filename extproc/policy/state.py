@@ -22,6 +22,8 @@ from collections.abc import Awaitable
 from typing import Any, Protocol
 
 from extproc.policy.bucket import Ledger
+from extproc.policy.budget import Amount, Budget
+from extproc.policy.budget_ledger import BudgetHold, BudgetLedgers, BudgetVerdict, BudgetView
 from extproc.policy.gate import LocalState, RateView, Verdict
 from extproc.policy.model import Limits
 
@@ -44,6 +46,29 @@ class TokenState(Protocol):
     def forget(self, keep: set[str]) -> None: ...
 
     def snapshot(self, now: float) -> dict[str, Any]: ...
+
+
+class BudgetState(Protocol):
+    """Where budget books live (``LocalBudgets``, or ``extproc.store.budgets.RedisBudgets``
+    beside a shared TokenState); ``admit`` may return an awaitable, as TokenState's."""
+
+    shared: bool
+    ledgers: BudgetLedgers
+
+    def admit(self, tenant: str, budget: Budget, cost: Amount, wall: float,
+              force: bool = False) -> BudgetVerdict | Awaitable[BudgetVerdict]: ...
+
+    def settle(self, hold: BudgetHold, actual: Amount, wall: float) -> None: ...
+
+    def view(self, tenant: str, budget: Budget, wall: float) -> BudgetView: ...
+
+    def seed(self, tenant: str, key: str, settled: Amount) -> None: ...
+
+    def forget(self, keep: set[str]) -> None: ...
+
+    def report(self, wall: float) -> list[dict[str, Any]]: ...
+
+    def snapshot(self, wall: float) -> dict[str, Any]: ...
 
 
 STATE_IMPLEMENTATIONS: tuple[type[TokenState], ...] = (LocalState,)

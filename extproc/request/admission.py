@@ -3,8 +3,9 @@
 ``admit()`` runs the whole sequence, cheapest refusal first: count the prompt (fairly,
 stopping past the context window) → the completion budget (400 when it cannot fit) →
 breakers and the degradation ladder (``route``) → the completion reservation (learned
-or ``max_tokens``) → the RPM/TPM pre-charge → a concurrency slot and KV room, or a wait in
-the fair queue (``SlotWait``). It yields ``Wait`` while the request must wait (the adapter
+or ``max_tokens``) → the budget's pre-charge (its worst case: n × the enforced
+``max_tokens``, priced), beside → the RPM/TPM pre-charge → a concurrency slot and KV room,
+or a wait in the fair queue (``SlotWait``). It yields ``Wait`` while the request must wait (the adapter
 tells Envoy to wait longer) and the ``Ticket`` last; a refusal is a ``Refusal`` raised.
 A rule in shadow mode runs, is counted as what it would have done, and lets the
 request through: ``_unless_shadowed`` is where that is decided.
@@ -34,6 +35,7 @@ from extproc.policy.gate import Verdict
 from extproc.policy.reasons import Reason
 from extproc.policy.schema import Backend, Limits, Model, Policy, Tenant, Tier
 from extproc.request import observe
+from extproc.request.budget_charge import BudgetCharge
 from extproc.request.refusal import Refusal
 from extproc.request.settle import Settlement
 from extproc.request.ticket import Ticket
@@ -49,7 +51,8 @@ PROMPT_PARAM = {"chat": "messages", "completions": "prompt", "embeddings": "inpu
 # The shadow rule each refusal reason belongs to (policy ``shadow``): a shadowed rule counts
 # what it would have refused and lets the request through.
 SHADOW_RULE = {Reason.RPM: "rpm", Reason.TPM: "tpm", Reason.TPM_REQUEST_TOO_LARGE: "tpm",
-               Reason.SLOTS: "slots", Reason.QUEUE_FULL: "queue", Reason.QUEUE_TIMEOUT: "queue"}
+               Reason.SLOTS: "slots", Reason.QUEUE_FULL: "queue", Reason.QUEUE_TIMEOUT: "queue",
+               Reason.BUDGET: "budget", Reason.BUDGET_REQUEST_TOO_LARGE: "budget"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +68,9 @@ class Admission:
         self.rt, self.policy, self.tenant, self.limits, self.peer = rt, policy, tenant, limits, peer
         self.settlement = settlement
         self.tier = policy.tiers[tenant.tier]
+        budget = policy.budget(tenant)
+        self.budget = None if budget is None else BudgetCharge(rt, policy, tenant, budget, settlement,
+                                                               self._unless_shadowed)
 
     def _unless_shadowed(self, reason: Reason, count: bool = True) -> bool:
         """True when ``reason``'s rule is shadowed for this tier: counted (``count``), not refused."""
@@ -79,6 +85,8 @@ class Admission:
     def precheck(self, now: float) -> None:
         """Refuse a tenant that cannot pay for one token now, before its body is read or tokenized.
         Shadowed, it goes on unrecorded: the charge decides and records it once."""
+        if self.budget is not None:
+            self.budget.precheck()
         v = self.rt.state.peek(self.tenant.name, self.limits, 1, now)
         if v.admitted:
             return
@@ -113,6 +121,8 @@ class Admission:
                                         placement.prefix_max_bytes)
         reserve = observe.completion_tokens(self.rt, ticket, self.tenant.name, self.tenant.tier)
         cost = prompt + req.n * reserve.tpm_completion
+        if self.budget is not None:
+            await self.budget.reserve(ticket, req, prompt)
         verdict = self._charge(ticket, cost, now)
         if not isinstance(verdict, Verdict):
             verdict = await verdict  # a shared store's lease was short: one round trip

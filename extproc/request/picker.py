@@ -19,8 +19,8 @@ the wire:
   forwards it, who served: the hold follows, as on a re-pick); every streamed chunk is
   fed to the usage tracker and sent back, the usage chunk Sluice asked for removed for a
   client that did not ask; the end of the body, the trailers, or the stream's end settle
-  exactly once. Headers decided on the request side (``x-ratelimit-*``,
-  ``x-sluice-degraded``) are added to the response headers directly.
+  exactly once. Headers decided on the request side (``x-ratelimit-*``, a budget's
+  ``x-ratelimit-*-budget-*``, ``x-sluice-degraded``) are added to the response headers directly.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ class PickerStream(StreamProcessor):
         if isinstance(got, intake.Models):
             self.rt.metrics.bypassed(tenant.name, "models")
             self.finished = True
-            return [msg.immediate(200, got.body, self._rate_headers(), "sluice_models")]
+            return [msg.immediate(200, got.body, {**self._rate_headers(), **self._budget_headers()}, "sluice_models")]
         if got.kind is None:  # a pass-through path: routed now, nothing admitted
             self.rt.metrics.bypassed(tenant.name, "passthrough")
             self.passing = True

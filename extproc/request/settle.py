@@ -7,7 +7,8 @@ runs on every way the stream ends: it charges the tenant what the request used (
 usage the backend reported, Envoy's usage record, or an estimate) and refunds the rest
 of the pre-charge, releases the slot and KV, reports the outcome to the breakers that
 let it through, and feeds the latency observations. A prompt refused after it was
-counted is charged as spent (``charge_refused``).
+counted is charged as spent (``charge_refused``). A budget's reservation (``budgeted``)
+settles to the same charge, priced, and the usage goes into the tenant's history.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from extproc.envoy.usage_record import EnvoyUsage
 from extproc.openai_api.body import ParsedRequest
 from extproc.openai_api.usage import JSONTracker, SSETracker, Usage
 from extproc.policy.breaker_outcome import outcome_at_settle
+from extproc.policy.budget import ZERO, spend
+from extproc.policy.budget_ledger import BudgetHold
 from extproc.policy.charge import Basis, Charge, SettleFacts, charge
 from extproc.policy.reasons import CHARGED, Ending, Reason
 from extproc.policy.schema import Limits, Tenant, Tier
@@ -50,6 +53,7 @@ class Settlement:
         self.sse = False
         self.tracker: SSETracker | JSONTracker | None = None
         self.envoy_usage: EnvoyUsage | None = None
+        self.budget_hold: BudgetHold | None = None  # the budget's reservation, when the tenant has one
 
     # -- what admission and the adapter report --------------------------------------------
     def routed(self, ticket: Ticket) -> None:
@@ -61,6 +65,10 @@ class Settlement:
 
     def precharged(self, cost: int) -> None:
         self.admitted, self.reserved = True, cost
+
+    def budgeted(self, hold: BudgetHold) -> None:
+        """The budget's reservation: settled with the rest, priced with the served model's price."""
+        self.budget_hold = hold
 
     def forwarded(self) -> None:
         self.sent_upstream = True
@@ -96,6 +104,7 @@ class Settlement:
         how = Ending(how)
         now = self.rt.clock()
         if not self.admitted:
+            self._settle_budget(None)  # a budget reserved before TPM refused: all refunded
             # Refused before its pre-charge, but a half-open breaker may have let it in
             # as the probe: that place must be given back, or recovery stalls.
             if self.ticket is not None:
@@ -105,6 +114,7 @@ class Settlement:
         went = self.sent_upstream and how is not Ending.REJECTED
         got = self._charge(now) if went else Charge(0, Basis.NOT_SENT)
         self.rt.state.settle(self.tenant.name, self.reserved, got.tokens, now)
+        self._settle_budget(self._used(got) if went else None)
         t = self.ticket
         if t is not None:
             self._release(t, how, now)
@@ -113,6 +123,23 @@ class Settlement:
         self.rt.metrics.settled(how, self.tenant.name, got.tokens, self.reserved, got.basis)
         self.rt.settle_log.add(self.request_id, self.tenant.name, how, self.status, got.basis,
                                self.prompt_tokens, self.reserved, got.tokens)
+
+    def _settle_budget(self, usage: Usage | None) -> None:
+        """The budget's reservation becomes what was used (None: nothing went upstream),
+        priced; the usage is recorded."""
+        hold, wall = self.budget_hold, self.rt.wall()
+        price = self.ticket.model.price if self.ticket is not None else None
+        priced = ZERO if usage is None else spend(usage.prompt_tokens, usage.completion_tokens,
+                                                  usage.cached_tokens, price)
+        if hold is not None:
+            self.budget_hold = None
+            self.rt.budgets.settle(hold, priced, wall)
+        if usage is not None and self.ticket is not None:
+            model = self.ticket.model.name
+            self.rt.usage.settled(self.tenant.name, model, usage.prompt_tokens, usage.completion_tokens,
+                                  usage.cached_tokens, priced.nanos, wall)
+            self.rt.metrics.spent(self.tenant.name, model, usage.prompt_tokens, usage.completion_tokens,
+                                  usage.cached_tokens, priced.nanos)
 
     def _observe_latency(self, t: Ticket, how: Ending, now: float) -> None:
         assert self.req is not None
@@ -158,6 +185,17 @@ class Settlement:
             n=req.n, admitted_at=t.admitted_at, ended_at=now, status=self.status,
             first_byte_at=self.first_byte_s, streamed=self.sse or req.stream, reported_total=total,
             counted_completion=counted, rate=self.rt.decode_rates.rate(t.model.name)))
+
+    def _used(self, got: Charge) -> Usage:
+        """The charge split into prompt and completion tokens to price it, with the same total
+        TPM settled: the backend's own usage when that is its basis (with the cached prompt
+        tokens, priced apart), else the counted prompt and the rest as completion."""
+        if got.basis is Basis.REPORTED:
+            reported = self._reported_usage()
+            # embeddings under usage_trailers: Envoy's total only, all of it prompt
+            return reported if reported is not None else Usage(got.tokens, 0)
+        prompt = min(self.prompt_tokens, got.tokens)
+        return Usage(prompt, got.tokens - prompt)
 
     def _counted_completion(self) -> int | None:
         """The completion tokens in the body Sluice read, if it read what was generated:

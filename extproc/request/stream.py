@@ -19,7 +19,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.envoy import usage_record
 from extproc.envoy.headers import UPSTREAM_ATTRIBUTE
-from extproc.openai_api.errors import error_body, ratelimit_headers
+from extproc.openai_api.errors import budget_headers, error_body, ratelimit_headers
 from extproc.openai_api.usage import JSONTracker, SSETracker
 from extproc.policy.reasons import Ending, Reason
 from extproc.policy.schema import Limits, Tenant
@@ -31,6 +31,7 @@ from extproc.request.settle import Settlement
 from extproc.request.ticket import Ticket
 from extproc.runtime.metrics import NO_TENANT
 from extproc.runtime.runtime import Runtime
+from extproc.runtime.usage_history import NO_MODEL
 from extproc.wire import messages as msg
 from extproc.wire.peer import PeerStream
 
@@ -115,8 +116,13 @@ class StreamProcessor:
             s.charge_refused(rej.reason)
         self.rt.metrics.rejected(rej.reason, rej.reason.status, self.tenant.name if self.tenant else NO_TENANT)
         headers = {"x-sluice-reason": str(rej.reason), **rej.headers}
-        if self.tenant is not None and "x-ratelimit-limit-tokens" not in headers:
-            headers.update(self._rate_headers())  # once the key is known every answer says where it stands
+        if self.tenant is not None:
+            # Once the key is known every answer says where it stands, and goes into its history.
+            if "x-ratelimit-limit-tokens" not in headers:
+                headers.update(self._rate_headers())
+            if "x-sluice-budget-period" not in headers:
+                headers.update(self._budget_headers())
+            self.rt.usage.refused(self.tenant.name, self._model_label(), rej.reason, self.rt.wall())
         return msg.immediate(rej.reason.status, error_body(rej.message, rej.reason.error_type, rej.code, rej.param),
                              headers, f"sluice_{rej.reason}")
 
@@ -141,6 +147,20 @@ class StreamProcessor:
         tv, rv = self.rt.state.view(self.tenant.name, self.limits, self.rt.clock())
         return ratelimit_headers(tv, rv)
 
+    def _budget_headers(self) -> dict[str, str]:
+        """The tenant's budget standing, if it has a budget (docs/budgets.md)."""
+        assert self.tenant is not None
+        budget = self.policy.budget(self.tenant)
+        if budget is None:
+            return {}
+        wall = self.rt.wall()
+        return budget_headers(self.rt.budgets.view(self.tenant.name, budget, wall), wall)
+
+    def _model_label(self) -> str:
+        """The refused request's model, when it named one the policy serves (a bounded label)."""
+        req = self.settlement.req if self.settlement is not None else None
+        return req.model if req is not None and req.model in self.policy.by_model else NO_MODEL
+
     # -- request side -------------------------------------------------------
     def on_request_headers(self, h: pb.HttpHeaders) -> pb.ProcessingResponse:
         headers = msg.header_map(h, REQUEST_HEADERS)
@@ -150,7 +170,7 @@ class StreamProcessor:
         if isinstance(got, intake.Models):
             self.rt.metrics.bypassed(tenant.name, "models")
             self.finished = True
-            return msg.immediate(200, got.body, self._rate_headers(), "sluice_models")
+            return msg.immediate(200, got.body, {**self._rate_headers(), **self._budget_headers()}, "sluice_models")
         if got.kind is None:
             self.rt.metrics.bypassed(tenant.name, "passthrough")
             fwd = upstream.passthrough(self.rt, self.policy, tenant, got.clean_path)

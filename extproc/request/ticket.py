@@ -16,6 +16,7 @@ from extproc.backends.state import BackendState
 from extproc.policy.admit import SlotRequest
 from extproc.policy.breaker import BreakerVerdict
 from extproc.policy.breaker_outcome import Outcome
+from extproc.policy.budget_ledger import BudgetView
 from extproc.policy.gate import Verdict
 from extproc.policy.schema import Backend, Model
 
@@ -31,6 +32,7 @@ class Ticket:
     tenant: str = ""
     degraded: list[str] = field(default_factory=list)
     verdict: Verdict | None = None  # the TPM/RPM pre-charge's
+    budget: BudgetView | None = None  # the budget's standing after its pre-charge (the tenant has one)
     hold: Hold | None = None
     kv: int = 0
     admitted_at: float = 0.0

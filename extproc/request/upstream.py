@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from extproc.envoy import usage_record
 from extproc.envoy.headers import ENDPOINT_HEADER, client_retry_removals, endpoint_headers
 from extproc.openai_api.body import ParsedRequest, upstream_body
-from extproc.openai_api.errors import ratelimit_headers
+from extproc.openai_api.errors import budget_headers, ratelimit_headers
 from extproc.policy.schema import Policy, Tenant
 from extproc.request.intake import KEY_HEADERS
 from extproc.request.ticket import Ticket
@@ -51,6 +51,8 @@ def forward(rt: Runtime, policy: Policy, tenant: Tenant, req: ParsedRequest, tic
     remove = (*(KEY_HEADERS if policy.gateway.strip_api_key else ()), *client_retry_removals(set_headers))
     assert ticket.verdict is not None
     out = ratelimit_headers(ticket.verdict.tokens, ticket.verdict.requests)
+    if ticket.budget is not None:
+        out.update(budget_headers(ticket.budget, rt.wall()))
     if ticket.degraded:
         out["x-sluice-degraded"] = ",".join(ticket.degraded)
     if req.stream and not req.usage_requested:

@@ -28,7 +28,7 @@ NO_TENANT = "-"  # the tenant label of a request refused before its key was know
 # The request path's events, one method each (tests.metrics_fake records these).
 INTENTS = ("admitted", "rejected", "bypassed", "settled", "released", "charged_refused", "shadowed",
            "queue_waited", "phase", "placed", "repicked", "tokenized", "latency", "completion_estimated",
-           "drained_upload")
+           "drained_upload", "spent")
 
 
 class Metrics:
@@ -113,6 +113,23 @@ class Metrics:
                                ["outcome"], registry=r)
         self.drained_bytes = Counter("sluice_drained_bytes", "Bytes of oversized uploads read and discarded.",
                                      registry=r)
+        # Usage and spend (docs/budgets.md), priced at settle; labels bounded by the policy's
+        # tenants and models. The budget gauges are set by the monitor (extproc.service.monitor).
+        self.usage_tokens = Counter("sluice_usage_tokens", "Tokens used by requests that reached a backend, as "
+                                    "the engine reported them: kind prompt, completion, cached_prompt (part of "
+                                    "prompt).", ["tenant", "model", "kind"], registry=r)
+        self.usage_requests = Counter("sluice_usage_requests", "Requests that reached a backend and settled.",
+                                      ["tenant", "model"], registry=r)
+        self.spend = Counter("sluice_spend", "Spend priced at settle, in gateway.currency.", ["tenant", "model"],
+                             registry=r)
+        self.budget_limit = Gauge("sluice_budget_limit", "A tenant's budget per period, by unit (tokens, cost in "
+                                  "gateway.currency).", ["tenant", "unit"], registry=r)
+        self.budget_used = Gauge("sluice_budget_used", "Spent and reserved in the tenant's current budget period, "
+                                 "as this replica knows it.", ["tenant", "unit"], registry=r)
+        self.budget_used_ratio = Gauge("sluice_budget_used_ratio", "The larger used share of a tenant's budget "
+                                       "units this period (1 = spent).", ["tenant"], registry=r)
+        self.budget_alert = Gauge("sluice_budget_alert", "1 while the tenant's use this period is at or past the "
+                                  "alert threshold (a fraction of the budget).", ["tenant", "threshold"], registry=r)
 
         # Latency, per backend and tier (observed at settle, see extproc/request/observe.py)
         self.ttft = Histogram("sluice_ttft_seconds", "Time to first token, from admission (slot granted) to the "
@@ -246,6 +263,17 @@ class Metrics:
         if read:
             self.drained_bytes.inc(read)
         self.child(self.drained, outcome).inc()
+
+    def spent(self, tenant: str, model: str, prompt: int, completion: int, cached: int, nanos: int) -> None:
+        """A request that reached a backend settled having used this much (docs/budgets.md)."""
+        c = self.child
+        c(self.usage_requests, tenant, model).inc()
+        c(self.usage_tokens, tenant, model, "prompt").inc(prompt)
+        c(self.usage_tokens, tenant, model, "completion").inc(completion)
+        if cached:
+            c(self.usage_tokens, tenant, model, "cached_prompt").inc(cached)
+        if nanos:
+            c(self.spend, tenant, model).inc(nanos / 1e9)
 
     # -- the metric objects ------------------------------------------------------------
     def child(self, metric: Any, *labels: str) -> Any:

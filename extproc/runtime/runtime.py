@@ -22,13 +22,14 @@ from extproc.policy.completions import CompletionEstimator
 from extproc.policy.decode_rate import DecodeRates
 from extproc.policy.schema import Backend, Policy
 from extproc.policy.share import leased_view, local_share, zero_shares
-from extproc.policy.state import TokenState
+from extproc.policy.state import BudgetState, TokenState
 from extproc.runtime import leases
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.settle_log import SettleLog
 from extproc.runtime.ttft_counts import BOUNDS_MS as TTFT_BOUNDS_MS
 from extproc.runtime.ttft_counts import TtftCounts
-from extproc.store import open_state, state_url
+from extproc.runtime.usage_history import UsageHistory
+from extproc.store import open_budgets, open_state, state_url
 from extproc.store.pool_lease import PoolLease
 from extproc.store.shared_breakers import SharedBreakers
 from extproc.store.slot_leases import SlotLeases
@@ -46,8 +47,10 @@ BREAKER_SYNC_S = 0.25
 
 class Runtime:
     def __init__(self, policy: Policy, *, clock: Callable[[], float] = time.monotonic,
-                 replica_id: str | None = None, share: int = 1, metrics: Metrics | None = None) -> None:
+                 replica_id: str | None = None, share: int = 1, metrics: Metrics | None = None,
+                 wall: Callable[[], float] = time.time) -> None:
         self.clock = clock
+        self.wall = wall  # epoch seconds: budgets count calendar periods (tests pass their own)
         # One of ``share`` worker processes on a shared store: per-process limits (slots,
         # KV, concurrency caps) are cut to this process's part (extproc.policy.share).
         self.share = share
@@ -59,6 +62,9 @@ class Runtime:
         starter = getattr(self.state, "start", None)
         if starter is not None:
             starter()  # a shared store registers this replica before the first request
+        # Budgets live beside the buckets: in this process, or in the same Redis.
+        self.budgets: BudgetState = open_budgets(policy.gateway, self.state)
+        self.usage = UsageHistory()  # per tenant, model and hour, for the console
         # With a shared store, backends' slots and KV are leased from pools in it.
         self.slot_leases: SlotLeases | None = None
         self._lease_lock = asyncio.Lock()
@@ -143,6 +149,7 @@ class Runtime:
         self.policy = policy
         self.etag = etag
         self.state.forget(set(policy.tenants))
+        self.budgets.forget(set(policy.tenants))
         log.info("policy swapped: %d tenants, %d backends", len(policy.tenants), len(policy.backends))
         for listener in self.on_swap:
             listener()
@@ -295,6 +302,8 @@ class Runtime:
         st["policy_etag"] = self.etag
         st["tenants"] = self.tenant_status(now)
         st["completions"] = self.completions.snapshot()
+        st["budgets"] = self.budgets.snapshot(self.wall())
+        st["usage"] = self.usage.report()
         return st
 
     def tenant_status(self, now: float) -> dict[str, Any]:
@@ -312,6 +321,9 @@ class Runtime:
         self.token_pool.close()
         if self.slot_leases is not None:
             self.slot_leases.release_all_sync(getattr(self.state, "url", None))
+        closer = getattr(self.budgets, "close", None)
+        if closer is not None:
+            closer()  # shared budgets send their last settles
         closer = getattr(self.state, "close", None)
         if closer is not None:
             closer()  # a shared store gets its leases back

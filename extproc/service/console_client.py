@@ -2,7 +2,9 @@
 
 The policy is long-polled with its ETag, so an operator's change reaches every
 replica within about a second without hammering the console; while the console is
-down the last good snapshot stays in force. Status goes out once a second.
+down the last good snapshot stays in force. Status goes out once a second, and its
+answer brings the console's durable copy of the current budget periods' spend, which
+a replica (or Redis) that lost a period's count starts again from (``seed``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import aiohttp
 
+from extproc.policy.budget import Amount
 from extproc.policy.schema import PolicyError, build_policy
 from extproc.runtime.runtime import Runtime
 
@@ -86,6 +89,28 @@ class ConsoleClient:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
 
+    def take_spend(self, rows: Any) -> int:
+        """Seed the budget books with the console's copy; returns how many periods it named."""
+        n = 0
+        for r in rows if isinstance(rows, list) else []:
+            try:
+                self.rt.budgets.seed(str(r["tenant"]), str(r["key"]),
+                                     Amount(int(r["settled_tokens"]), int(r["settled_nanos"])))
+                n += 1
+            except (KeyError, TypeError, ValueError):
+                continue
+        return n
+
+    async def fetch_spend_once(self) -> int:
+        """Before serving: the budget periods' spend as the console has it (a restarted
+        replica with in-process budgets would otherwise start its periods from zero)."""
+        async with aiohttp.ClientSession() as session, session.get(
+                f"{self.url}/api/v1/budgets", headers=self.headers, timeout=aiohttp.ClientTimeout(total=5)) as r:
+            if r.status != 200:
+                raise aiohttp.ClientResponseError(r.request_info, r.history, status=r.status,
+                                                  message=await r.text())
+            return self.take_spend((await r.json()).get("budget_spend"))
+
     def status_document(self) -> dict[str, Any]:
         st = self.rt.status()
         st["replica"] = self.replica
@@ -100,7 +125,9 @@ class ConsoleClient:
                                         timeout=aiohttp.ClientTimeout(total=5)) as r:
                     if r.status >= 300:
                         log.warning("console refused status report: HTTP %s", r.status)
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                    else:
+                        self.take_spend((await r.json()).get("budget_spend"))
+            except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
                 log.debug("status report failed: %s", exc)
             await asyncio.sleep(self.status_interval_s)
 

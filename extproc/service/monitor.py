@@ -197,9 +197,34 @@ def refresh_endpoints(m: Metrics, name: str, be: BackendState, now: float) -> No
             m.kv_usage.labels(f"{name}@{key}").set(reserved_fraction(st.kv_in_use, st.spec.kv_capacity_tokens) or 0.0)
 
 
+def refresh_budgets(rt: Runtime) -> None:
+    """Each budgeted tenant's standing in its current period, as gauges (a new period
+    reads 0 from its first second, whether or not the tenant sent a request)."""
+    m, wall, policy = rt.metrics, rt.wall(), rt.policy
+    for name, tenant in policy.tenants.items():
+        budget = policy.budget(tenant)
+        if budget is None:
+            continue
+        view = rt.budgets.view(name, budget, wall)
+        for unit, limit, used in (("tokens", budget.tokens, view.used.tokens),
+                                  ("cost", budget.cost_nanos, view.used.nanos)):
+            if limit is not None:
+                scale = 1e9 if unit == "cost" else 1
+                m.budget_limit.labels(name, unit).set(limit / scale)
+                m.budget_used.labels(name, unit).set(used / scale)
+        fraction = view.fraction
+        m.budget_used_ratio.labels(name).set(fraction)
+        for a in budget.alerts:
+            m.budget_alert.labels(name, f"{a:g}").set(1 if fraction >= a else 0)
+
+
+BUDGET_REFRESH_TICKS = 10  # once a second
+
+
 async def run_monitor(rt: Runtime) -> None:
     tasks: dict[str, asyncio.Task[None]] = {}
     pruner = SeriesPruner()  # the series of backends and endpoints that left the policy go
+    ticks = 0
     async with aiohttp.ClientSession() as session:
         try:
             while True:
@@ -208,6 +233,9 @@ async def run_monitor(rt: Runtime) -> None:
                     if t is None or t.done():
                         tasks[name] = asyncio.create_task(scrape_backend(rt, name, session))
                 refresh(rt)
+                ticks += 1
+                if ticks % BUDGET_REFRESH_TICKS == 0:
+                    refresh_budgets(rt)
                 pruner.maybe_prune(rt.metrics, rt.backends, rt.clock())
                 await asyncio.sleep(TICK_S)
         finally:

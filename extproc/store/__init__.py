@@ -12,9 +12,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from extproc.policy.budget_ledger import LocalBudgets
 from extproc.policy.gate import LocalState
 from extproc.policy.schema import Gateway
-from extproc.policy.state import TokenState
+from extproc.policy.state import BudgetState, TokenState
 
 ENV_URL = "SLUICE_REDIS_URL"
 
@@ -33,3 +34,13 @@ def open_state(gateway: Gateway, replica_id: str, on_store_up: Callable[[bool], 
     from extproc.store.redis_state import RedisState
 
     return RedisState(url, replica_id=replica_id, fail_closed=gateway.state_fail_closed, on_store_up=on_store_up)
+
+
+def open_budgets(gateway: Gateway, state: TokenState) -> BudgetState:
+    """The budget books beside ``state``: in this process, or in the same Redis (its
+    connection, registry and breaker): ``LocalBudgets`` or ``RedisBudgets``."""
+    if not getattr(state, "shared", False):
+        return LocalBudgets(gateway.currency)
+    from extproc.store.budgets import RedisBudgets
+
+    return RedisBudgets(state, currency=gateway.currency, fail_closed=gateway.state_fail_closed)

@@ -88,6 +88,8 @@ class RedisState(Exchanges):
         self._register: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._closing = False
+        # Others sharing this connection (budgets) send what they hold within flush_s too.
+        self.flushers: list[Callable[[], Awaitable[None]]] = []
 
     @property
     def up(self) -> bool:
@@ -256,6 +258,14 @@ class RedisState(Exchanges):
         if self.breaker.answered():
             self._poke()  # reconcile every tenant that ran on its local share
 
+    def trip(self, why: str) -> None:
+        """Another user of this connection (shared budgets) found Redis unreachable."""
+        self._trip(why)
+
+    def answered(self) -> None:
+        """Another user of this connection got an answer from Redis."""
+        self._answered()
+
     async def _beat(self, now: float) -> None:
         fenced = await self.registry.beat(self.client, repr(now) if self.caller_clock else "", self.clock())
         if fenced:
@@ -323,6 +333,11 @@ class RedisState(Exchanges):
                     self._answered()
             if self.up:
                 await self.sync(self.clock(), only_due=True)
+                for flush in self.flushers:
+                    try:
+                        await flush()
+                    except Exception:  # noqa: BLE001 - one user's bug must not stop the others' flushes
+                        log.exception("state store: a flush failed")
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.flush_s):

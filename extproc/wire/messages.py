@@ -19,6 +19,9 @@ RESPONSE_HEADERS_FROM_METADATA = (
     "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens",
     "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests",
     "x-sluice-degraded",
+    # a budget's standing (extproc.openai_api.errors.BUDGET_HEADERS)
+    "x-ratelimit-limit-budget-tokens", "x-ratelimit-remaining-budget-tokens", "x-ratelimit-limit-budget-cost",
+    "x-ratelimit-remaining-budget-cost", "x-ratelimit-reset-budget", "x-sluice-budget-period",
 )
 PM = processing_mode_pb2.ProcessingMode
 

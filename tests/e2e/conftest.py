@@ -38,6 +38,8 @@ def settled_and_balanced(request: pytest.FixtureRequest) -> Iterator[None]:
     assert ledger["outstanding"] == 0, ledger
     assert ledger["balanced"], ledger
     assert ledger["precharged"] + ledger["excess"] == ledger["charged"] + ledger["refunded"], ledger
+    budgets = st["budgets"]["ledgers"]  # the budget reservations too (docs/budgets.md)
+    assert budgets["balanced"] and budgets["tokens"]["outstanding"] == 0, budgets
 
 
 @pytest.fixture
