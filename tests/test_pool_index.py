@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.backends.endpoints import EndpointSet, EndpointState
-from extproc.policy.breaker import Outcome
+from extproc.policy.breaker_outcome import Outcome
 from extproc.policy.owed import owed_endpoints
 from extproc.policy.placement import Candidate, Placement, largest_capacity, pick, second_choice
 from extproc.policy.schema import Backend, build_policy, hash_key
