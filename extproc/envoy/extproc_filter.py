@@ -1,7 +1,18 @@
 """The ext_proc HTTP filter of Sluice's listener: which phases of a request and response
-Envoy sends to the server (the processing modes of each ``response_processing``), the
-attributes that come with them, what the server may mutate (header mutation rules), its
-timeouts and fail-closed answer, and the metadata namespaces it reads and writes.
+Envoy sends to the server (statically one request side for every ``response_processing``;
+the response side each of them needs on the routes Sluice reads, ``ExtProcPerRoute``),
+the attributes that come with the messages, what the server may mutate (header mutation
+rules), its timeouts and fail-closed answer, and the metadata namespaces it reads and writes.
+
+The request side is one blocking round trip (observed on 1.40): request headers SEND and
+the body STREAMED with ``send_body_without_waiting_for_header_response``, so Envoy sends
+the headers and every body chunk back to back; the server answers the headers once the
+body is complete, with every mutation (routing, ``clear_route_cache``, key stripping,
+content-length, dynamic metadata), then each chunk (the rewritten body replacing them).
+``allow_content_length_header`` keeps content-length, which STREAMED would drop. Envoy then
+ignores ``mode_override`` (``ext_proc.cc``, ``onReceiveMessage``: only without
+``send_body_without_waiting_for_header_response``), so the paths that need another mode
+take it from their route (``ExtProcPerRoute``, merged once from the first route matched).
 """
 
 from __future__ import annotations
@@ -12,6 +23,8 @@ from envoy_data_plane.envoy.config.core.v3 import GrpcService, GrpcServiceEnvoyG
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
     ExternalProcessor,
     ExternalProcessorRouteCacheAction,
+    ExtProcOverrides,
+    ExtProcPerRoute,
     MetadataOptions,
     MetadataOptionsMetadataNamespaces,
     ProcessingMode,
@@ -35,6 +48,9 @@ __all__ = [
     "RESPONSE_ATTRIBUTES",
     "RESPONSE_PROCESSING",
     "ext_proc_filter",
+    "headers_only",
+    "reads_response_body",
+    "response_mode",
 ]
 
 EXTPROC_CLUSTER = "sluice_extproc"
@@ -50,30 +66,77 @@ RESPONSE_ATTRIBUTES = ("response.code",)
 # With a pool, the address that served (extproc.request.repick): on the response-headers message
 # under usage_trailers, on the first response-body message when streamed (observed, 1.40).
 POOL_RESPONSE_ATTRIBUTES = (UPSTREAM_ATTRIBUTE,)
-RESPONSE_PROCESSING = ("usage_trailers", "streamed")
+# access_log: no response message; Envoy's gRPC access log brings what settle needs
+# (extproc.envoy.access_log). usage_trailers: response headers and the usage trailers.
+# streamed: every response chunk.
+RESPONSE_PROCESSING = ("access_log", "usage_trailers", "streamed")
+_SEND, _SKIP = ProcessingModeHeaderSendMode.SEND, ProcessingModeHeaderSendMode.SKIP
+_STREAMED, _NONE = ProcessingModeBodySendMode.STREAMED, ProcessingModeBodySendMode.NONE
+
+
+def _mode(response: tuple[ProcessingModeHeaderSendMode, ProcessingModeBodySendMode,
+                           ProcessingModeHeaderSendMode]) -> ProcessingMode:
+    # The request side is the same in every mode: headers SEND, their answer deferred
+    # until the STREAMED body is complete (the module docstring).
+    return ProcessingMode(request_header_mode=_SEND, request_body_mode=_STREAMED,
+                          request_trailer_mode=_SKIP, response_header_mode=response[0],
+                          response_body_mode=response[1], response_trailer_mode=response[2])
 
 
 def _processing_mode() -> ProcessingMode:
-    """The request side only. Sluice turns the response side on, request by request, in its
-    answer to the request headers (``mode_override``: ``extproc.wire.messages.response_mode``
-    for each ``response_processing``). Envoy runs every encoder filter on a reply it makes
-    itself, ext_proc included, even for a request ext_proc never saw (observed, 1.40: an
-    edge rate limit's 429 opened an ext_proc stream of its own, one round trip to Python per
-    refusal); with the response side off unless Sluice asked for it, such a reply costs none."""
-    send, skip = ProcessingModeHeaderSendMode.SEND, ProcessingModeHeaderSendMode.SKIP
-    return ProcessingMode(
-        request_header_mode=send,
-        response_header_mode=skip,
-        request_body_mode=ProcessingModeBodySendMode.BUFFERED,
-        response_body_mode=ProcessingModeBodySendMode.NONE,
-        request_trailer_mode=skip,
-        response_trailer_mode=skip,
-    )
+    """The filter's static mode: the request side only. Envoy runs every encoder filter on a
+    reply it makes itself, ext_proc included, even for a request ext_proc never saw
+    (observed, 1.40: an edge rate limit's 429 opened an ext_proc stream of its own, one
+    round trip to Python per refusal). The routes Sluice reads turn the response side on
+    (``response_mode``): Envoy merges a route's mode in ext_proc's ``decodeHeaders``, which
+    a reply made by a filter before it never reaches, so such a reply costs none."""
+    return _mode((_SKIP, _NONE, _SKIP))
+
+
+def _per_route(mode: ProcessingMode) -> ExtProcPerRoute:
+    return ExtProcPerRoute(overrides=ExtProcOverrides(processing_mode=mode))
+
+
+def response_mode(response_processing: str) -> ExtProcPerRoute | None:
+    """The route mode of the endpoints Sluice reads, per ``response_processing``; None for
+    ``access_log``, whose response side is the static one (off)."""
+    if response_processing == "streamed":
+        return _per_route(_mode((_SKIP, _STREAMED, _SKIP)))
+    if response_processing == "access_log":
+        return None
+    # usage_trailers: response headers (status, first byte) and the trailers that
+    # envoy_usage's filter synthesizes with the usage; never a body chunk.
+    return _per_route(_mode((_SEND, _NONE, _SEND)))
+
+
+def reads_response_body(response_processing: str) -> ExtProcPerRoute | None:
+    """The route mode of a response Sluice reads itself (the Responses API: its usage rides
+    in a ``response.completed`` event Envoy's usage filter cannot read; embeddings, whose
+    usage the filter does not read either); under ``streamed`` that mode already sends
+    every chunk.
+
+    Response headers bring the status and the first byte. The usage filter still adds
+    trailers when it finds a ``usage`` object, and then the last body chunk is not
+    end-of-stream: the trailers are what ends the body here."""
+    if response_processing == "streamed":
+        return response_mode(response_processing)
+    return _per_route(_mode((_SEND, _STREAMED, _SEND)))
+
+
+def headers_only() -> ExtProcPerRoute:
+    """The route mode of the paths Sluice does not read (``/v1/models``, which it answers, and
+    the pass-through paths, which it only authenticates and routes): the request headers
+    alone, so a pass-through upload streams past Sluice and nothing of the response comes."""
+    return _per_route(ProcessingMode(request_header_mode=_SEND, request_body_mode=_NONE,
+                                     request_trailer_mode=_SKIP, response_header_mode=_SKIP,
+                                     response_body_mode=_NONE, response_trailer_mode=_SKIP))
 
 
 def ext_proc_filter(opts: EnvoyOptions, pools: bool = False) -> HttpFilter:
     """The filter that calls cluster EXTPROC_CLUSTER; ``pools``: some backend is a pool."""
     streamed = opts.response_processing == "streamed"
+    # Response attributes ride on the first response message, so they cost nothing on a
+    # route without one (access_log: the served address comes with the log entry).
     attributes = [*(RESPONSE_ATTRIBUTES if streamed else ()), *(POOL_RESPONSE_ATTRIBUTES if pools else ())]
     config = ExternalProcessor(
         grpc_service=GrpcService(
@@ -87,7 +150,11 @@ def ext_proc_filter(opts: EnvoyOptions, pools: bool = False) -> HttpFilter:
         max_message_timeout=ms(opts.max_message_timeout_ms),
         failure_mode_allow=opts.failure_mode_allow,
         status_on_error=HttpStatus(code=StatusCode(opts.status_on_error)),
-        allow_mode_override=True,
+        # One blocking round trip on the request side (the module docstring); Envoy ignores
+        # mode_override with it, so none is allowed.
+        send_body_without_waiting_for_header_response=True,
+        allow_content_length_header=True,
+        allow_mode_override=False,
         # Envoy's defaults, spelled out: the server may set/remove any header
         # (authorization, x-api-key, content-length, x-sluice-*) except host,
         # :authority, :scheme, :method and x-envoy-*; a disallowed mutation is
@@ -104,7 +171,7 @@ def ext_proc_filter(opts: EnvoyOptions, pools: bool = False) -> HttpFilter:
         response_attributes=attributes,
         metadata_options=MetadataOptions(
             receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[METADATA_NAMESPACE]),
-            forwarding_namespaces=None if streamed else MetadataOptionsMetadataNamespaces(
-                typed=[usage_record.USAGE_NAMESPACE])),
+            forwarding_namespaces=None if opts.response_processing != "usage_trailers" else
+            MetadataOptionsMetadataNamespaces(typed=[usage_record.USAGE_NAMESPACE])),
     )
     return HttpFilter(name=EXTPROC_FILTER, typed_config=Any.pack(config))

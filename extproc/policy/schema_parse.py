@@ -74,10 +74,14 @@ def _gateway(r: Reader, doc: Any) -> Gateway:
         response_processing=r.get(m, path, "response_processing", str, d.response_processing,
                                   choices=("usage_trailers", "streamed")),
         edge=read_flat(r, m.get("edge"), (*path, "edge"), EdgeSettings),
+                                  choices=RESPONSE_PROCESSING),
+        response_timeout_s=float(r.get(m, path, "response_timeout_s", (int, float), d.response_timeout_s,
+                                       minimum=0)),
     )
 
 
 STATE_SCHEMES = ("redis://", "rediss://", "unix://")
+RESPONSE_PROCESSING = ("access_log", "usage_trailers", "streamed")
 
 
 def _state(r: Reader, m: Mapping[str, Any], path: Path) -> str:
