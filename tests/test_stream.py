@@ -91,12 +91,14 @@ def test_a_request_refused_after_winning_the_half_open_probe_gives_the_probe_bac
     rt.close()
 
 
-def test_passthrough_path_skips_the_rest_and_holds_nothing() -> None:
+def test_passthrough_path_is_answered_at_its_headers_and_holds_nothing() -> None:
+    # Its route sends Sluice nothing more (extproc_filter.headers_only); the stream is done.
     doc_policy = policy()
     gw = doc_policy.gateway.__class__(unknown_paths="passthrough")
     rt = Runtime(doc_policy.__class__(**{**doc_policy.__dict__, "gateway": gw}))
-    out = asyncio.run(exchange(rt, headers(_path="/v1/files", _method="GET", authorization="Bearer k")))
-    assert out[0].HasField("mode_override")
+    sp = StreamProcessor(rt, peer=None)  # type: ignore[arg-type]
+    out = [sp.handle("request_headers", headers(_path="/v1/files", _method="GET", authorization="Bearer k"))]
+    assert sp.finished and out[0] is not None and out[0].HasField("request_headers")
     set_headers = {h.header.key: h.header.raw_value for h in out[0].request_headers.response.header_mutation.set_headers}
     assert set_headers["x-sluice-tenant"] == b"a"
     assert "authorization" in out[0].request_headers.response.header_mutation.remove_headers
@@ -342,14 +344,13 @@ def test_usage_trailers_without_a_record_estimate_from_the_learned_rate() -> Non
 
 
 def test_a_responses_api_body_is_read_by_sluice_and_may_end_with_the_usage_filters_trailers() -> None:
-    # Envoy's usage filter reads chat completions only: a Responses API request switches
-    # its own stream to a streamed response body, and the filter's trailers end that body.
+    # Envoy's usage filter reads chat completions only: a Responses API request's route
+    # streams its response body to Sluice (extproc_filter.reads_response_body), and the
+    # filter's trailers end that body.
     rt = Runtime(policy(), clock=Clock())
     rt.backends["b"].has_metrics = False
     sp = StreamProcessor(rt, peer=None)  # type: ignore[arg-type]
-    mode = sp.handle("request_headers", headers(_path="/v1/responses", _method="POST",
-                                                authorization="Bearer k")).mode_override  # type: ignore[union-attr]
-    assert (mode.response_body_mode, mode.response_trailer_mode) == (mode.STREAMED, mode.SEND)
+    sp.handle("request_headers", headers(_path="/v1/responses", _method="POST", authorization="Bearer k"))
     body = pb.ProcessingRequest(request_body=pb.HttpBody(
         body=json.dumps({"model": "m", "input": "hi", "max_output_tokens": 50}).encode(), end_of_stream=True))
 

@@ -35,10 +35,12 @@ from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v
 from envoy_data_plane.envoy.type.matcher.v3 import RegexMatcher
 from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
 from envoy_data_plane.google.protobuf import Any
+from google.protobuf import json_format
 
 from extproc.envoy import usage_record
 from extproc.envoy.headers import ENVOY_MUTABLE, UPSTREAM_ATTRIBUTE
 from extproc.envoy.options import EnvoyOptions, ms
+from extproc.wire import messages as msg
 from extproc.wire.messages import METADATA_NAMESPACE
 
 __all__ = [
@@ -71,16 +73,13 @@ POOL_RESPONSE_ATTRIBUTES = (UPSTREAM_ATTRIBUTE,)
 # streamed: every response chunk.
 RESPONSE_PROCESSING = ("access_log", "usage_trailers", "streamed")
 _SEND, _SKIP = ProcessingModeHeaderSendMode.SEND, ProcessingModeHeaderSendMode.SKIP
-_STREAMED, _NONE = ProcessingModeBodySendMode.STREAMED, ProcessingModeBodySendMode.NONE
+_NONE = ProcessingModeBodySendMode.NONE
 
 
-def _mode(response: tuple[ProcessingModeHeaderSendMode, ProcessingModeBodySendMode,
-                           ProcessingModeHeaderSendMode]) -> ProcessingMode:
-    # The request side is the same in every mode: headers SEND, their answer deferred
-    # until the STREAMED body is complete (the module docstring).
-    return ProcessingMode(request_header_mode=_SEND, request_body_mode=_STREAMED,
-                          request_trailer_mode=_SKIP, response_header_mode=response[0],
-                          response_body_mode=response[1], response_trailer_mode=response[2])
+def _from_wire(mode: msg.PM) -> ProcessingMode:
+    """One of ``extproc.wire.messages``' modes as the config's message: one definition for
+    the routes' modes and the mode_override Sluice answers with."""
+    return ProcessingMode.from_dict(json_format.MessageToDict(mode, preserving_proto_field_name=True))
 
 
 def _processing_mode() -> ProcessingMode:
@@ -88,9 +87,10 @@ def _processing_mode() -> ProcessingMode:
     reply it makes itself, ext_proc included, even for a request ext_proc never saw
     (observed, 1.40: an edge rate limit's 429 opened an ext_proc stream of its own, one
     round trip to Python per refusal). The routes Sluice reads turn the response side on
-    (``response_mode``): Envoy merges a route's mode in ext_proc's ``decodeHeaders``, which
-    a reply made by a filter before it never reaches, so such a reply costs none."""
-    return _mode((_SKIP, _NONE, _SKIP))
+    (``response_mode``): Envoy merges a route's mode in ext_proc's ``decodeHeaders``
+    (``Filter::mergePerRouteConfig``), which a reply made by a filter before it never
+    reaches, so such a reply costs none."""
+    return _from_wire(msg.REQUEST_ONLY)
 
 
 def _per_route(mode: ProcessingMode) -> ExtProcPerRoute:
@@ -100,27 +100,16 @@ def _per_route(mode: ProcessingMode) -> ExtProcPerRoute:
 def response_mode(response_processing: str) -> ExtProcPerRoute | None:
     """The route mode of the endpoints Sluice reads, per ``response_processing``; None for
     ``access_log``, whose response side is the static one (off)."""
-    if response_processing == "streamed":
-        return _per_route(_mode((_SKIP, _STREAMED, _SKIP)))
     if response_processing == "access_log":
         return None
-    # usage_trailers: response headers (status, first byte) and the trailers that
-    # envoy_usage's filter synthesizes with the usage; never a body chunk.
-    return _per_route(_mode((_SEND, _NONE, _SEND)))
+    return _per_route(_from_wire(msg.RESPONSE_MODES[response_processing]))
 
 
 def reads_response_body(response_processing: str) -> ExtProcPerRoute | None:
-    """The route mode of a response Sluice reads itself (the Responses API: its usage rides
-    in a ``response.completed`` event Envoy's usage filter cannot read; embeddings, whose
-    usage the filter does not read either); under ``streamed`` that mode already sends
-    every chunk.
-
-    Response headers bring the status and the first byte. The usage filter still adds
-    trailers when it finds a ``usage`` object, and then the last body chunk is not
-    end-of-stream: the trailers are what ends the body here."""
-    if response_processing == "streamed":
-        return response_mode(response_processing)
-    return _per_route(_mode((_SEND, _STREAMED, _SEND)))
+    """The route mode of a response Sluice reads itself (``extproc.wire.messages.READS_BODY``:
+    the Responses API's usage rides in a ``response.completed`` event Envoy's usage filter
+    cannot read, and it reads no embeddings usage)."""
+    return _per_route(_from_wire(msg.response_mode(msg.READS_BODY[0], response_processing)))
 
 
 def headers_only() -> ExtProcPerRoute:
@@ -150,11 +139,12 @@ def ext_proc_filter(opts: EnvoyOptions, pools: bool = False) -> HttpFilter:
         max_message_timeout=ms(opts.max_message_timeout_ms),
         failure_mode_allow=opts.failure_mode_allow,
         status_on_error=HttpStatus(code=StatusCode(opts.status_on_error)),
-        # One blocking round trip on the request side (the module docstring); Envoy ignores
-        # mode_override with it, so none is allowed.
+        # One blocking round trip on the request side (the module docstring). Envoy 1.40
+        # ignores mode_override with it: the routes carry the modes, and the override Sluice
+        # answers with (the same modes) matters only to a filter configured without it.
         send_body_without_waiting_for_header_response=True,
         allow_content_length_header=True,
-        allow_mode_override=False,
+        allow_mode_override=True,
         # Envoy's defaults, spelled out: the server may set/remove any header
         # (authorization, x-api-key, content-length, x-sluice-*) except host,
         # :authority, :scheme, :method and x-envoy-*; a disallowed mutation is

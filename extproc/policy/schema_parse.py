@@ -72,11 +72,10 @@ def _gateway(r: Reader, doc: Any) -> Gateway:
         state=_state(r, m, path),
         state_fail_closed=r.get(m, path, "state_fail_closed", bool, d.state_fail_closed),
         response_processing=r.get(m, path, "response_processing", str, d.response_processing,
-                                  choices=("usage_trailers", "streamed")),
-        edge=read_flat(r, m.get("edge"), (*path, "edge"), EdgeSettings),
                                   choices=RESPONSE_PROCESSING),
-        response_timeout_s=float(r.get(m, path, "response_timeout_s", (int, float), d.response_timeout_s,
-                                       minimum=0)),
+        edge=read_flat(r, m.get("edge"), (*path, "edge"), EdgeSettings),
+        response_timeout_s=float(r.get(m, path, "response_timeout_s", (int, float),
+                                       d.response_timeout_s, minimum=0)),
     )
 
 

@@ -127,12 +127,16 @@ class WatermarkController:
         self._waiting: float | None = None  # EWMA
         self._last_waiting_raw: float | None = None
         self._growing = False
+        # state(now) again at the same now (placement asks each endpoint three times a
+        # request) is the same state until the next observe
+        self._state_at: tuple[float, WatermarkState] | None = None
 
     # -- inputs ------------------------------------------------------------------------
 
     def observe(self, usage: float | None, waiting: float | None, now: float) -> None:
         """Feed one scrape. ``usage`` None/NaN = metrics unreachable; ``waiting`` None =
         the backend does not export a queue length (ignored, not treated as pressure)."""
+        self._state_at = None
         if self._t is not None:
             now = max(now, self._t)
         self._advance(now)
@@ -173,15 +177,20 @@ class WatermarkController:
         return self._scale
 
     def state(self, now: float) -> WatermarkState:
+        cached = self._state_at
+        if cached is not None and cached[0] == now:
+            return cached[1]
         scale = self.scale(now)
         target = self.floor if self._stale_at(self._t_or(now)) else self._target()
-        return WatermarkState(
+        st = WatermarkState(
             scale=scale,
             target=target,
             smoothed_usage=self._usage,
             smoothed_waiting=self._waiting,
             reason=self._reason(scale, target, now),
         )
+        self._state_at = (now, st)
+        return st
 
     # -- internals ---------------------------------------------------------------------
 
