@@ -313,3 +313,18 @@ def test_the_waiting_list_forgets_settled_ids_without_waiting_for_their_expiry()
     assert len(settles._deadlines) <= 1024 + 1  # compacted, not 5000 expiries kept
     assert settles.expire(2e9) == 0
     rt.close()
+
+
+def test_a_config_that_streams_the_response_settles_on_the_stream_even_under_access_log() -> None:
+    # A gateway's own Envoy config (deploy/examples/envoy-gateway-extproc) streams the
+    # response whatever the policy says: no log entry will come, so nothing waits for one.
+    rt = runtime(response_processing="access_log")
+    settles = LogSettles("s", rt.clock, rt.metrics)
+    sp = StreamProcessor(rt, peer=None, log_settles=settles)  # type: ignore[arg-type]
+    head = headers()
+    head.protocol_config.response_body_mode = processing_mode_pb2.ProcessingMode.STREAMED
+    run(sp, head, *chunks(chat(max_tokens=50)))
+    assert sp.awaiting_log is None and len(settles) == 0
+    sp.end("disconnect")  # the client left mid-response: settled now, not at an expiry
+    assert sp.settled and rt.status()["in_flight"] == 0 and rt.status()["ledger"]["balanced"]
+    rt.close()

@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.envoy import usage_record
@@ -77,6 +78,10 @@ class StreamProcessor:
         self.new_path: dict[str, str] = {}
         self.awaiting_log: str | None = None  # the access-log settle id, once forwarded
         self.mode: msg.PM | None = None  # the whole processing mode this request needs
+        # Envoy's config sends nothing of the response (protocol_config), as access_log
+        # needs: a gateway's own config may still stream it, and then the stream settles.
+        self.quiet_response = False
+        self.saw_response = False
 
     @property
     def ticket(self) -> Ticket | None:
@@ -96,8 +101,10 @@ class StreamProcessor:
         for its access-log entry settles from the entry, or by expiry: under ``access_log``
         the stream ends once the request is answered, and a client that leaves later shows
         in the entry (flag DC)."""
-        if self.awaiting_log is None:
+        if self.awaiting_log is None or self.saw_response:
             self.settle(how)
+            if self.awaiting_log is not None and self.log_settles is not None:
+                self.log_settles.forget(self.awaiting_log)
 
     # -- dispatch -----------------------------------------------------------
     # One synchronous call per message; only the request body (token counting off the
@@ -180,6 +187,8 @@ class StreamProcessor:
                              headers, f"sluice_{rej.reason}")
 
     def _dispatch(self, phase: str, request: pb.ProcessingRequest) -> pb.ProcessingResponse | None:
+        if phase.startswith("response"):
+            self.saw_response = True
         if phase == "response_body":
             s = self.settlement
             if s is not None and s.tracker is None and s.admitted and not s.settled:
@@ -187,7 +196,9 @@ class StreamProcessor:
             return self.on_response_body(request.response_body)
         if phase == "request_headers":
             # Envoy sends the body without waiting for this answer: it is given with the body's.
-            can_defer = request.protocol_config.send_body_without_waiting_for_header_response
+            config = request.protocol_config
+            can_defer = config.send_body_without_waiting_for_header_response
+            self.quiet_response = config.response_body_mode == processing_mode_pb2.ProcessingMode.NONE
             return self.on_request_headers(request.request_headers, can_defer)
         if phase == "response_headers":
             return self.on_response_headers(request)
@@ -266,8 +277,8 @@ class StreamProcessor:
             set_headers["content-length"] = str(len(fwd.body if fwd.body is not None else raw))
         # Response headers decided now travel as dynamic metadata (see extproc.envoy.routes).
         out = dict(fwd.response_headers)
-        if self.log_settles is not None and gw.response_processing == "access_log" \
-                and self.kind not in msg.READS_BODY:
+        if (self.log_settles is not None and gw.response_processing == "access_log"
+                and self.kind not in msg.READS_BODY and self.quiet_response):
             # Its settle waits for Envoy's access-log entry, which this id ties to it.
             expires = self.rt.clock() + expires_after_s(gw.response_timeout_s)
             self.awaiting_log = out[SETTLE_KEY] = self.log_settles.register(s, expires)
