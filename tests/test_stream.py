@@ -372,14 +372,16 @@ def test_a_responses_api_body_is_read_by_sluice_and_may_end_with_the_usage_filte
 
 def test_an_admitted_requests_response_side_is_turned_on_by_sluices_answer_to_its_headers() -> None:
     """The filter's static mode leaves the response side off (a reply Envoy makes for a
-    request ext_proc never saw costs no round trip); the answer to the request headers
-    turns it on, for the response_processing in use."""
+    request ext_proc never saw costs no round trip); the route a request matches turns it
+    on (Envoy 1.40 ignores a mode_override with the one-round-trip request side), and the
+    answer to the request headers says the same mode for a filter that takes one."""
     from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 
     from extproc.wire.messages import RESPONSE_MODES
 
     pm = processing_mode_pb2.ProcessingMode
-    for processing, response_headers in (("usage_trailers", pm.SEND), ("streamed", pm.SKIP)):
+    for processing, response_headers in (("usage_trailers", pm.SEND), ("streamed", pm.SKIP),
+                                         ("access_log", pm.SKIP)):
         base = policy()
         rt = Runtime(base.__class__(**{**base.__dict__, "gateway": base.gateway.__class__(
             response_processing=processing)}))
@@ -388,5 +390,5 @@ def test_an_admitted_requests_response_side_is_turned_on_by_sluices_answer_to_it
                                                       authorization="Bearer k"))
         assert answer is not None and answer.mode_override == RESPONSE_MODES[processing]
         assert answer.mode_override.response_header_mode == response_headers
-        assert answer.mode_override.request_body_mode == pm.BUFFERED
+        assert answer.mode_override.request_body_mode == pm.STREAMED  # the request side stays
         rt.close()

@@ -24,7 +24,7 @@ from extproc.request.log_settle import LogSettles, expires_after_s
 from extproc.request.outcome import DISCONNECT, END_OF_STREAM, from_log_entry
 from extproc.request.stream import StreamProcessor
 from extproc.runtime.runtime import Runtime
-from extproc.wire.messages import METADATA_NAMESPACE
+from extproc.wire.messages import METADATA_NAMESPACE, RESPONSE_MODES
 
 CHAT = "/v1/chat/completions"
 
@@ -119,6 +119,8 @@ def test_the_headers_answer_waits_for_the_body_and_carries_every_mutation() -> N
     assert json.loads(new_body)["max_tokens"] == 1024 and set_headers["content-length"] == str(len(new_body))
     # the first chunk carries the whole rewritten body, the others are emptied
     assert all(r.request_body.response.body_mutation.clear_body for r in final[2:])
+    # the mode of the route it matched, for a filter that takes a mode_override
+    assert final[0].mode_override == RESPONSE_MODES["usage_trailers"]
     rl = final[0].dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
     assert rl["x-ratelimit-limit-tokens"].string_value == "100000"
     assert sp.settlement is not None and sp.settlement.sent_upstream and sp.settlement.admitted and not sp.settled
@@ -249,6 +251,8 @@ def test_a_lost_entry_expires_keeps_its_precharge_and_a_late_one_is_ignored() ->
     st = rt.status()
     assert sp.settled and st["in_flight"] == 0 and rt.backends["b"].pool.in_use().total == 0
     assert st["ledger"]["charged"] == reserved and st["ledger"]["balanced"], st["ledger"]
+    rec = rt.settle_log.report()["requests"][-1]
+    assert rec["how"] == "expired" and rec["basis"] == "lost" and rec["charged"] == reserved
     settles.consume([entry(key)])  # after its expiry: ignored
     assert rt.status()["ledger"]["charged"] == reserved
     assert rt.metrics.registry.get_sample_value("sluice_access_log_entries_total", {"outcome": "late"}) == 1
@@ -268,6 +272,41 @@ def test_a_client_gone_mid_response_is_billed_as_a_disconnect() -> None:
     assert st["in_flight"] == 0 and st["ledger"]["balanced"]
     assert sp.settlement.prompt_tokens <= st["ledger"]["charged"] <= sp.settlement.reserved
     rt.close()
+
+
+def test_a_disconnect_from_the_log_is_charged_as_the_stream_path_charges_it() -> None:
+    """One rule for what a request is charged (extproc.policy.charge): a client gone
+    mid-stream, told by its access-log entry (flag DC, no usage), pays what the same
+    disconnect pays when the ext_proc stream tells it; the times are the entry's own."""
+    charged = {}
+    for mode in ("access_log", "usage_trailers"):
+        rt = runtime(response_processing=mode)
+        rt.decode_rates.rates["m"] = 50.0  # learned from earlier streams
+        settles = LogSettles("s", rt.clock, rt.metrics)
+        sp = StreamProcessor(rt, peer=None, log_settles=settles)  # type: ignore[arg-type]
+        final = run(sp, headers(), *chunks(chat(max_tokens=1000, stream=True)))[-1]
+        if mode == "access_log":
+            key = final[0].dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields[SETTLE_KEY]
+            sp.end("disconnect")  # the stream ends once the request is answered; the response goes on
+            e = entry(key.string_value, usage=None, ttfb=1.0, end=5.0, downstream_connection_termination=True)
+            e.response.response_headers["content-type"] = "text/event-stream"
+            rt.clock.now += 30.0  # the entry comes late: the charge is by its times, not the arrival
+            settles.consume([e])
+        else:
+            rt.clock.now += 1.0
+            hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200"),
+                                             base_pb2.HeaderValue(key="content-type", raw_value=b"text/event-stream")])
+            sp.handle("response_headers", pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=hm)))
+            rt.clock.now += 4.0
+            sp.end("disconnect")
+        rec = rt.settle_log.report()["requests"][-1]
+        assert rec["how"] == "disconnect" and rec["basis"] == "estimated", rec
+        assert rt.status()["ledger"]["balanced"] and rt.status()["in_flight"] == 0
+        charged[mode] = rec["charged"]
+        prompt = sp.settlement.prompt_tokens
+        rt.close()
+    # 4 s streamed at 50 tokens/s after the prompt
+    assert charged["access_log"] == charged["usage_trailers"] == prompt + 200, charged
 
 
 def test_a_request_refused_at_its_headers_never_waits_for_a_log_entry() -> None:
