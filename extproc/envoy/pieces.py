@@ -23,7 +23,7 @@ from extproc.envoy.clusters import DRAIN_CLUSTER
 from extproc.envoy.edge import RATELIMIT_FILTERS, STRIP_FILTER
 from extproc.envoy.extproc_filter import EXTPROC_CLUSTER, EXTPROC_FILTER
 from extproc.envoy.options import BackendRoute, EnvoyOptions
-from extproc.envoy.routes import MODE_ROUTES
+from extproc.envoy.routes import MODE_ROUTES, ROUTE_OPENAI
 
 GRPC_LOGGER = "envoy.access_loggers.http_grpc"
 
@@ -39,8 +39,7 @@ HEADER = """\
 #   access_log              (access_log) into your HTTP connection manager's access_log
 #   route_modes             typed_per_filter_config of the routes a request matches first:
 #                           reads_body (/v1/responses, /v1/embeddings: Sluice reads the
-#                           response body), openai (the other endpoints: the response side
-#                           of response_processing), other (the paths Sluice does not read:
+#                           response body), other (the paths Sluice does not read:
 #                           /v1/models, pass-through: headers only)
 #   routes that must not be admitted (a health check): typed_per_filter_config
 #     {"envoy.filters.http.ext_proc": {"@type": type.googleapis.com/envoy.config.route.v3.FilterConfig,
@@ -80,6 +79,15 @@ def render_pieces(backends: Sequence[BackendRoute], opts: EnvoyOptions) -> dict[
     modes = {r["name"]: r["typed_per_filter_config"][EXTPROC_FILTER]
              for r in hcm["route_config"]["virtual_hosts"][0]["routes"]
              if r.get("name") in MODE_ROUTES and EXTPROC_FILTER in r.get("typed_per_filter_config", {})}
+    # In someone else's Envoy the filter itself has the response side of the endpoints Sluice
+    # reads, so a route without a mode of Sluice's still settles exactly. Sluice's own
+    # listener keeps it on its routes instead: there the edge's own replies (429, 401) would
+    # otherwise each open an ext_proc stream; a gateway's edge is its own.
+    openai = modes.pop(ROUTE_OPENAI, None)
+    if openai is not None:
+        for f in filters:
+            if f["name"] == EXTPROC_FILTER:
+                f["typed_config"]["processing_mode"] = openai["overrides"]["processing_mode"]
     if modes:
         out["route_modes"] = modes
     return out
