@@ -25,6 +25,7 @@ from extproc.request.outcome import DISCONNECT, END_OF_STREAM, from_log_entry
 from extproc.request.stream import StreamProcessor
 from extproc.runtime.runtime import Runtime
 from extproc.wire.messages import METADATA_NAMESPACE, RESPONSE_MODES
+from tests.test_stream import Clock
 
 CHAT = "/v1/chat/completions"
 
@@ -37,14 +38,6 @@ def policy(**gateway: Any) -> Any:
         "tiers": {"t": {"tpm": 100_000, "rpm": 1000}},
         "tenants": [{"name": "a", "tier": "t", "keys": [hash_key("k")]}],
     })
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def headers(path: str = CHAT, key: str = "k", defer: bool = True, **more: str) -> pb.ProcessingRequest:
