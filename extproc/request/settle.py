@@ -177,11 +177,6 @@ class Settlement:
         """What the request is charged (``extproc.policy.charge``), from what reached Sluice."""
         t, req = self.ticket, self.req
         assert t is not None and req is not None
-        if how is Ending.EXPIRED:
-            # nothing says what it used (no access-log entry): charge's LOST
-            return charge(SettleFacts(prompt=self.prompt_tokens,
-                                      completion_budget=max(0, self.reserved - self.prompt_tokens),
-                                      n=req.n, admitted_at=t.admitted_at, ended_at=now, lost=True))
         reported = self._reported_usage()
         if reported is not None:
             self._learn_rate(reported.completion_tokens)
@@ -195,7 +190,8 @@ class Settlement:
             prompt=self.prompt_tokens, completion_budget=max(0, self.reserved - self.prompt_tokens),
             n=req.n, admitted_at=t.admitted_at, ended_at=self._ended(now), status=self.status,
             first_byte_at=self.first_byte_s, streamed=self.sse or req.stream, reported_total=total,
-            counted_completion=counted, rate=self.rt.decode_rates.rate(t.model.name)))
+            counted_completion=counted, rate=self.rt.decode_rates.rate(t.model.name),
+            lost=how is Ending.EXPIRED))  # no access-log entry came: nothing says what it used
 
     def _counted_completion(self) -> int | None:
         """The completion tokens in the body Sluice read, if it read what was generated:
