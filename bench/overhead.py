@@ -11,8 +11,14 @@ constant backend (``bench.fastbackend``), each Envoy with ``--concurrency 1``:
         ``sluice_extproc`` cluster removed (``strip_ext_proc``); everything else identical
     (b) Envoy + ``bench.passthrough_extproc`` (same bootstrap, an ext_proc that changes nothing)
     (c) Envoy + Sluice (``python -m extproc serve`` with a generated policy)
+    (d) with ``--host``: the whole host, Envoy with 2 workers in front of Sluice
+        ``serve --workers 2`` (one gRPC port each, both in Envoy's ext_proc cluster) on a
+        Redis store (Debian's ``redis-server``), the deployment that uses both cores
+    (e) with ``--baseline-tree DIR``: Sluice run from another checkout (``git worktree add
+        DIR main``) with the Envoy config that checkout renders, in its default
+        ``response_processing``: a before/after measured in the same run
 
-One Envoy worker each: the machine has 2 cores shared by the load generator, the backend,
+One Envoy worker each for (a) to (c): the machine has 2 cores shared by the load generator, the backend,
 the ext_proc server and Envoy, so a second worker would only compete for the same cores
 (and one keep-alive connection only ever uses one worker).
 
@@ -49,7 +55,9 @@ import yaml
 
 from bench.overhead_load import BODY, KEY, MODEL, Sample, _drive, pct
 from bench.overhead_report import (
+    BASELINE,
     CONFIGS,
+    HOST,
     NAMES,
     Hist,
     Row,
@@ -61,7 +69,7 @@ from bench.overhead_report import (
     phase_rows,
     render_markdown,
 )
-from bench.procs import ProcGroup, free_port, http_ok, tcp_open
+from bench.procs import Proc, ProcGroup, free_port, free_ports, http_ok, tcp_open, wait_until
 from bench.procs import envoy_binary as _envoy_binary
 from bench.protobench import protobuf_rows
 
@@ -114,15 +122,22 @@ def bench_policy(backend_port: int) -> dict[str, Any]:
 
 
 class Stack(ProcGroup):
-    """Backend, pass-through ext_proc, Sluice and three Envoys, all on random ports."""
+    """Backend, pass-through ext_proc, Sluice and three Envoys, all on random ports; with
+    ``host``, also Redis, Sluice's workers and a fourth Envoy (config (d))."""
 
-    def __init__(self, workdir: Path, envoy_concurrency: int, response_processing: str = "usage_trailers") -> None:
+    def __init__(self, workdir: Path, envoy_concurrency: int, response_processing: str = "usage_trailers",
+                 host: bool = False, baseline: Path | None = None) -> None:
         super().__init__(workdir)
         self.concurrency = envoy_concurrency
         self.response_processing = response_processing
+        self.baseline = baseline
+        self.configs = (*CONFIGS, *((HOST,) if host else ()), *((BASELINE,) if baseline else ()))
+        self.base_grpc, self.base_admin = free_port(), free_port()
         self.backend_port, self.pt_port, self.grpc_port, self.admin_port = (free_port() for _ in range(4))
-        self.listen = {c: free_port() for c in CONFIGS}
-        self.envoy_admin = {c: free_port() for c in CONFIGS}
+        self.workers_grpc, self.workers_admin = (free_ports(2), free_ports(2)) if host else (0, 0)
+        self.listen = {c: free_port() for c in self.configs}
+        self.envoy_admin = {c: free_port() for c in self.configs}
+        self.redis: Any = None
 
     def start(self) -> None:
         from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, render_bootstrap
@@ -133,34 +148,111 @@ class Stack(ProcGroup):
                         lambda: http_ok(f"http://127.0.0.1:{self.backend_port}/health"))
         self.start_proc("passthrough", [py, "-m", "bench.passthrough_extproc", "--grpc", f"127.0.0.1:{self.pt_port}"],
                         lambda: tcp_open(self.pt_port), "pass-through ext_proc")
-        policy = self.dir / "policies"
-        policy.mkdir()
         doc = bench_policy(self.backend_port)
-        (policy / "policy.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
-        self.start_proc("sluice", [py, "-m", "extproc", "serve", "--policy", str(policy),
+        doc["gateway"]["response_processing"] = self.response_processing  # as Envoy's config says
+        self.start_proc("sluice", [py, "-m", "extproc", "serve", "--policy", str(self._policy_dir("policies", doc)),
                                    "--grpc", f"127.0.0.1:{self.grpc_port}", "--admin", f"127.0.0.1:{self.admin_port}"],
                         lambda: http_ok(f"http://127.0.0.1:{self.admin_port}/healthz"))
+        if HOST in self.configs:
+            self._start_workers(doc)
         gw = doc["gateway"]
-        for c in CONFIGS:
-            opts = EnvoyOptions(listen_port=self.listen[c], admin_port=self.envoy_admin[c],
-                                extproc_port=self.grpc_port if c == "c" else self.pt_port,
+        for c in self.configs:
+            if c == BASELINE:
+                self._start_baseline(doc)
+                continue
+            extproc = {"c": self.grpc_port, HOST: self.workers_grpc}.get(c, self.pt_port)
+            opts = EnvoyOptions(listen_port=self.listen[c], admin_port=self.envoy_admin[c], extproc_port=extproc,
+                                extproc_more=(("127.0.0.1", extproc + 1),) if c == HOST else (),
                                 max_body_bytes=gw["max_body_bytes"], message_timeout_ms=gw["message_timeout_ms"],
                                 # (a) has no ext_proc, so no usage filters either: the streamed shape
                                 response_processing="streamed" if c == "a" else self.response_processing)
             cfg = render_bootstrap([BackendRoute("fast", "127.0.0.1", self.backend_port, (MODEL,))], opts)
             if c == "a":
                 cfg = strip_ext_proc(cfg)
-            self.start_envoy(f"envoy-{c}", cfg, self.envoy_admin[c], self.concurrency)
+            self.start_envoy(f"envoy-{c}", cfg, self.envoy_admin[c], 2 if c == HOST else self.concurrency)
+
+    def _policy_dir(self, name: str, doc: dict[str, Any]) -> Path:
+        policy = self.dir / name
+        policy.mkdir()
+        (policy / "policy.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+        return policy
+
+    def _start_workers(self, doc: dict[str, Any]) -> None:
+        from bench.redis_server import RedisServer
+
+        self.redis = RedisServer(self.dir / "redis").start()
+        doc = {**doc, "gateway": {**doc["gateway"], "state": self.redis.url}}
+        self.start_proc("sluice-workers", [sys.executable, "-m", "extproc", "serve", "--workers", "2",
+                                           "--policy", str(self._policy_dir("policies-workers", doc)),
+                                           "--grpc", f"127.0.0.1:{self.workers_grpc}",
+                                           "--admin", f"127.0.0.1:{self.workers_admin}"],
+                        lambda: all(http_ok(f"http://127.0.0.1:{self.workers_admin + i}/healthz") for i in range(2)))
+
+    def _start_baseline(self, doc: dict[str, Any]) -> None:
+        """(e): the baseline checkout's Sluice, and the Envoy config it renders, in its default mode."""
+        assert self.baseline is not None
+        doc = {**doc, "gateway": {k: v for k, v in doc["gateway"].items() if k != "response_processing"}}
+        pol = self._policy_dir("policies-baseline", doc)
+        p = self.procs["sluice-baseline"] = Proc(
+            "sluice-baseline", [sys.executable, "-m", "extproc", "serve", "--policy", str(pol),
+                                "--grpc", f"127.0.0.1:{self.base_grpc}", "--admin", f"127.0.0.1:{self.base_admin}"],
+            self.dir / "sluice-baseline.log", cwd=self.baseline).start()
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{self.base_admin}/healthz"), "baseline Sluice", p.popen,
+                   log=p.log)
+        cfg = self.dir / "envoy-e.yaml"
+        subprocess.run([sys.executable, "-m", "extproc", "envoy-config", str(pol), "-o", str(cfg),
+                        "--listen", f"127.0.0.1:{self.listen[BASELINE]}", "--admin-port", str(self.envoy_admin[BASELINE]),
+                        "--extproc", f"127.0.0.1:{self.base_grpc}", "--extproc-admin", f"127.0.0.1:{self.base_admin}"],
+                       cwd=self.baseline, check=True, capture_output=True)
+        self.start_envoy(f"envoy-{BASELINE}", yaml.safe_load(cfg.read_text()), self.envoy_admin[BASELINE],
+                         self.concurrency)
+
+    def stop(self) -> None:
+        super().stop()
+        if self.redis is not None:
+            self.redis.stop()
+
+    def _pids(self, name: str) -> list[int]:
+        """A child's pid, and its children's (``serve --workers``: the supervisor's workers)."""
+        if name == "redis":
+            return [self.redis.proc.pid] if self.redis is not None and self.redis.proc is not None else []
+        root = self.procs[name].popen
+        assert root is not None
+        pids, i = [root.pid], 0
+        while i < len(pids):
+            with contextlib.suppress(OSError):
+                for task in Path(f"/proc/{pids[i]}/task").iterdir():
+                    pids += [int(p) for p in (task / "children").read_text().split()]
+            i += 1
+        return pids
 
     def cpu_ticks(self, names: Iterable[str] | None = None) -> dict[str, int]:
-        """utime+stime (clock ticks) of each named child, and of this process as "loadgen"."""
+        """utime+stime (clock ticks) of each named child (with its children), and of this
+        process as "loadgen"."""
         out = {}
-        for name in names if names is not None else self.procs:
-            with contextlib.suppress(OSError):
-                fields = Path(f"/proc/{self.procs[name].pid}/stat").read_text().rsplit(")", 1)[1].split()
-                out[name] = int(fields[11]) + int(fields[12])
+        for name in names if names is not None else [*self.procs, *(["redis"] if self.redis else [])]:
+            total = 0
+            for pid in self._pids(name):
+                with contextlib.suppress(OSError):
+                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                    total += int(fields[11]) + int(fields[12])
+            out[name] = total
         t = os.times()
         out["loadgen"] = round((t.user + t.system) * os.sysconf("SC_CLK_TCK"))
+        return out
+
+    def ext_proc_counters(self, c: str) -> dict[str, float]:
+        """Envoy ``c``'s ext_proc and gRPC access-log counters."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.envoy_admin[c]}/stats?format=json", timeout=5) as r:
+            stats = json.loads(r.read())["stats"]
+        names = {"http.sluice.ext_proc.sluice.stream_msgs_sent": "sent",
+                 "http.sluice.ext_proc.sluice.stream_msgs_received": "received",
+                 "http.sluice.ext_proc.sluice.streams_started": "streams",
+                 "access_logs.grpc_access_log.logs_written": "logged"}
+        out = dict.fromkeys(names.values(), 0.0)
+        for st in stats:
+            if st.get("name") in names:
+                out[names[st["name"]]] += float(st.get("value", 0))
         return out
 
     def sluice_metrics(self) -> str:
@@ -193,61 +285,88 @@ def context_rows(envoy_concurrency: int) -> list[Row]:
 
 
 # -- the run ----------------------------------------------------------------------------------
+# What a request waits for on the ext_proc streams: the request side is one round trip in
+# every mode (headers answered with the body); usage_trailers adds the response headers
+# and the trailers; streamed adds every response chunk (2 here: the body and its end).
+BLOCKING = {"access_log": 1, "usage_trailers": 3, "streamed": 3}
+
+
+def _served_by(c: str) -> list[str]:
+    """The processes config ``c``'s requests cost CPU in, besides this load generator."""
+    return [f"envoy-{c}", "backend", *{"b": ["passthrough"], "c": ["sluice"], HOST: ["sluice-workers", "redis"],
+                                       BASELINE: ["sluice-baseline"]}.get(c, [])]
+
+
 def run(*, rounds: int = 3, requests: int = 1500, seconds: float = 4.0, connections: int = 16,
         envoy_concurrency: int = 1, warmup: float = 0.5, protobuf_seconds: float = 1.5,
         keep: bool = False, log: Callable[[str], None] | None = None,
-        response_processing: str = "usage_trailers") -> list[Row]:
+        response_processing: str = "usage_trailers", host: bool = False,
+        baseline: Path | None = None) -> list[Row]:
     """Start the stack, measure, stop it; return the rows ``render_markdown`` turns into tables."""
     say = log or (lambda s: print(s, file=sys.stderr, flush=True))
     rows = context_rows(envoy_concurrency)
+    workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
+    stack = Stack(workdir, envoy_concurrency, response_processing, host, baseline)
+    configs = stack.configs
     rows += [Row("context", "request", {"value": f"POST /v1/chat/completions, {len(BODY)}-byte JSON body with "
                                                   "max_tokens, HTTP/1.1 keep-alive, constant backend; "
                                                   f"response_processing: {response_processing}"}),
-             Row("context", "method", {"value": f"{rounds} rounds, configs interleaved (a,b,c / b,c,a / ...); "
+             Row("context", "method", {"value": f"{rounds} rounds, configs interleaved ({','.join(configs)} / "
+                                                 "rotated each round); "
                                                  f"1 conn: {requests} sequential requests per config per round; "
                                                  f"{connections} conns: {seconds:g} s per config per round; "
                                                  f"{warmup:g} s warm-up before each; medians over rounds"})]
-    workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
-    stack = Stack(workdir, envoy_concurrency, response_processing)
     ok = False
     try:
-        say(f"starting backend, pass-through ext_proc, Sluice and 3 Envoys in {workdir}")
+        say(f"starting backend, pass-through ext_proc, Sluice and {len(configs)} Envoys in {workdir}")
         stack.start()
         gc.freeze()  # the config renderer's objects need no more collecting
         say("warming up every configuration")
-        for c in CONFIGS:
+        for c in configs:
+            if c == HOST:
+                # A fresh Redis store: the workers admit once their first leases are in.
+                wait_until(lambda: asyncio.run(_drive(stack.listen[HOST], 1, 0.0, count=20)).errors == 0,
+                           "(d) admitting", timeout=30)
             warm = asyncio.run(_drive(stack.listen[c], connections, 1.0, count=200))
-            if warm.errors or len(warm.latencies_ns) < 200:
+            if c == HOST and warm.errors:
+                # Seen when Redis answers late (over 8 ms on a loaded box): a worker then
+                # admits within its local share, and its first requests may be refused.
+                say(f"{NAMES[c]}: {warm.errors} of the warm-up's requests refused (counted in the tables too)")
+            elif warm.errors or len(warm.latencies_ns) < 200:
                 raise RuntimeError(f"{NAMES[c]}: warm-up failed ({warm.errors} non-200 responses)")
-        one: dict[str, list[Sample]] = {c: [] for c in CONFIGS}
-        many: dict[str, list[Sample]] = {c: [] for c in CONFIGS}
-        cpu: dict[str, dict[str, int]] = {c: {} for c in CONFIGS}
-        served: dict[str, int] = dict.fromkeys(CONFIGS, 0)
+        one: dict[str, list[Sample]] = {c: [] for c in configs}
+        many: dict[str, list[Sample]] = {c: [] for c in configs}
+        cpu: dict[str, dict[str, int]] = {c: {} for c in configs}
+        msgs: dict[str, dict[str, float]] = {c: {} for c in configs}
+        served: dict[str, int] = dict.fromkeys(configs, 0)
         phases: dict[str, Hist] = {"1 conn": {}, f"{connections} conns": {}}
         t_start, busy_start, ours_start = time.monotonic(), _machine_busy_ticks(), sum(stack.cpu_ticks().values())
         for r in range(rounds):
-            order = CONFIGS[r % 3:] + CONFIGS[:r % 3]
+            order = configs[r % len(configs):] + configs[:r % len(configs)]
             for c in order:
                 before_h = parse_phase_histogram(stack.sluice_metrics()) if c == "c" else {}
                 s = asyncio.run(_drive(stack.listen[c], 1, warmup, count=requests))
                 if c == "c":
                     _hist_add(phases["1 conn"], before_h, parse_phase_histogram(stack.sluice_metrics()))
                 one[c].append(s)
-                say(f"round {r + 1}/{rounds} {NAMES[c]:36} 1 conn   p50 {pct(s.latencies_ns, .5):.3f} ms"
+                say(f"round {r + 1}/{rounds} {NAMES[c]:42} 1 conn   p50 {pct(s.latencies_ns, .5):.3f} ms"
                     f"  p99 {pct(s.latencies_ns, .99):.3f} ms")
             for c in order:
-                procs = [f"envoy-{c}", "backend"] + (["passthrough"] if c == "b" else ["sluice"] if c == "c" else [])
+                procs = _served_by(c)
                 before_h = parse_phase_histogram(stack.sluice_metrics()) if c == "c" else {}
-                before = stack.cpu_ticks(procs)
+                before, counters = stack.cpu_ticks(procs), stack.ext_proc_counters(c)
                 s = asyncio.run(_drive(stack.listen[c], connections, warmup, seconds=seconds))
                 after = stack.cpu_ticks(procs)
+                for k, v in stack.ext_proc_counters(c).items():
+                    msgs[c][k] = msgs[c].get(k, 0.0) + v - counters[k]
                 if c == "c":
                     _hist_add(phases[f"{connections} conns"], before_h, parse_phase_histogram(stack.sluice_metrics()))
                 for k in after:
                     cpu[c][k] = cpu[c].get(k, 0) + after[k] - before.get(k, after[k])
-                served[c] += len(s.latencies_ns)
+                # the warm-up's requests count in the counters too
+                served[c] += len(s.latencies_ns) + s.warmup_requests
                 many[c].append(s)
-                say(f"round {r + 1}/{rounds} {NAMES[c]:36} {connections} conns {s.rps:8.0f} req/s"
+                say(f"round {r + 1}/{rounds} {NAMES[c]:42} {connections} conns {s.rps:8.0f} req/s"
                     f"  p50 {pct(s.latencies_ns, .5):.3f} ms")
         elapsed = time.monotonic() - t_start
         busy = _machine_busy_ticks() - busy_start
@@ -257,8 +376,12 @@ def run(*, rounds: int = 3, requests: int = 1500, seconds: float = 4.0, connecti
         rows += _http_rows(one, many, connections, rounds)
         rows += _noise_rows(one, many, connections, others, elapsed)
         cpu_rows = [Row("cpu", NAMES[c], {k: v / tick / max(served[c], 1) * 1e6 for k, v in cpu[c].items()})
-                    for c in CONFIGS]
+                    for c in configs]
         rows += cpu_rows
+        rows += [Row("messages", NAMES[c], {**{k: v / max(served[c], 1) for k, v in msgs[c].items()},
+                                            # the baseline: 4 (headers, body, response headers, trailers)
+                                            "blocking": 4 if c == BASELINE else BLOCKING[response_processing]})
+                 for c in configs if c != "a"]
         pt_cpu, sluice_cpu = cpu_rows[1].values.get("passthrough"), cpu_rows[2].values.get("sluice")
         for r in rows:
             if r.table == "throughput" and "ratio_c_over_b" in r.values and pt_cpu and sluice_cpu:
@@ -288,11 +411,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--envoy-concurrency", type=int, default=1)
     ap.add_argument("--json", metavar="FILE", help="also write the raw rows as JSON")
     ap.add_argument("--keep", action="store_true", help="keep configs and logs (Envoy access logs) after the run")
-    ap.add_argument("--response-processing", default="usage_trailers", choices=["usage_trailers", "streamed"],
+    ap.add_argument("--response-processing", default="usage_trailers", choices=list(BLOCKING),
                     help="the Envoy config's response path, for (b) and (c)")
+    ap.add_argument("--host", action="store_true",
+                    help="also (d): Envoy with 2 workers, Sluice serve --workers 2 on a Redis store")
+    ap.add_argument("--baseline-tree", type=Path, help="also (e): Sluice from this checkout, as it renders Envoy")
     args = ap.parse_args(argv)
     rows = run(rounds=args.rounds, requests=args.requests, seconds=args.seconds, connections=args.connections,
-               envoy_concurrency=args.envoy_concurrency, keep=args.keep, response_processing=args.response_processing)
+               envoy_concurrency=args.envoy_concurrency, keep=args.keep, response_processing=args.response_processing,
+               host=args.host, baseline=args.baseline_tree)
     print(render_markdown(rows))
     if args.json:
         Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=1))

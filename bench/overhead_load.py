@@ -112,6 +112,7 @@ class Sample:
     latencies_ns: list[int]
     errors: int
     seconds: float
+    warmup_requests: int = 0  # sent before the measured ones (they cost CPU too)
 
     @property
     def rps(self) -> float:
@@ -123,10 +124,10 @@ async def _drive(port: int, conns: int, warm: float, *, count: int = 0, seconds:
     clients = [await _connect(port) for _ in range(conns)]
     warm_req, req = request_bytes("warmup"), request_bytes(f"c{conns}")
     lat: list[int] = []
-    errors = 0
+    errors = warmed = 0
 
     async def loop(c: _Client, until: float, n: int, data: bytes, record: bool) -> None:
-        nonlocal errors
+        nonlocal errors, warmed
         clock = time.perf_counter_ns
         while len(lat) < n if n else time.perf_counter() < until:
             t0 = clock()
@@ -134,8 +135,9 @@ async def _drive(port: int, conns: int, warm: float, *, count: int = 0, seconds:
             if record:
                 lat.append(clock() - t0)
                 errors += status != 200
-            elif status != 200:
-                errors += 1
+            else:
+                warmed += 1
+                errors += status != 200
 
     end_warm = time.perf_counter() + warm
     await asyncio.gather(*(loop(c, end_warm, 0, warm_req, False) for c in clients))
@@ -150,7 +152,7 @@ async def _drive(port: int, conns: int, warm: float, *, count: int = 0, seconds:
         for c in clients:
             if c.transport is not None:
                 c.transport.close()
-    return Sample(lat, errors, elapsed)
+    return Sample(lat, errors, elapsed, warmed)
 
 
 def pct(values_ns: list[int], q: float) -> float:

@@ -15,8 +15,12 @@ from typing import Any
 from bench.overhead_load import Sample, pct
 
 CONFIGS = ("a", "b", "c")
-NAMES = {"a": "(a) Envoy alone", "b": "(b) Envoy + pass-through ext_proc", "c": "(c) Envoy + Sluice"}
-TARGET_P50_MS, TARGET_P99_MS, TARGET_RPS_RATIO = 1.5, 3.0, 0.80
+HOST = "d"  # --host: the whole host, Sluice --workers 2 on Redis behind an Envoy with 2 workers
+BASELINE = "e"  # --baseline-tree: Sluice and its Envoy config from another checkout
+NAMES = {"a": "(a) Envoy alone", "b": "(b) Envoy + pass-through ext_proc", "c": "(c) Envoy + Sluice",
+         HOST: "(d) Envoy x2 + Sluice --workers 2 + Redis", BASELINE: "(e) Envoy + Sluice, baseline checkout"}
+TARGET_P50_MS, TARGET_P99_MS, TARGET_RPS_RATIO = 0.8, 2.0, 0.80
+TARGET_RPS_PROCESS, TARGET_RPS_HOST = 2000, 2500
 
 
 @dataclass(frozen=True)
@@ -34,21 +38,21 @@ def _med(xs: list[float]) -> float:
 def _http_rows(one: dict[str, list[Sample]], many: dict[str, list[Sample]], conns: int, rounds: int) -> list[Row]:
     rows = []
     for n, samples in ((1, one), (conns, many)):
-        p50 = {c: _med([pct(s.latencies_ns, .5) for s in samples[c]]) for c in CONFIGS}
-        p99 = {c: _med([pct(s.latencies_ns, .99) for s in samples[c]]) for c in CONFIGS}
-        for c in CONFIGS:
+        p50 = {c: _med([pct(s.latencies_ns, .5) for s in samples[c]]) for c in samples}
+        p99 = {c: _med([pct(s.latencies_ns, .99) for s in samples[c]]) for c in samples}
+        for c in samples:
             v: dict[str, Any] = {"connections": n, "p50_ms": p50[c], "p99_ms": p99[c],
                                  "requests": sum(len(s.latencies_ns) for s in samples[c]),
                                  "errors": sum(s.errors for s in samples[c]), "rounds": rounds}
             if c != "a":
                 v.update(added_p50_over_a=p50[c] - p50["a"], added_p99_over_a=p99[c] - p99["a"])
-            if c == "c":
-                v.update(added_p50_over_b=p50["c"] - p50["b"], added_p99_over_b=p99["c"] - p99["b"])
+            if c in ("c", HOST, BASELINE):
+                v.update(added_p50_over_b=p50[c] - p50["b"], added_p99_over_b=p99[c] - p99["b"])
             rows.append(Row("latency", NAMES[c], v))
-    rps = {c: _med([s.rps for s in many[c]]) for c in CONFIGS}
+    rps = {c: _med([s.rps for s in many[c]]) for c in many}
     # Each round measured (b) and (c) seconds apart, so their ratio is steadier than either rate.
     ratios = [c.rps / b.rps for b, c in zip(many["b"], many["c"], strict=True) if b.rps]
-    for c in CONFIGS:
+    for c in many:
         v = {"connections": conns, "rps": rps[c]}
         if c == "c":
             v.update(ratio_c_over_b=_med(ratios), ratio_rounds=ratios)
@@ -63,7 +67,7 @@ def _spread(xs: list[float]) -> float:
 def _noise_rows(one: dict[str, list[Sample]], many: dict[str, list[Sample]], conns: int,
                 others: float, elapsed: float) -> list[Row]:
     rows = []
-    for c in CONFIGS:
+    for c in one:
         p50s = [pct(s.latencies_ns, .5) for s in one[c]]
         p99s = [pct(s.latencies_ns, .99) for s in one[c]]
         rpss = [s.rps for s in many[c]]
@@ -200,18 +204,35 @@ def render_markdown(rows: list[Row]) -> str:
                         "tends to it when the ext_proc server is the bottleneck."]
             out += ["", f"Target: Sluice keeps ≥ {TARGET_RPS_RATIO:.0%} of the pass-through ext_proc's "
                     f"requests/s: {ratio:.0%}, {_verdict(ratio >= TARGET_RPS_RATIO)}."]
+        rps = {r.label: r.values["rps"] for r in tp}
+        if NAMES["c"] in rps:
+            out += [f"Target: ≥ {TARGET_RPS_PROCESS:,} req/s for one Sluice process: {rps[NAMES['c']]:,.0f}, "
+                    f"{_verdict(rps[NAMES['c']] >= TARGET_RPS_PROCESS)}."]
+        if NAMES[HOST] in rps:
+            out += [f"Target: ≥ {TARGET_RPS_HOST:,} req/s for the host (--workers 2 + Redis): "
+                    f"{rps[NAMES[HOST]]:,.0f}, {_verdict(rps[NAMES[HOST]] >= TARGET_RPS_HOST)}."]
         out += [""]
+    if "messages" in by:
+        out += ["### ext_proc messages per request (16 connections, Envoy's counters)", "",
+                "Sent and received on the ext_proc streams, and the streams opened, divided by the requests "
+                "served. A blocking round trip is a message whose answer the request waits for; the "
+                "request body's chunks are sent without waiting for the headers' answer and answered "
+                "right after it, so they add messages, not waits.", ""]
+        out += _table(["config", "sent", "received", "streams", "access-log entries", "blocking round trips"],
+                      [[r.label, _f(r.values["sent"]), _f(r.values["received"]), _f(r.values["streams"]),
+                        _f(r.values.get("logged", 0.0)), str(r.values["blocking"])] for r in by["messages"]]) + [""]
     if "cpu" in by:
-        keys = ["loadgen", "envoy", "ext_proc", "backend"]
+        keys = ["loadgen", "envoy", "ext_proc", "backend", "redis"]
         out += ["### CPU time per request served at 16 connections (µs)", "",
                 "All processes share the same 2 cores. (a)'s rate is what one Envoy worker and the rest of "
                 "the stack reach here: context, not a target.", ""]
         body = []
         for r in by["cpu"]:
-            v = {("envoy" if k.startswith("envoy") else "ext_proc" if k in ("sluice", "passthrough") else k): x
-                 for k, x in r.values.items()}
+            v = {("envoy" if k.startswith("envoy") else "ext_proc" if k.startswith(("sluice", "passthrough"))
+                  else k): x for k, x in r.values.items()}
             body.append([r.label, *(_f(v[k], 0) if k in v else "–" for k in keys), _f(sum(v.values()), 0)])
-        out += _table(["config", "load generator", "Envoy", "ext_proc server", "backend", "total"], body) + [""]
+        out += _table(["config", "load generator", "Envoy", "ext_proc server", "backend", "Redis", "total"],
+                      body) + [""]
     if "envoy_ext_proc" in by:
         out += ["### ext_proc round trips as Envoy saw them (1 connection, median µs per message)", "",
                 "From the `ext_proc` filter state in Envoy's access log: the time from sending a message "

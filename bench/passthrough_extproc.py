@@ -5,7 +5,10 @@ It answers every ProcessingRequest with an empty response of the matching kind
 from ``xds-protos`` as Sluice. The processing mode is Envoy's side of the contract
 (``extproc.envoy.bootstrap``'s, for the chosen ``response_processing``), so Envoy sends this
 server exactly the messages it sends Sluice, and (Envoy + Sluice) − (Envoy + this) is
-Sluice's policy work.
+Sluice's policy work. It answers every message at once (the request headers too, which
+Sluice answers only once the body is in: the same messages, none waiting), and takes
+Envoy's access log (``response_processing: access_log``) and drops it, so Envoy's side
+costs the same in front of both.
 
     python -m bench.passthrough_extproc --grpc 127.0.0.1:50052
 """
@@ -23,6 +26,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.service.server import start_server
+from extproc.wire.access_log import AccessLogReceiver
 
 # One prebuilt answer per message kind; gRPC serializes it on each send.
 ANSWERS: dict[str, pb.ProcessingResponse] = {
@@ -47,7 +51,7 @@ class PassThrough(pb_grpc.ExternalProcessorServicer):
 
 async def serve(host: str, port: int) -> None:
     # The same server as Sluice's (extproc.service.server.start_server), so only the handler differs.
-    server = await start_server(PassThrough(), host, port)
+    server = await start_server(PassThrough(), host, port, access_logs=AccessLogReceiver(lambda entries: None))
     print(f"pass-through ext_proc listening on {host}:{port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

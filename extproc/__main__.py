@@ -33,12 +33,13 @@ EDS_DIR_ENV = "SLUICE_EDS_DIR"  # serve's --eds-dir when the option is not given
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    from extproc.request.log_settle import LogSettles
     from extproc.runtime.runtime import Runtime
     from extproc.service.admin import start_admin
     from extproc.service.monitor import run_monitor
     from extproc.service.prober import run_prober
     from extproc.service.reloader import watch_policy_dir
-    from extproc.service.server import serve
+    from extproc.service.server import run_log_expiry, serve
     from extproc.service.ticker import run_ticker
     from extproc.wire.health import Health
 
@@ -81,7 +82,11 @@ async def _serve(args: argparse.Namespace) -> int:
     ghost, gport = _hostport(args.grpc)
     ahost, aport = _hostport(args.admin)
     health = Health()
-    server = await serve(runtime, ghost, gport, reuse_port=args.worker_index is not None, health=health)
+    # Envoy's access-log entries come back to the process that forwarded the request,
+    # by the sink key in its metadata: this endpoint as Envoy's config names it.
+    log_settles = LogSettles(args.advertise or f"{ghost}:{gport}", runtime.clock, runtime.metrics)
+    server = await serve(runtime, ghost, gport, health=health, log_settles=log_settles)
+    expiry = asyncio.create_task(run_log_expiry(log_settles, runtime.clock))
     admin = await start_admin(runtime, ahost, aport)
     cluster = _cluster_pool(runtime, args)
     picker = await _start_picker(runtime, args, cluster)
@@ -123,6 +128,7 @@ async def _serve(args: argparse.Namespace) -> int:
     monitor.cancel()
     ticker.cancel()
     prober.cancel()
+    expiry.cancel()
     if eds is not None:
         eds.cancel()
     if leases is not None:
@@ -233,7 +239,8 @@ def _envoy_config(args: argparse.Namespace) -> int:
 
     policy = load_policy(args.policy)
     lhost, lport = _hostport(args.listen)
-    (ehost, eport), *more = [_hostport(a) for a in args.extproc.split(",")]
+    (ehost, eport), *more = [(h, p + i) for h, p in (_hostport(a) for a in args.extproc.split(","))
+                             for i in range(max(1, args.extproc_workers))]
     dhost, dport = _hostport(args.extproc_admin)
     from extproc.envoy.eds import write_policy
 
@@ -275,10 +282,13 @@ def main(argv: list[str] | None = None) -> int:
                    "(or $SLUICE_CONSOLE_TOKEN_FILE)")
     s.add_argument("--replica-id", default=socket.gethostname(), help="this replica's name in the console")
     s.add_argument("--workers", type=int, default=1,
-                   help="processes sharing the gRPC port (SO_REUSEPORT); worker i serves admin on port + i and "
-                   "reports as <replica-id>-<i>; N > 1 needs a shared store (gateway.state or "
-                   "$SLUICE_REDIS_URL) and gives each worker floor(limit / N) of the slots, KV and "
-                   "concurrency caps")
+                   help="processes, worker i on the gRPC port + i (Envoy's cluster lists each: envoy-config "
+                   "--extproc-workers N) and its admin on the admin port + i, reporting as <replica-id>-<i>; "
+                   "N > 1 needs a shared store (gateway.state or $SLUICE_REDIS_URL) and gives each worker "
+                   "floor(limit / N) of the slots, KV and concurrency caps")
+    s.add_argument("--advertise", help="this process's gRPC address as Envoy's config names it (host:port; "
+                   "default: --grpc), the key by which Envoy's access log comes back to it "
+                   "(response_processing: access_log, with several ext_proc endpoints)")
     s.add_argument("--eds-dir", help="write each pool's endpoint set for Envoy's EDS cluster to "
                    f"DIR/<pool>.eds.yaml on every reload (or ${EDS_DIR_ENV}); without it nothing is "
                    "written and Envoy's endpoint set must come from elsewhere")
@@ -302,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="take the pool BACKEND's endpoints from this InferencePool's ready pods, watched with "
                    "the Kubernetes API (in a pod: its service account; NAMESPACE defaults to $POD_NAMESPACE)")
     s.add_argument("--kubeconfig", help="the Kubernetes client's config outside a cluster (else $KUBECONFIG)")
-    s.add_argument("--worker-index", type=int, help="set by --workers for each child: bind with SO_REUSEPORT, serve as worker i of N")
+    s.add_argument("--worker-index", type=int, help="set by --workers for each child: serve as worker i of N")
     v = sub.add_parser("validate", help="check policy files; prints file:line: message per problem")
     v.add_argument("policy")
     e = sub.add_parser("envoy-config", help="render the Envoy bootstrap from the policy's backends")
@@ -312,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--admin-port", type=int, default=9901)
     e.add_argument("--extproc", default="127.0.0.1:50051",
                    help="extproc's gRPC address; several replicas comma-separated (Envoy balances the streams)")
+    e.add_argument("--extproc-workers", type=int, default=1,
+                   help="each extproc address runs serve --workers N: N endpoints, on its port to its port + N - 1")
     e.add_argument("--extproc-admin", default="127.0.0.1:9100",
                    help="extproc's --admin address, where Envoy drains oversized uploads")
     e.add_argument("--eds-dir", help="where Envoy reads the pools' endpoint files (default: the output's "

@@ -27,7 +27,6 @@ from extproc.envoy.bootstrap import (
     BACKEND_HEADER,
     BackendRoute,
     EnvoyOptions,
-    buffer_limit_bytes,
     write_config,
 )
 from extproc.envoy.eds import render as render_eds
@@ -83,14 +82,14 @@ def running_envoy(tmp_path: Path, backends, opts: EnvoyOptions) -> Iterator[Path
             proc.wait()
 
 
-def post(port: int, body: bytes, headers: dict[str, str], chunked: bool = False
-         ) -> tuple[int, dict[str, str], bytes]:
+def post(port: int, body: bytes, headers: dict[str, str], chunked: bool = False,
+         chunks: list[bytes] | None = None) -> tuple[int, dict[str, str], bytes]:
     # A key of the right shape, or Envoy answers 401 itself before ext_proc (extproc.envoy.edge).
     headers = {"authorization": "Bearer sk-test-envoyconfig", **headers}
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     try:
         if chunked:
-            conn.request("POST", "/v1/chat/completions", body=iter([body]), headers=headers,
+            conn.request("POST", "/v1/chat/completions", body=iter(chunks or [body]), headers=headers,
                          encode_chunked=True)
         else:
             conn.request("POST", "/v1/chat/completions", body=body, headers=headers)
@@ -161,7 +160,7 @@ def test_ext_proc_message_timeout_is_503_with_retry_after(tmp_path: Path) -> Non
 
 # A stub ext_proc server and echoing backends: checks the config lets a server reroute a
 # request after reading its body, rewrite the body with a corrected content-length, and
-# strip credentials, and that Envoy's own 413 speaks Sluice's error shape.
+# strip credentials, all in its deferred answer to the request headers.
 
 
 def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -172,33 +171,42 @@ def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
 
 
 class RerouteProcessor(ext_grpc.ExternalProcessorServicer):
+    """Sluice's side of the request in one round trip: the headers' answer waits for the
+    complete body, then carries the routing, the credentials' removal and the new
+    content-length; then one answer per body chunk, the first with the new body."""
+
     def Process(self, request_iterator, context):  # noqa: N802 (gRPC method name)
+        chunks: list[bytes] = []
         for request in request_iterator:
             phase = request.WhichOneof("request")
             if phase == "request_headers":
-                common = ext_pb.CommonResponse(
-                    header_mutation=ext_pb.HeaderMutation(remove_headers=["authorization"])
-                )
-                yield ext_pb.ProcessingResponse(
-                    request_headers=ext_pb.HeadersResponse(response=common)
-                )
-            elif phase == "request_body":
-                body = request.request_body.body.replace(b"small", b"a-much-longer-model")
+                assert request.protocol_config.send_body_without_waiting_for_header_response
+                continue  # answered with the body
+            if phase == "request_body":
+                chunks.append(request.request_body.body)
+                if not request.request_body.end_of_stream:
+                    continue
+                body = b"".join(chunks).replace(b"small", b"a-much-longer-model")
                 common = ext_pb.CommonResponse(
                     header_mutation=ext_pb.HeaderMutation(
-                        set_headers=[
-                            _set(BACKEND_HEADER, "big"),
-                            _set("content-length", str(len(body))),
-                        ]
+                        set_headers=[_set(BACKEND_HEADER, "big"), _set("content-length", str(len(body)))],
+                        remove_headers=["authorization"],
                     ),
-                    body_mutation=ext_pb.BodyMutation(body=body),
                     clear_route_cache=True,
                 )
-                yield ext_pb.ProcessingResponse(request_body=ext_pb.BodyResponse(response=common))
+                yield ext_pb.ProcessingResponse(request_headers=ext_pb.HeadersResponse(response=common))
+                yield ext_pb.ProcessingResponse(request_body=ext_pb.BodyResponse(
+                    response=ext_pb.CommonResponse(body_mutation=ext_pb.BodyMutation(body=body))))
+                for _ in chunks[1:]:
+                    yield ext_pb.ProcessingResponse(request_body=ext_pb.BodyResponse(
+                        response=ext_pb.CommonResponse(body_mutation=ext_pb.BodyMutation(clear_body=True))))
+                chunks = []
             elif phase == "response_headers":
                 yield ext_pb.ProcessingResponse(response_headers=ext_pb.HeadersResponse())
             elif phase == "response_body":
                 yield ext_pb.ProcessingResponse(response_body=ext_pb.BodyResponse())
+            elif phase == "response_trailers":
+                yield ext_pb.ProcessingResponse(response_trailers=ext_pb.TrailersResponse())
 
 
 def echo_backend(name: str) -> ThreadingHTTPServer:
@@ -257,14 +265,14 @@ def test_ext_proc_reroutes_and_rewrites_body(tmp_path: Path) -> None:
             assert "authorization" not in upstream
             assert BACKEND_HEADER not in upstream
 
-            # Chunked, so no content-length sends it to the drain: Envoy's own buffer 413.
-            too_big = b"x" * (buffer_limit_bytes(opts.max_body_bytes) + 1)
-            status, headers, body = post(opts.listen_port, too_big, {}, chunked=True)
-            assert status == 413
-            assert headers["x-sluice-reason"] == "body_too_large"
-            error = json.loads(body)["error"]
-            assert set(error) == ERROR_KEYS and error["param"] is None
-            assert error["type"] == "invalid_request_error"
+            # A chunked upload of several chunks: the answers replace them with one body.
+            status, _, body = post(opts.listen_port, b'{"model":"small"}', {}, chunked=True,
+                                   chunks=[b'{"mo', b'del":"sm', b'all"}'])
+            assert status == 200, body
+            echoed = json.loads(body)
+            assert echoed["backend"] == "big" and echoed["body"] == '{"model":"a-much-longer-model"}'
+            upstream = {k.lower(): v for k, v in echoed["headers"].items()}
+            assert upstream["content-length"] == str(len(echoed["body"]))
     finally:
         grpc_server.stop(grace=None)
         small.shutdown()
@@ -293,10 +301,10 @@ class PickProcessor(ext_grpc.ExternalProcessorServicer):
                 if _header(got, "x-test-max-retries") is not None:
                     sets.append(_set("x-envoy-max-retries", _header(got, "x-test-max-retries") or ""))
                 common = ext_pb.CommonResponse(header_mutation=ext_pb.HeaderMutation(set_headers=sets))
-                # The response side is off in the filter's static mode; Sluice turns it on so.
-                yield ext_pb.ProcessingResponse(
-                    request_headers=ext_pb.HeadersResponse(response=common),
-                    mode_override=msg.RESPONSE_MODES["usage_trailers"])
+                # The response side is off in the filter's static mode: the route turns it on
+                # (usage_trailers; Envoy 1.40 ignores a mode_override with the one-round-trip
+                # request side, so none is sent).
+                yield ext_pb.ProcessingResponse(request_headers=ext_pb.HeadersResponse(response=common))
             elif phase == "request_body":
                 yield ext_pb.ProcessingResponse(request_body=ext_pb.BodyResponse())
             elif phase == "response_headers":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -68,14 +69,14 @@ def test_usage_trailers_reads_usage_upstream_and_streamed_does_not() -> None:
 
 def test_ext_proc_modes_timeouts_and_fail_closed_defaults() -> None:
     cfg = ext_proc(render_bootstrap(BACKENDS, EnvoyOptions()))
-    # The request side only, under either response_processing: Sluice turns the response
-    # side on per request (mode_override in its answer to the request headers:
-    # extproc.wire.messages.RESPONSE_MODES), so a reply Envoy makes for a request ext_proc
-    # never saw (an edge rate limit's 429) opens no ext_proc stream.
+    # The request side only, under every response_processing (one request side: headers
+    # SEND, answered once the STREAMED body is in): the routes Sluice reads turn the
+    # response side on (test_routes_one_per_backend_header_then_catch_all), so a reply Envoy
+    # makes for a request ext_proc never saw (an edge rate limit's 429) opens no stream.
     request_only = {
         "request_header_mode": "SEND",
         "response_header_mode": "SKIP",
-        "request_body_mode": "BUFFERED",
+        "request_body_mode": "STREAMED",
         "request_trailer_mode": "SKIP",
         "response_trailer_mode": "SKIP",
     }
@@ -84,15 +85,24 @@ def test_ext_proc_modes_timeouts_and_fail_closed_defaults() -> None:
     streamed = ext_proc(render_bootstrap(BACKENDS, EnvoyOptions(response_processing="streamed")))
     assert streamed["processing_mode"] == request_only
     assert streamed["response_attributes"] == ["response.code"]
+    logged = ext_proc(render_bootstrap(BACKENDS, EnvoyOptions(response_processing="access_log")))
+    assert logged["processing_mode"] == request_only
+    # access_log: nothing of the response blocks on ext_proc
+    assert "response_attributes" not in logged
+    assert "forwarding_namespaces" not in logged["metadata_options"]
     assert cfg["grpc_service"]["envoy_grpc"]["cluster_name"] == EXTPROC_CLUSTER
     assert cfg["grpc_service"]["timeout"] == "2s"
     assert cfg["message_timeout"] == "2s"
     assert cfg["max_message_timeout"] == "120s"
     assert cfg.get("failure_mode_allow", False) is False
     assert cfg["status_on_error"] == {"code": "ServiceUnavailable"}
-    assert cfg["allow_mode_override"] is True
-    # content-length must survive so the server can fix it after rewriting a buffered body
-    assert not cfg.get("allow_content_length_header", False)
+    for c in (cfg, streamed, logged):
+        # Envoy sends the body without waiting for the headers' answer, and keeps
+        # content-length (STREAMED drops it otherwise). It ignores mode_override then; the
+        # override Sluice sends (the routes' modes) is allowed for a filter without the flag.
+        assert c["send_body_without_waiting_for_header_response"] is True
+        assert c["allow_content_length_header"] is True
+        assert c["allow_mode_override"] is True
     assert cfg.get("route_cache_action", "DEFAULT") == "DEFAULT"
     assert not cfg.get("disable_clear_route_cache", False)
 
@@ -142,27 +152,80 @@ def test_listener_admin_and_hcm() -> None:
     assert "access_log" not in hcm(render_bootstrap(BACKENDS, EnvoyOptions(access_log=False)))
 
 
+def _route_mode(route: dict[str, Any]) -> dict[str, str] | None:
+    override = route.get("typed_per_filter_config", {}).get(EXTPROC_FILTER)
+    return None if override is None else override["overrides"]["processing_mode"]
+
+
 def test_routes_one_per_backend_header_then_catch_all() -> None:
-    route_config = hcm(render_bootstrap(BACKENDS, EnvoyOptions()))["route_config"]
-    (vhost,) = route_config["virtual_hosts"]
-    routes = vhost["routes"]
-    assert len(routes) == len(BACKENDS) + 3
-    assert routes.pop(0)["name"] == KEY_GUARD_ROUTE  # first: Envoy's own 401 (test_edge_config)
-    assert routes.pop(0)["name"] == "drain_oversized_upload"  # then: see test_drain_route
-    for backend, route in zip(BACKENDS, routes, strict=False):
-        assert route["match"]["headers"] == [
-            {"name": BACKEND_HEADER, "string_match": {"exact": backend.name}}
-        ]
-        assert route["route"]["cluster"] == backend.name
-    catch_all = routes[-1]
-    assert catch_all["match"] == {"prefix": "/"}
-    assert catch_all["route"]["cluster"] == BACKENDS[0].name
-    for route in routes:
-        assert route["route"]["timeout"] == "0s"
-        assert route["route"]["idle_timeout"] == "300s"
-    # clients cannot choose a backend, and the choice is not sent upstream
-    assert route_config["internal_only_headers"] == [BACKEND_HEADER, LIMIT_HEADER]
-    assert route_config["request_headers_to_remove"] == [BACKEND_HEADER]
+    request_side = {"request_header_mode": "SEND", "request_body_mode": "STREAMED",
+                    "request_trailer_mode": "SKIP"}
+    # The response side each response_processing needs, on the endpoints Sluice reads.
+    response_side = {
+        "usage_trailers": {**request_side, "response_header_mode": "SEND", "response_trailer_mode": "SEND"},
+        "streamed": {**request_side, "response_header_mode": "SKIP", "response_body_mode": "STREAMED",
+                     "response_trailer_mode": "SKIP"},
+        "access_log": None,  # the filter's static mode: nothing of the response
+    }
+    for mode, expected in response_side.items():
+        opts = EnvoyOptions(response_processing=mode)
+        route_config = hcm(render_bootstrap(BACKENDS, opts))["route_config"]
+        (vhost,) = route_config["virtual_hosts"]
+        routes = vhost["routes"]
+        assert len(routes) == len(BACKENDS) + 5
+        assert routes.pop(0)["name"] == KEY_GUARD_ROUTE  # first: Envoy's own 401 (test_edge_config)
+        assert routes.pop(0)["name"] == "drain_oversized_upload"  # then: see test_drain_route
+        for backend, route in zip(BACKENDS, routes, strict=False):
+            assert route["match"]["headers"] == [
+                {"name": BACKEND_HEADER, "string_match": {"exact": backend.name}}
+            ]
+            assert route["route"]["cluster"] == backend.name
+            assert "typed_per_filter_config" not in route
+        # Before Sluice routed a request its ext_proc mode comes from the first route it matched.
+        reads_body, openai, catch_all = routes[-3:]
+        assert reads_body["match"] == {"safe_regex": {"regex": "^(/v1/embeddings|/v1/responses)$"}}
+        # the Responses API and embeddings: Sluice reads the body (Envoy's usage filter cannot)
+        assert _route_mode(reads_body) == (response_side["streamed"] if mode == "streamed" else {
+            **request_side, "response_header_mode": "SEND", "response_body_mode": "STREAMED",
+            "response_trailer_mode": "SEND"})
+        assert openai["match"] == {"safe_regex": {"regex": "^(/v1/chat/completions|/v1/completions)$"}}
+        assert _route_mode(openai) == expected
+        assert catch_all["match"] == {"prefix": "/"}
+        # /v1/models and the pass-through paths: the headers only, nothing of the body or response
+        assert _route_mode(catch_all) == {
+            "request_header_mode": "SEND", "request_trailer_mode": "SKIP", "response_header_mode": "SKIP",
+            "response_trailer_mode": "SKIP"}
+        for route in (reads_body, openai, catch_all):
+            assert route["route"]["cluster"] == BACKENDS[0].name
+        for route in routes:
+            # generations stream for minutes; response_timeout_s bounds them (and a log settle's wait)
+            assert route["route"]["timeout"] == "600s"
+            assert route["route"]["idle_timeout"] == "300s"
+        # clients cannot choose a backend, and the choice is not sent upstream
+        assert route_config["internal_only_headers"] == [BACKEND_HEADER, LIMIT_HEADER]
+        assert route_config["request_headers_to_remove"] == [BACKEND_HEADER]
+    no_limit = hcm(render_bootstrap(BACKENDS, EnvoyOptions(response_timeout_s=0)))["route_config"]
+    assert all(r["route"]["timeout"] == "0s" for r in no_limit["virtual_hosts"][0]["routes"][2:])
+
+
+def test_the_routes_modes_are_the_mode_override_sluice_answers_with() -> None:
+    """One definition (extproc.wire.messages): what the routes tell Envoy 1.40 and what the
+    answer to the request headers says for a filter that takes a mode_override."""
+    from google.protobuf import json_format
+
+    from extproc.wire.messages import response_mode
+
+    def wire(kind: str, rp: str) -> dict[str, str]:
+        return json_format.MessageToDict(response_mode(kind, rp), preserving_proto_field_name=True)
+
+    for rp in ("usage_trailers", "streamed"):
+        routes = hcm(render_bootstrap(BACKENDS, EnvoyOptions(response_processing=rp)))[
+            "route_config"]["virtual_hosts"][0]["routes"]
+        reads_body, openai = routes[-3], routes[-2]
+        assert _route_mode(openai) == wire("chat", rp)
+        assert _route_mode(reads_body) == wire("responses", rp) == wire("embeddings", rp)
+    static = ext_proc(render_bootstrap(BACKENDS, EnvoyOptions(response_processing="access_log")))
+    assert static["processing_mode"] == wire("chat", "access_log")
 
 
 def test_clusters() -> None:

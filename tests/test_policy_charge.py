@@ -27,6 +27,12 @@ def test_the_backends_usage_wins_over_everything_else() -> None:
     )
 
 
+def test_an_end_nobody_reported_keeps_the_reservation() -> None:
+    # an access-log entry that never came: the prompt and the whole reserved completion
+    assert charge(ending(lost=True)) == Charge(1100, Basis.LOST)
+    assert charge(ending(lost=True, ended_at=10.5)) == Charge(1100, Basis.LOST)  # not estimated
+
+
 def test_an_error_answer_is_not_billed() -> None:
     assert charge(ending(status=400, first_byte_at=10.2)) == Charge(0, Basis.FAILED)
     assert charge(ending(status=503, first_byte_at=10.2, counted_completion=0)) == Charge(

@@ -91,12 +91,14 @@ def test_a_request_refused_after_winning_the_half_open_probe_gives_the_probe_bac
     rt.close()
 
 
-def test_passthrough_path_skips_the_rest_and_holds_nothing() -> None:
+def test_passthrough_path_is_answered_at_its_headers_and_holds_nothing() -> None:
+    # Its route sends Sluice nothing more (extproc_filter.headers_only); the stream is done.
     doc_policy = policy()
     gw = doc_policy.gateway.__class__(unknown_paths="passthrough")
     rt = Runtime(doc_policy.__class__(**{**doc_policy.__dict__, "gateway": gw}))
-    out = asyncio.run(exchange(rt, headers(_path="/v1/files", _method="GET", authorization="Bearer k")))
-    assert out[0].HasField("mode_override")
+    sp = StreamProcessor(rt, peer=None)  # type: ignore[arg-type]
+    out = [sp.handle("request_headers", headers(_path="/v1/files", _method="GET", authorization="Bearer k"))]
+    assert sp.finished and out[0] is not None and out[0].HasField("request_headers")
     set_headers = {h.header.key: h.header.raw_value for h in out[0].request_headers.response.header_mutation.set_headers}
     assert set_headers["x-sluice-tenant"] == b"a"
     assert "authorization" in out[0].request_headers.response.header_mutation.remove_headers
@@ -342,14 +344,13 @@ def test_usage_trailers_without_a_record_estimate_from_the_learned_rate() -> Non
 
 
 def test_a_responses_api_body_is_read_by_sluice_and_may_end_with_the_usage_filters_trailers() -> None:
-    # Envoy's usage filter reads chat completions only: a Responses API request switches
-    # its own stream to a streamed response body, and the filter's trailers end that body.
+    # Envoy's usage filter reads chat completions only: a Responses API request's route
+    # streams its response body to Sluice (extproc_filter.reads_response_body), and the
+    # filter's trailers end that body.
     rt = Runtime(policy(), clock=Clock())
     rt.backends["b"].has_metrics = False
     sp = StreamProcessor(rt, peer=None)  # type: ignore[arg-type]
-    mode = sp.handle("request_headers", headers(_path="/v1/responses", _method="POST",
-                                                authorization="Bearer k")).mode_override  # type: ignore[union-attr]
-    assert (mode.response_body_mode, mode.response_trailer_mode) == (mode.STREAMED, mode.SEND)
+    sp.handle("request_headers", headers(_path="/v1/responses", _method="POST", authorization="Bearer k"))
     body = pb.ProcessingRequest(request_body=pb.HttpBody(
         body=json.dumps({"model": "m", "input": "hi", "max_output_tokens": 50}).encode(), end_of_stream=True))
 
@@ -371,14 +372,16 @@ def test_a_responses_api_body_is_read_by_sluice_and_may_end_with_the_usage_filte
 
 def test_an_admitted_requests_response_side_is_turned_on_by_sluices_answer_to_its_headers() -> None:
     """The filter's static mode leaves the response side off (a reply Envoy makes for a
-    request ext_proc never saw costs no round trip); the answer to the request headers
-    turns it on, for the response_processing in use."""
+    request ext_proc never saw costs no round trip); the route a request matches turns it
+    on (Envoy 1.40 ignores a mode_override with the one-round-trip request side), and the
+    answer to the request headers says the same mode for a filter that takes one."""
     from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 
     from extproc.wire.messages import RESPONSE_MODES
 
     pm = processing_mode_pb2.ProcessingMode
-    for processing, response_headers in (("usage_trailers", pm.SEND), ("streamed", pm.SKIP)):
+    for processing, response_headers in (("usage_trailers", pm.SEND), ("streamed", pm.SKIP),
+                                         ("access_log", pm.SKIP)):
         base = policy()
         rt = Runtime(base.__class__(**{**base.__dict__, "gateway": base.gateway.__class__(
             response_processing=processing)}))
@@ -387,5 +390,5 @@ def test_an_admitted_requests_response_side_is_turned_on_by_sluices_answer_to_it
                                                       authorization="Bearer k"))
         assert answer is not None and answer.mode_override == RESPONSE_MODES[processing]
         assert answer.mode_override.response_header_mode == response_headers
-        assert answer.mode_override.request_body_mode == pm.BUFFERED
+        assert answer.mode_override.request_body_mode == pm.STREAMED  # the request side stays
         rt.close()

@@ -11,7 +11,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.procs import ROOT, free_port, http_ok, tcp_open
+from bench.procs import ROOT, free_port, free_ports, http_ok, tcp_open
 from bench.redis_server import RedisServer
 from extproc.policy.share import local_share
 from extproc.policyfile import load_policy
@@ -49,12 +49,16 @@ def test_the_refusal_lifts_only_with_shared_state() -> None:
     assert refusal(0, shared_state=True) == "--workers must be at least 1"
 
 
-def test_each_worker_gets_one_worker_and_its_own_admin_port() -> None:
+def test_each_worker_gets_one_worker_and_its_own_grpc_and_admin_ports() -> None:
     argv = ["serve", "--policy", "p", "--workers", "3", "--admin", "0.0.0.0:9100", "--grpc", "127.0.0.1:50051"]
-    assert worker_argv(argv, 2, 9102) == ["serve", "--policy", "p", "--grpc", "127.0.0.1:50051", "--workers", "1",
+    assert worker_argv(argv, 2, 9102) == ["serve", "--policy", "p", "--grpc", "127.0.0.1:50053", "--workers", "1",
                                           "--worker-index", "2", "--admin", "0.0.0.0:9102"]
-    assert worker_argv(["serve", "--workers=2"], 0, 9100)[-2:] == ["--admin", "127.0.0.1:9100"]
+    assert worker_argv(["serve", "--workers=2"], 0, 9100)[-4:] == ["--worker-index", "0", "--admin", "127.0.0.1:9100"]
+    assert worker_argv(["serve", "--workers=2"], 1, 9101)[:3] == ["serve", "--grpc", "127.0.0.1:50052"]
     assert worker_argv(argv, 1, 9101, 3)[-6:] == ["--workers", "3", "--worker-index", "1", "--admin", "0.0.0.0:9101"]
+    # the access-log sink key follows the port Envoy's config lists for the worker
+    advertised = worker_argv([*argv, "--advertise", "extproc:50051"], 1, 9101, 3)
+    assert advertised[advertised.index("--advertise") + 1] == "extproc:50052"
 
 
 def test_each_worker_gets_floor_of_the_per_process_limits() -> None:
@@ -85,8 +89,8 @@ def _state(admin_port: int) -> dict[str, Any]:
         return json.loads(r.read())
 
 
-def test_workers_with_redis_share_one_grpc_port_and_stop_together(redis_server: RedisServer) -> None:
-    grpc_port, admin_port = free_port(), free_port()
+def test_workers_with_redis_each_serve_their_own_grpc_port_and_stop_together(redis_server: RedisServer) -> None:
+    grpc_port, admin_port = free_ports(2), free_ports(2)
     parent = subprocess.Popen([sys.executable, "-m", "extproc", "serve", "--workers", "2", "--policy", POLICY,
                                "--grpc", f"127.0.0.1:{grpc_port}", "--admin", f"127.0.0.1:{admin_port}",
                                "--replica-id", "host-a"], cwd=ROOT, start_new_session=True,
@@ -98,7 +102,8 @@ def test_workers_with_redis_share_one_grpc_port_and_stop_together(redis_server: 
                 and _up(http_ok, f"http://127.0.0.1:{admin_port + 1}/healthz")
 
         eventually(both_up, 30, "the workers did not come up", interval=0.1)
-        assert _listeners(grpc_port) == 2, "both workers listen on the gRPC port (SO_REUSEPORT)"
+        # One port each: Envoy multiplexes its streams over one connection per endpoint.
+        assert (_listeners(grpc_port), _listeners(grpc_port + 1)) == (1, 1)
         full = load_policy(POLICY).backends[0]
         leased = []
         for i in range(2):
@@ -116,7 +121,7 @@ def test_workers_with_redis_share_one_grpc_port_and_stop_together(redis_server: 
         assert sum(leased) <= full.max_concurrency, leased
         parent.send_signal(signal.SIGTERM)
         assert parent.wait(15) == 0
-        assert _listeners(grpc_port) == 0
+        assert _listeners(grpc_port) == _listeners(grpc_port + 1) == 0
     finally:
         if parent.poll() is None:
             parent.kill()

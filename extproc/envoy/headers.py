@@ -50,6 +50,10 @@ def endpoint_headers(primary: str, second: str | None) -> dict[str, str]:
     return {ENDPOINT_HEADER: primary, MAX_RETRIES_HEADER: "0"}
 
 
+# response_processing access_log: the key in Sluice's dynamic metadata namespace that ties
+# Envoy's access-log entry to the request waiting for it, "<sink>/<n>" (extproc.envoy.access_log).
+SETTLE_KEY = "settle"
+
 # The drain for oversized uploads (extproc.service.drain), on extproc's admin port.
 DRAIN_PATH = "/drain"
 # Set by the drain route: the body cap Envoy's route enforced when it sent the request here.

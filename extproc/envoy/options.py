@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from extproc.policy.edge import EdgeLimits, edge_limits
 from extproc.policy.schema import Gateway, Policy
 
-__all__ = ["BackendRoute", "EnvoyOptions", "gateway_options", "ms", "policy_options", "seconds"]
+__all__ = ["BackendRoute", "EnvoyOptions", "buffer_limit_bytes", "gateway_options", "ms",
+           "policy_options", "seconds"]
+_MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -56,12 +58,28 @@ class EnvoyOptions:
     # Envoy's health checks / outlier detection of the extproc replicas (envoy_clusters.extproc_health)
     extproc_health_interval_s: float = 1.0
     extproc_unhealthy_threshold: int = 2
-    # the policy's gateway.response_processing: "usage_trailers" (Envoy reads the usage,
-    # extproc gets one message per response) or "streamed" (every body chunk to extproc)
+    # the policy's gateway.response_processing: "access_log" (no response message: Envoy's
+    # gRPC access log brings status, first byte, served address and usage), "usage_trailers"
+    # (Envoy reads the usage, extproc gets two messages per response) or "streamed" (every
+    # body chunk to extproc)
     response_processing: str = "usage_trailers"
     # Where the pools' endpoint files are (<eds_dir>/<pool>.eds.yaml, extproc.envoy.eds);
     # "" in write_config: the rendered config's directory.
     eds_dir: str = ""
+    # The longest a response may take once the request went upstream (0: no limit): the
+    # backend routes' timeout, after which Envoy answers or ends the stream with 504.
+    response_timeout_s: float = 600.0
+    # response_processing access_log: how often each Envoy worker flushes its buffered
+    # access-log entries to Sluice, and the most it buffers: it flushes early past that, and
+    # while its stream to Sluice is congested it keeps entries up to it and drops the rest
+    # (grpc_access_logger_clients.h: a flush fails above the stream's write watermark).
+    # Seen with 16 KiB under 64 streaming clients on a loaded box: 26 of 1,206 entries
+    # dropped; 1 MiB rides out such a stall (~1,000 entries).
+    access_log_flush_ms: int = 20
+    access_log_buffer_bytes: int = 1 << 20
+    # Envoy runtime flag: ext_proc half-closes a finished stream and waits for the
+    # server's close instead of resetting it (measured in bench.overhead).
+    ext_proc_graceful_close: bool = True
     # A pool route's wait before it re-picks after a refused connection (Envoy's back-off
     # is random up to this; the retry goes to another endpoint, so there is nothing to wait for).
     repick_backoff_ms: int = 1
@@ -84,6 +102,7 @@ def gateway_options(gw: Gateway) -> dict[str, object]:
         "extproc_health_interval_s": gw.extproc_health_interval_s,
         "extproc_unhealthy_threshold": gw.extproc_unhealthy_threshold,
         "response_processing": gw.response_processing,
+        "response_timeout_s": gw.response_timeout_s,
     }
 
 
@@ -91,6 +110,14 @@ def policy_options(policy: Policy) -> dict[str, object]:
     """``gateway_options`` and what else the whole policy decides: the edge limits, whose
     per-key rate is the fastest any tier or tenant may go."""
     return {**gateway_options(policy.gateway), "edge": edge_limits(policy)}
+
+
+def buffer_limit_bytes(max_body_bytes: int) -> int:
+    """Per-connection buffer: large enough that Sluice, not Envoy, answers oversized bodies.
+
+    Also the most request body Envoy queues for ext_proc before it stops reading from the
+    client (a STREAMED body waits in that queue until its headers are answered)."""
+    return max(2 * max_body_bytes, max_body_bytes + _MIB)
 
 
 def ms(value: int) -> datetime.timedelta:

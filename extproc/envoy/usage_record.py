@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, wrappers_pb2
+from google.protobuf import any_pb2, descriptor_pb2, descriptor_pool, message_factory, wrappers_pb2
 
 AI_FILTER = "envoy.filters.http.ai_protocol_manager"
 AI_FILTER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ai_protocol_manager.v3.AiProtocolManager"
@@ -98,7 +98,13 @@ class EnvoyUsage:
 def usage_from_metadata(request: pb.ProcessingRequest) -> EnvoyUsage | None:
     """The TokenUsage forwarded with this message (response trailers), or None."""
     packed = request.metadata_context.typed_filter_metadata.get(USAGE_NAMESPACE)
-    if packed is None or not packed.type_url.endswith("/" + TOKEN_USAGE):
+    return None if packed is None else usage_from_any(packed)
+
+
+def usage_from_any(packed: any_pb2.Any) -> EnvoyUsage | None:
+    """The TokenUsage in ``packed`` (typed filter metadata ``envoy.ai.token_usage``, as
+    ext_proc forwards it and the access log carries it), or None for another type."""
+    if not packed.type_url.endswith("/" + TOKEN_USAGE):
         return None
     u = TokenUsage.FromString(packed.value)
 
@@ -110,7 +116,10 @@ def usage_from_metadata(request: pb.ProcessingRequest) -> EnvoyUsage | None:
 
 
 # -- Envoy config ----------------------------------------------------------------------
-def ai_filter(max_json_body_bytes: int = 8 << 20) -> dict[str, Any]:
+def ai_filter(max_json_body_bytes: int = 8 << 20, trailers: bool = True) -> dict[str, Any]:
+    """``trailers``: add trailers at a clean end, which bring ext_proc the usage
+    (``usage_trailers``); without them the metadata alone is written, which the access
+    log carries (``access_log``; observed on 1.40)."""
     return {
         "name": AI_FILTER,
         "typed_config": {
@@ -121,7 +130,7 @@ def ai_filter(max_json_body_bytes: int = 8 << 20) -> dict[str, Any]:
                 # Chat completions; /v1/completions has the same usage object.
                 "default_llm_protocol": "OPENAI_CHAT_COMPLETIONS",
                 "metadata_namespace": USAGE_NAMESPACE,
-                "usage_signal": "SYNTHESIZE_TRAILERS",
+                **({"usage_signal": "SYNTHESIZE_TRAILERS"} if trailers else {}),
                 "limits": {
                     "max_json_body_size": max_json_body_bytes,
                     "max_sse_event_size": 1 << 20,
@@ -133,13 +142,13 @@ def ai_filter(max_json_body_bytes: int = 8 << 20) -> dict[str, Any]:
     }
 
 
-def upstream_http_filters() -> list[dict[str, Any]]:
+def upstream_http_filters(trailers: bool = True) -> list[dict[str, Any]]:
     """The backend clusters' upstream filter chain (HttpProtocolOptions.http_filters).
 
     Upstream, the filter sees the response before the listener's ext_proc does; it is
     the placement with which response headers SEND still got its trailers reliably.
     """
-    return [ai_filter(), {"name": UPSTREAM_CODEC, "typed_config": {"@type": UPSTREAM_CODEC_TYPE}}]
+    return [ai_filter(trailers=trailers), {"name": UPSTREAM_CODEC, "typed_config": {"@type": UPSTREAM_CODEC_TYPE}}]
 
 
 # Drops `data: {..."choices":[],"usage":{...}}` events: the usage-only chunk. Events can
@@ -194,7 +203,8 @@ def hide_usage_filter() -> dict[str, Any]:
         "@type": LUA_TYPE, "default_source_code": {"inline_string": HIDE_USAGE_LUA}}}
 
 
-def install(cfg: dict[str, Any], backend_clusters: set[str], hcm_filter_before: str) -> dict[str, Any]:
+def install(cfg: dict[str, Any], backend_clusters: set[str], hcm_filter_before: str,
+            trailers: bool = True) -> dict[str, Any]:
     """Splice the usage path into a rendered bootstrap (a plain dict, snake_case).
 
     Adds the upstream filter chain to every backend cluster in ``backend_clusters`` and
@@ -207,7 +217,7 @@ def install(cfg: dict[str, Any], backend_clusters: set[str], hcm_filter_before: 
         if cluster["name"] not in backend_clusters:
             continue
         for opts in cluster.get("typed_extension_protocol_options", {}).values():
-            opts["http_filters"] = upstream_http_filters()
+            opts["http_filters"] = upstream_http_filters(trailers)
             found += 1
     if found != len(backend_clusters):
         raise ValueError(f"expected protocol options on {len(backend_clusters)} backend clusters, found {found}")

@@ -26,6 +26,11 @@ rate is at least the request's own decode rate, because the time it is multiplie
 includes the engine's queueing and prefill; the excess is that time × rate. The prompt is
 charged whether or not the engine began its prefill, which Sluice cannot see.
 
+One ending says nothing of what the request used: under ``response_processing:
+access_log`` the request's entry never came within the route's timeout and a margin
+(``LOST``): the reservation stands, prompt plus reserved completion, the most the client
+agreed to (the route's timeout has passed, so any estimate would reach it too).
+
 Two endings never reach the backend and are not decided here: a request refused or
 abandoned before it was forwarded is charged nothing (``NOT_SENT``); one refused after its
 prompt was counted, for a reason a retry cannot fix, is charged the counted prompt
@@ -53,6 +58,7 @@ class Basis(StrEnum):
     ESTIMATED = "estimated"
     NOT_SENT = "not_sent"
     REFUSED_COUNTED = "refused_counted"
+    LOST = "lost"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +76,7 @@ class SettleFacts:
     reported_total: int | None = None  # the backend's usage, prompt + completion
     counted_completion: int | None = None  # completion tokens Sluice counted from the body it read
     rate: float | None = None  # the model's learned decode rate per choice, tokens/s
+    lost: bool = False  # no report of the end ever came (an access-log entry that never did)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +87,8 @@ class Charge:
 
 def charge(e: SettleFacts) -> Charge:
     """What the tenant pays for a request that went to the backend (see the module docstring)."""
+    if e.lost:
+        return Charge(e.prompt + e.completion_budget, Basis.LOST)
     if e.reported_total is not None:
         return Charge(e.reported_total, Basis.REPORTED)
     if e.status >= 400:

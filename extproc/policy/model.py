@@ -94,11 +94,16 @@ class Gateway:
     # every replica. $SLUICE_REDIS_URL, when set, wins (a deployment detail).
     state: str = "memory"
     state_fail_closed: bool = False  # Redis unreachable: refuse instead of a local share
-    # "usage_trailers": Envoy reads the usage, extproc gets one message per response;
-    # "streamed": every response chunk goes through extproc (per-chunk inspection)
+    # "access_log": no response message reaches extproc, Envoy's gRPC access log brings
+    # the status, first byte, served address and usage; "usage_trailers": Envoy reads the
+    # usage, extproc gets the response headers and one trailers message; "streamed": every
+    # response chunk goes through extproc (per-chunk inspection)
     response_processing: str = "usage_trailers"
     edge: EdgeSettings = field(default_factory=EdgeSettings)
     currency: str = "USD"  # what budgets' cost and models' prices are counted in
+    # The longest a response may take once the request went upstream (0: no limit); Envoy
+    # ends a longer one with 504. Under access_log it bounds a settle's wait for its entry.
+    response_timeout_s: float = 600.0
 
 
 @dataclass(frozen=True)

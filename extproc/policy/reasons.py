@@ -85,3 +85,6 @@ class Ending(StrEnum):
     REJECTED = "rejected"  # Sluice answered the request itself; nothing reached a backend
     DISCONNECT = "disconnect"  # the ext_proc stream ended before the response did: the client left
     ERROR = "error"  # Sluice's own handling of the stream failed
+    # response_processing access_log: the request's access-log entry never came within the
+    # route's timeout and a margin (extproc.request.log_settle); it keeps its pre-charge
+    EXPIRED = "expired"

@@ -63,13 +63,16 @@ def _gateway(r: Reader, doc: Any) -> Gateway:
         state=_state(r, m, path),
         state_fail_closed=r.get(m, path, "state_fail_closed", bool, d.state_fail_closed),
         response_processing=r.get(m, path, "response_processing", str, d.response_processing,
-                                  choices=("usage_trailers", "streamed")),
+                                  choices=RESPONSE_PROCESSING),
         edge=read_flat(r, m.get("edge"), (*path, "edge"), EdgeSettings),
         currency=read_currency(r, m, path),
+        response_timeout_s=float(r.get(m, path, "response_timeout_s", (int, float),
+                                       d.response_timeout_s, minimum=0)),
     )
 
 
 STATE_SCHEMES = ("redis://", "rediss://", "unix://")
+RESPONSE_PROCESSING = ("access_log", "usage_trailers", "streamed")
 
 
 def _state(r: Reader, m: Mapping[str, Any], path: Path) -> str:

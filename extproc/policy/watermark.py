@@ -131,6 +131,9 @@ class WatermarkController:
         # Called at every sample: a cache of what scale() and state() say (a pool's placement
         # index) is renewed then, and at next_change().
         self.on_change: Callable[[], None] | None = None
+        # state(now) again at the same now (placement asks each endpoint three times a
+        # request) is the same state until the next observe
+        self._state_at: tuple[float, WatermarkState] | None = None
 
     # -- inputs ------------------------------------------------------------------------
 
@@ -139,6 +142,7 @@ class WatermarkController:
         the backend does not export a queue length (ignored, not treated as pressure)."""
         if self.on_change is not None:
             self.on_change()
+        self._state_at = None
         if self._t is not None:
             now = max(now, self._t)
         self._advance(now)
@@ -193,15 +197,20 @@ class WatermarkController:
         return self._last_obs_t + self.stale_after_s
 
     def state(self, now: float) -> WatermarkState:
+        cached = self._state_at
+        if cached is not None and cached[0] == now:
+            return cached[1]
         scale = self.scale(now)
         target = self.floor if self._stale_at(self._t_or(now)) else self._target()
-        return WatermarkState(
+        st = WatermarkState(
             scale=scale,
             target=target,
             smoothed_usage=self._usage,
             smoothed_waiting=self._waiting,
             reason=self._reason(scale, target, now),
         )
+        self._state_at = (now, st)
+        return st
 
     # -- internals ---------------------------------------------------------------------
 

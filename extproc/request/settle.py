@@ -2,8 +2,11 @@
 
 A ``Settlement`` is made per stream once the tenant is known. Admission tells it what the
 request holds (``routed``, ``counted``, ``precharged``); the adapter tells it what the
-response did (``forwarded``, ``responded``, ``watch``, ``usage_record``); ``settle()``
-runs on every way the stream ends: it charges the tenant what the request used (the
+response did (``forwarded``, ``responded``, ``watch``, ``usage_record``, or all of it at
+once after the fact: ``settle_with``, from Envoy's access log under ``response_processing:
+access_log``, ``extproc.request.outcome``); ``settle()`` runs on every way the stream ends
+(under ``access_log``: when the request's entry arrives or its wait for one expires,
+``extproc.request.log_settle``): it charges the tenant what the request used (the
 usage the backend reported, Envoy's usage record, or an estimate) and refunds the rest
 of the pre-charge, releases the slot and KV, reports the outcome to the breakers that
 let it through, and feeds the latency observations. A prompt refused after it was
@@ -25,6 +28,8 @@ from extproc.policy.charge import Basis, Charge, SettleFacts, charge
 from extproc.policy.reasons import CHARGED, Ending, Reason
 from extproc.policy.schema import Limits, Tenant, Tier
 from extproc.request import observe
+from extproc.request.outcome import ResponseOutcome
+from extproc.request.repick import served_elsewhere
 from extproc.request.ticket import Ticket
 from extproc.runtime.runtime import Runtime
 
@@ -50,6 +55,7 @@ class Settlement:
         self.settled = False
         self.status = 0
         self.first_byte_s: float | None = None
+        self.ended_s: float | None = None  # when the response ended, if learned after the fact (the access log)
         self.sse = False
         self.tracker: SSETracker | JSONTracker | None = None
         self.envoy_usage: EnvoyUsage | None = None
@@ -85,6 +91,29 @@ class Settlement:
         """What Envoy read of the usage, at the response's clean end."""
         self.envoy_usage = eu
 
+    def settle_with(self, outcome: ResponseOutcome) -> None:
+        """Settle with everything the response side told at once (``extproc.request.outcome``):
+        the access log's entry, which comes after the response ended."""
+        if self.settled:
+            return
+        start = self.arrived_s
+        self.status = outcome.status
+        if outcome.first_byte_after_s is not None:
+            self.first_byte_s = start + outcome.first_byte_after_s
+        if outcome.ended_after_s is not None:
+            self.ended_s = start + outcome.ended_after_s
+        self.envoy_usage, self.sse = outcome.usage, outcome.sse
+        if outcome.served is not None and self.ticket is not None:
+            # After a re-pick the hold moves to who served before it is released
+            # (extproc.request.repick), as it does on the first response message.
+            served_elsewhere(self.ticket, outcome.served, self.rt.metrics, self.rt.clock())
+        self.settle(outcome.how)
+
+    def settle_expired(self) -> None:
+        """No access-log entry came within the route's timeout and a margin: release what
+        the request holds; it keeps its pre-charge (nothing says what it used)."""
+        self.settle(Ending.EXPIRED)
+
     # -- the exits -------------------------------------------------------------------------
     def charge_refused(self, reason: Reason) -> None:
         """A prompt refused after it was counted is paid for: its counted tokens, as spent."""
@@ -112,7 +141,7 @@ class Settlement:
             return
         # A request that never left Sluice (refused, or abandoned while queued) used nothing.
         went = self.sent_upstream and how is not Ending.REJECTED
-        got = self._charge(now) if went else Charge(0, Basis.NOT_SENT)
+        got = self._charge(now, how) if went else Charge(0, Basis.NOT_SENT)
         self.rt.state.settle(self.tenant.name, self.reserved, got.tokens, now)
         self._settle_budget(self._used(got) if went else None)
         t = self.ticket
@@ -145,7 +174,7 @@ class Settlement:
         assert self.req is not None
         try:
             observe.record_settle(self.rt, t, self.tenant.name, self.tier, how=how, status=self.status,
-                                  arrived=self.arrived_s, first_byte=self.first_byte_s, now=now,
+                                  arrived=self.arrived_s, first_byte=self.first_byte_s, now=self._ended(now),
                                   usage=self._reported_usage(), n=self.req.n)
         except Exception:  # observing must never keep the rest of settle from running
             log.exception("latency observation failed")
@@ -167,7 +196,11 @@ class Settlement:
         t.report_outcome(outcome_at_settle(how, self.status), latency, now)
         t.give_back(now)
 
-    def _charge(self, now: float) -> Charge:
+    def _ended(self, now: float) -> float:
+        """When the response ended: learned from the access log, else now (settle runs at the end)."""
+        return self.ended_s if self.ended_s is not None else now
+
+    def _charge(self, now: float, how: Ending) -> Charge:
         """What the request is charged (``extproc.policy.charge``), from what reached Sluice."""
         t, req = self.ticket, self.req
         assert t is not None and req is not None
@@ -182,9 +215,10 @@ class Settlement:
         counted = self._counted_completion() if total is None and self.status < 400 else None
         return charge(SettleFacts(
             prompt=self.prompt_tokens, completion_budget=max(0, self.reserved - self.prompt_tokens),
-            n=req.n, admitted_at=t.admitted_at, ended_at=now, status=self.status,
+            n=req.n, admitted_at=t.admitted_at, ended_at=self._ended(now), status=self.status,
             first_byte_at=self.first_byte_s, streamed=self.sse or req.stream, reported_total=total,
-            counted_completion=counted, rate=self.rt.decode_rates.rate(t.model.name)))
+            counted_completion=counted, rate=self.rt.decode_rates.rate(t.model.name),
+            lost=how is Ending.EXPIRED))  # no access-log entry came: nothing says what it used
 
     def _used(self, got: Charge) -> Usage:
         """The charge split into prompt and completion tokens to price it, with the same total
@@ -213,4 +247,4 @@ class Settlement:
         t, req, first = self.ticket, self.req, self.first_byte_s
         if t is None or req is None or first is None or not req.stream:
             return
-        self.rt.decode_rates.observe(t.model.name, actual_completion, req.n, self.rt.clock() - first)
+        self.rt.decode_rates.observe(t.model.name, actual_completion, req.n, self._ended(self.rt.clock()) - first)

@@ -7,6 +7,14 @@ maps between ext_proc messages and those; the decisions are theirs. Every way a 
 can end (end of stream, upstream error, client disconnect, Envoy resetting the ext_proc
 stream, a message timeout, a refusal after admission) reaches ``settle()``, which gives
 back what the request held exactly once.
+
+The request side is one round trip (``extproc.envoy.extproc_filter``): the answer to the
+request headers waits until the STREAMED body is complete, then carries every mutation,
+followed by one answer per body chunk. An Envoy configured the older way (body
+BUFFERED, said by the first message's ``protocol_config``) gets its headers answered at
+once and the mutations with the body, as before. Under ``response_processing:
+access_log`` the stream ends once the request is answered, and a forwarded request
+settles when its access-log entry comes (``extproc.request.log_settle``).
 """
 
 from __future__ import annotations
@@ -15,16 +23,19 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.envoy import usage_record
-from extproc.envoy.headers import UPSTREAM_ATTRIBUTE
+from extproc.envoy.headers import SETTLE_KEY, UPSTREAM_ATTRIBUTE
+from extproc.envoy.options import buffer_limit_bytes
 from extproc.openai_api.errors import budget_headers, error_body, ratelimit_headers
 from extproc.openai_api.usage import JSONTracker, SSETracker
 from extproc.policy.reasons import Ending, Reason
 from extproc.policy.schema import Limits, Tenant
 from extproc.request import intake, upstream
 from extproc.request.admission import Admission, Wait
+from extproc.request.log_settle import LogSettles, expires_after_s
 from extproc.request.refusal import Refusal
 from extproc.request.repick import served_elsewhere
 from extproc.request.settle import Settlement
@@ -48,9 +59,10 @@ _TRAILERS_CONTINUE = pb.ProcessingResponse(response_trailers=pb.TrailersResponse
 
 
 class StreamProcessor:
-    def __init__(self, rt: Runtime, peer: PeerStream) -> None:
+    def __init__(self, rt: Runtime, peer: PeerStream, log_settles: LogSettles | None = None) -> None:
         self.rt = rt
         self.peer = peer
+        self.log_settles = log_settles  # where a forwarded request waits for its access-log entry
         self.policy = rt.policy  # pinned for the stream's lifetime
         self.arrived_s = rt.clock()  # the stream starts with the request's headers
         self.tenant: Tenant | None = None
@@ -59,6 +71,18 @@ class StreamProcessor:
         self.admission: Admission | None = None
         self.settlement: Settlement | None = None  # once the tenant is known
         self.finished = False  # an immediate response ended the exchange
+        # The request headers' answer waits for the body (Envoy sends the body without
+        # waiting for it); the body's chunks, and the path the headers' answer will set.
+        self.deferred = False
+        self.chunks: list[bytes] = []
+        self.body_bytes = 0
+        self.new_path: dict[str, str] = {}
+        self.awaiting_log: str | None = None  # the access-log settle id, once forwarded
+        self.mode: msg.PM | None = None  # the whole processing mode this request needs
+        # Envoy's config sends nothing of the response (protocol_config), as access_log
+        # needs: a gateway's own config may still stream it, and then the stream settles.
+        self.quiet_response = False
+        self.saw_response = False
 
     @property
     def ticket(self) -> Ticket | None:
@@ -73,6 +97,16 @@ class StreamProcessor:
         if self.settlement is not None:
             self.settlement.settle(how)
 
+    def end(self, how: Ending) -> None:
+        """The ext_proc stream is over (``how``: as the server saw it end). A request waiting
+        for its access-log entry settles from the entry, or by expiry: under ``access_log``
+        the stream ends once the request is answered, and a client that leaves later shows
+        in the entry (flag DC)."""
+        if self.awaiting_log is None or self.saw_response:
+            self.settle(how)
+            if self.awaiting_log is not None and self.log_settles is not None:
+                self.log_settles.forget(self.awaiting_log)
+
     # -- dispatch -----------------------------------------------------------
     # One synchronous call per message; only the request body (token counting off the
     # event loop, a wait in the admission queue) is awaited, once per request.
@@ -83,24 +117,56 @@ class StreamProcessor:
             response = self._dispatch(phase, request)
         except Refusal as rej:
             response = self._refused(rej)
-        if response is not None:
+        if response is not None or phase == "request_headers":  # a deferred answer: timed too
             self._timed(phase, t0)
         return response
 
     async def handle_body(self, request: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingResponse]:
-        """The request body's answers: a wait hint first when the request must wait."""
+        """A request-body message's answers: none until the body is complete (its chunks are
+        answered together, after the headers), a wait hint first when the request must wait."""
         t0 = time.perf_counter()
+        b = request.request_body
+        if self.kind is None or self.finished:
+            # A path Sluice does not read (its route sends no body; an older Envoy config would).
+            yield msg.continue_request_body()
+            return
+        # One observation per body: the time up to each answer, summed over them (not the
+        # time gRPC takes to send one); a chunk that is only kept is not timed.
+        spent = 0.0
         try:
-            async for response in self.on_request_body(request.request_body):
-                # Timed up to the answer: not the time gRPC takes to send it.
-                self._timed("request_body", t0)
+            if self.deferred and not self._take_chunk(b):
+                return
+            raw = b"".join(self.chunks) if self.deferred else b.body
+            async for response in self.on_request_body(raw):
+                spent += time.perf_counter() - t0
                 yield response
                 t0 = time.perf_counter()
         except Refusal as rej:
             response = self._refused(rej)
             if response is not None:
-                self._timed("request_body", t0)
+                spent += time.perf_counter() - t0
                 yield response
+        if spent:
+            self.rt.metrics.phase("request_body", spent)
+
+    def _take_chunk(self, b: pb.HttpBody) -> bool:
+        """Keep one chunk of a STREAMED body; True once the body is complete.
+
+        Over the cap the request is refused once the body ends (read whole, an HTTP/1.1
+        client reads the 413), or sooner if it keeps coming: Envoy stops reading from the
+        client when the chunks it holds for their answers fill its buffer, so waiting longer
+        would only end in its message timeout."""
+        self.chunks.append(b.body)
+        self.body_bytes += len(b.body)
+        cap = self.policy.gateway.max_body_bytes
+        if self.body_bytes > cap:
+            self.chunks = [b""]  # only counted from here on
+            if b.end_of_stream:
+                raise Refusal(Reason.BODY_TOO_LARGE, f"Request body is {self.body_bytes} bytes; the limit is {cap}.")
+            if self.body_bytes > (cap + buffer_limit_bytes(cap)) // 2:
+                raise Refusal(Reason.BODY_TOO_LARGE,
+                              f"Request body is more than {self.body_bytes} bytes; the limit is {cap}.")
+        return b.end_of_stream
 
     def _timed(self, phase: str, t0: float) -> None:
         self.rt.metrics.phase(phase, time.perf_counter() - t0)
@@ -127,13 +193,19 @@ class StreamProcessor:
                              headers, f"sluice_{rej.reason}")
 
     def _dispatch(self, phase: str, request: pb.ProcessingRequest) -> pb.ProcessingResponse | None:
+        if phase.startswith("response"):
+            self.saw_response = True
         if phase == "response_body":
             s = self.settlement
             if s is not None and s.tracker is None and s.admitted and not s.settled:
                 self._start_response(request, s)
             return self.on_response_body(request.response_body)
         if phase == "request_headers":
-            return self.on_request_headers(request.request_headers)
+            # Envoy sends the body without waiting for this answer: it is given with the body's.
+            config = request.protocol_config
+            can_defer = config.send_body_without_waiting_for_header_response
+            self.quiet_response = config.response_body_mode == processing_mode_pb2.ProcessingMode.NONE
+            return self.on_request_headers(request.request_headers, can_defer)
         if phase == "response_headers":
             return self.on_response_headers(request)
         if phase == "response_trailers":
@@ -162,7 +234,7 @@ class StreamProcessor:
         return req.model if req is not None and req.model in self.policy.by_model else NO_MODEL
 
     # -- request side -------------------------------------------------------
-    def on_request_headers(self, h: pb.HttpHeaders) -> pb.ProcessingResponse:
+    def on_request_headers(self, h: pb.HttpHeaders, can_defer: bool = False) -> pb.ProcessingResponse | None:
         headers = msg.header_map(h, REQUEST_HEADERS)
         tenant = self.tenant = intake.tenant_of(self.policy, headers)
         self.limits = self.policy.limits(tenant)
@@ -174,26 +246,32 @@ class StreamProcessor:
         if got.kind is None:
             self.rt.metrics.bypassed(tenant.name, "passthrough")
             fwd = upstream.passthrough(self.rt, self.policy, tenant, got.clean_path)
+            # The route of a path Sluice does not read sends it nothing more (extproc_filter.headers_only).
+            self.finished = True
             return msg.headers_response("request_headers", fwd.set_headers, fwd.remove_headers,
                                         mode_override=msg.SKIP_REST)
         self.kind = got.kind
         self.settlement = Settlement(self.rt, tenant, self.limits, self.policy.tiers[tenant.tier],
                                      self.arrived_s, headers.get(REQUEST_ID, ""))
         self.admission = Admission(self.rt, self.policy, tenant, self.limits, self.peer, self.settlement)
-        # A key that cannot pay for one token is refused before its body is even sent here.
+        # A key that cannot pay for one token is refused before its body is even read here.
         self.admission.precheck(self.rt.clock())
-        gw = self.policy.gateway
-        # Envoy's usage filter reads neither the Responses API's usage nor an embeddings body's.
-        read_body = got.kind in ("responses", "embeddings") and gw.response_processing != "streamed"
-        # The response side is off in the filter's static mode: turned on here, for this request.
-        mode = msg.READ_RESPONSE_BODY if read_body else msg.RESPONSE_MODES[gw.response_processing]
+        # The response side this request needs (extproc.wire.messages.response_mode): the
+        # route it matched says it to Envoy 1.40; the answer carries it too, for an Envoy
+        # that takes a mode_override (one configured without the one-round-trip request side).
+        self.mode = msg.response_mode(got.kind, self.policy.gateway.response_processing)
         new_path = {":path": got.clean_path} if got.clean_path else {}
-        return msg.headers_response("request_headers", new_path, mode_override=mode)
+        if can_defer:
+            self.deferred, self.new_path = True, new_path
+            return None
+        return msg.headers_response("request_headers", new_path, mode_override=self.mode)
 
-    async def on_request_body(self, b: pb.HttpBody) -> AsyncIterator[pb.ProcessingResponse]:
+    async def on_request_body(self, raw: bytes) -> AsyncIterator[pb.ProcessingResponse]:
+        """The complete body: checked, admitted; a wait hint first when the request must
+        wait, then the answers that send it on (``_forward``)."""
         assert self.tenant is not None and self.kind is not None
         assert self.admission is not None and self.settlement is not None
-        req, backend, model = intake.check_body(self.policy, self.kind, b.body)
+        req, backend, model = intake.check_body(self.policy, self.kind, raw)
         ticket = None
         async for step in self.admission.admit(req, backend, model):
             if isinstance(step, Wait):
@@ -202,10 +280,37 @@ class StreamProcessor:
                 ticket = step
         assert ticket is not None
         fwd = upstream.forward(self.rt, self.policy, self.tenant, req, ticket)
-        self.settlement.forwarded()
+        for answer in self._forward(fwd, raw):
+            yield answer
+
+    def _forward(self, fwd: upstream.Forward, raw: bytes) -> list[pb.ProcessingResponse]:
+        """The answers that send an admitted request on: the headers' (deferred) with every
+        mutation, then one per body chunk; or, to an Envoy that buffered the body, the
+        body's with the mutations."""
+        s = self.settlement
+        assert s is not None
+        gw = self.policy.gateway
+        set_headers = {**fwd.set_headers, **self.new_path}
+        if self.deferred:
+            # STREAMED: Envoy keeps content-length (allow_content_length_header) as the
+            # client sent it, or none for a chunked upload; the body's length is known now.
+            set_headers["content-length"] = str(len(fwd.body if fwd.body is not None else raw))
         # Response headers decided now travel as dynamic metadata (see extproc.envoy.routes).
-        yield msg.body_response("request_body", fwd.body, fwd.set_headers, fwd.remove_headers,
-                                clear_route_cache=True, metadata={msg.METADATA_NAMESPACE: fwd.response_headers})
+        out = dict(fwd.response_headers)
+        if (self.log_settles is not None and gw.response_processing == "access_log"
+                and self.kind not in msg.READS_BODY and self.quiet_response):
+            # Its settle waits for Envoy's access-log entry, which this id ties to it.
+            expires = self.rt.clock() + expires_after_s(gw.response_timeout_s)
+            self.awaiting_log = out[SETTLE_KEY] = self.log_settles.register(s, expires)
+        s.forwarded()
+        metadata = {msg.METADATA_NAMESPACE: out}
+        if not self.deferred:
+            return [msg.body_response("request_body", fwd.body, set_headers, fwd.remove_headers,
+                                      clear_route_cache=True, metadata=metadata)]
+        chunks, self.chunks = len(self.chunks), []
+        return [msg.headers_response("request_headers", set_headers, fwd.remove_headers, clear_route_cache=True,
+                                     metadata=metadata, mode_override=self.mode),
+                *msg.request_chunk_answers(chunks, fwd.body)]
 
     # -- response side ------------------------------------------------------
     def _start_response(self, request: pb.ProcessingRequest, s: Settlement) -> None:

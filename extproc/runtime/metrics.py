@@ -23,12 +23,14 @@ TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 
 # Inter-token latency: 10-50 ms per token is the normal range of a decoding batch.
 ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+# Response end -> settled from Envoy's access log: its flush interval (20 ms) plus the batch's trip.
+SETTLE_LAG_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 10.0)
 PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 NO_TENANT = "-"  # the tenant label of a request refused before its key was known
 # The request path's events, one method each (tests.metrics_fake records these).
 INTENTS = ("admitted", "rejected", "bypassed", "settled", "released", "charged_refused", "shadowed",
            "queue_waited", "phase", "placed", "repicked", "tokenized", "latency", "completion_estimated",
-           "drained_upload", "spent")
+           "drained_upload", "spent", "log_settled", "log_entry_unmatched", "log_settle_expired")
 
 
 class Metrics:
@@ -166,6 +168,15 @@ class Metrics:
                                     "total, usable (may be picked) and unreadable (scraped, but "
                                     "the metrics could not be used).", ["backend", "state"],
                                     registry=r)
+        self.settle_lag = Histogram("sluice_settle_lag_seconds", "From the end of a response to its settle "
+                                    "from Envoy's access log.", buckets=SETTLE_LAG_BUCKETS, registry=r)
+        self.log_entries = Counter("sluice_access_log_entries", "Access-log entries received, by outcome: settled, "
+                                   "late (its request had settled by expiry), unknown (no such request here).",
+                                   ["outcome"], registry=r)
+        self.log_awaiting = Gauge("sluice_access_log_awaiting", "Forwarded requests whose settle waits for their "
+                                  "access-log entry.", registry=r)
+        self.log_expired = Counter("sluice_access_log_expired", "Forwarded requests settled by expiry: no "
+                                   "access-log entry came within response_timeout_s and a margin.", registry=r)
         self.endpoint_usable = Gauge("sluice_endpoint_usable", "1 while a pool endpoint may be picked (breaker "
                                      "not open, metrics fresh, not draining).", ["backend", "endpoint"], registry=r)
 
@@ -274,6 +285,20 @@ class Metrics:
             c(self.usage_tokens, tenant, model, "cached_prompt").inc(cached)
         if nanos:
             c(self.spend, tenant, model).inc(nanos / 1e9)
+
+    def log_settled(self, lag_s: float) -> None:
+        """A forwarded request settled from its access-log entry, ``lag_s`` after its response ended."""
+        self.child(self.log_entries, "settled").inc()
+        self.settle_lag.observe(max(0.0, lag_s))
+
+    def log_entry_unmatched(self, late: bool) -> None:
+        """An access-log entry no waiting request took: ``late`` (the request had settled by
+        expiry) or unknown here. Ignored: a request is never billed twice."""
+        self.child(self.log_entries, "late" if late else "unknown").inc()
+
+    def log_settle_expired(self) -> None:
+        """A forwarded request whose access-log entry never came settled by expiry."""
+        self.log_expired.inc()
 
     # -- the metric objects ------------------------------------------------------------
     def child(self, metric: Any, *labels: str) -> Any:

@@ -1,24 +1,30 @@
 """The grpc.aio ExternalProcessor: receive, dispatch to the stream's processor, send.
 
-The stream loop owns exactly one thing: making sure ``settle()`` runs when the
-ext_proc stream ends, however it ends. Envoy signals a client disconnect only by
+The stream loop owns exactly one thing: making sure the stream's processor hears when
+the ext_proc stream ends, however it ends (``StreamProcessor.end``: it settles, or leaves
+a forwarded request to its access-log entry). Envoy signals a client disconnect only by
 closing the stream without the end-of-stream body message (``context.cancelled()``
 stays False), so "stream over before end-of-stream" is the disconnect signal.
+
+The same gRPC server takes Envoy's access log (``extproc.wire.access_log``) when
+``response_processing`` is ``access_log``, and the health checks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.policy.reasons import Ending
+from extproc.request.log_settle import LogSettles
 from extproc.request.stream import StreamProcessor
 from extproc.runtime.runtime import Runtime
+from extproc.wire import access_log
 from extproc.wire.health import Health
 from extproc.wire.peer import PeerStream
 
@@ -26,14 +32,15 @@ log = logging.getLogger("sluice.server")
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, log_settles: LogSettles | None = None) -> None:
         self.rt = runtime
+        self.log_settles = log_settles
 
     async def Process(  # noqa: N802 - the gRPC method name
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
         peer = PeerStream(request_iterator)
-        stream = StreamProcessor(self.rt, peer)
+        stream = StreamProcessor(self.rt, peer, self.log_settles)
         how = Ending.DISCONNECT
         try:
             while (request := await peer.next()) is not None:
@@ -55,7 +62,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         finally:
             peer.cancel()
             # A settle at end-of-stream already happened; this is then a no-op.
-            stream.settle(how)
+            stream.end(how)
 
 
 # Bodies up to the policy's cap travel in one message; Envoy multiplexes every HTTP
@@ -70,11 +77,14 @@ SERVER_OPTIONS = [
 
 
 async def start_server(servicer: pb_grpc.ExternalProcessorServicer, host: str, port: int,
-                       reuse_port: bool = False, health: Health | None = None) -> grpc.aio.Server:
-    # SO_REUSEPORT only for `serve --workers N` (grpc-core's default is on: a second
-    # server on a taken port would silently share it instead of failing to bind).
-    server = grpc.aio.server(options=[*SERVER_OPTIONS, ("grpc.so_reuseport", int(reuse_port))])
+                       health: Health | None = None,
+                       access_logs: access_log.AccessLogReceiver | None = None) -> grpc.aio.Server:
+    # No SO_REUSEPORT (grpc-core's default is on: a second server on a taken port would
+    # silently share it instead of failing to bind); `serve --workers N` binds N ports.
+    server = grpc.aio.server(options=[*SERVER_OPTIONS, ("grpc.so_reuseport", 0)])
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+    if access_logs is not None:
+        access_log.add_to_server(server, access_logs)
     # grpc.health.v1, which Envoy's ext_proc cluster checks (extproc/wire/health.py)
     server.add_generic_rpc_handlers([(health or Health()).handler()])
     if server.add_insecure_port(f"{host}:{port}") == 0:
@@ -83,6 +93,18 @@ async def start_server(servicer: pb_grpc.ExternalProcessorServicer, host: str, p
     return server
 
 
-async def serve(runtime: Runtime, host: str, port: int, reuse_port: bool = False,
-                health: Health | None = None) -> grpc.aio.Server:
-    return await start_server(ExternalProcessor(runtime), host, port, reuse_port, health)
+async def serve(runtime: Runtime, host: str, port: int, health: Health | None = None,
+                log_settles: LogSettles | None = None) -> grpc.aio.Server:
+    """Sluice's gRPC server; with ``log_settles``, it takes Envoy's access log there too."""
+    receiver = access_log.AccessLogReceiver(log_settles.consume) if log_settles is not None else None
+    return await start_server(ExternalProcessor(runtime, log_settles), host, port, health, receiver)
+
+
+async def run_log_expiry(log_settles: LogSettles, clock: Callable[[], float], interval_s: float = 1.0) -> None:
+    """Settle, until cancelled, the forwarded requests whose access-log entry never came."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            log_settles.expire(clock())
+        except Exception:  # noqa: BLE001 - a bug here must not stop the next expiries
+            log.exception("access-log expiry failed")

@@ -1,12 +1,15 @@
-"""``extproc serve --workers N``: N processes answering on one gRPC port.
+"""``extproc serve --workers N``: N processes, each on its own gRPC port.
 
 Each worker is a full ``extproc serve`` in its own process (its own event loop, GIL and
-policy reloader) bound to the same gRPC port with ``SO_REUSEPORT``: the kernel spreads
-Envoy's HTTP/2 connections over them, so one host uses all its cores. Worker ``i``
-serves its admin HTTP on the admin port + ``i`` (worker 0 on the port given): each
-exposes its own ``/metrics`` and ``/healthz``, and Prometheus scrapes them as separate
-targets, the same way it scrapes separate replicas. (A shared admin would have to
-merge the workers' registries, and ``/debug/state`` would have to pick one.)
+policy reloader). Worker ``i`` serves gRPC on the given port + ``i`` and its admin HTTP on
+the admin port + ``i``: Envoy lists every worker as an endpoint of the ext_proc cluster
+(``envoy-config --extproc-workers N``), because it multiplexes all the ext_proc streams of
+one of its workers over one HTTP/2 connection per endpoint, so one shared port
+(``SO_REUSEPORT``, before) spread connections, not streams: with one Envoy worker, one
+Sluice worker got them all. Each worker is also its own access-log sink
+(``response_processing: access_log``: entries come back to the worker that forwarded the
+request). Each exposes its own ``/metrics`` and ``/healthz``, and Prometheus scrapes them
+as separate targets, the same way it scrapes separate replicas.
 
 N > 1 needs a store the workers share (``gateway.state`` or ``$SLUICE_REDIS_URL``
 naming Redis): without one each process would keep its own token buckets, so a
@@ -38,8 +41,12 @@ def refusal(workers: int, shared_state: bool) -> str | None:
     return None
 
 
+GRPC_DEFAULT, ADMIN_DEFAULT = "127.0.0.1:50051", "127.0.0.1:9100"
+
+
 def worker_argv(argv: Sequence[str], index: int, admin_port: int, workers: int = 1) -> list[str]:
-    """The command line of worker ``index`` of ``workers``: the parent's, with its own admin port."""
+    """The command line of worker ``index`` of ``workers``: the parent's, with its own admin
+    port, gRPC port (+ ``index``) and, if the parent advertised one, advertised address."""
     out: list[str] = []
     skip = False
     for i, a in enumerate(argv):
@@ -47,21 +54,31 @@ def worker_argv(argv: Sequence[str], index: int, admin_port: int, workers: int =
             skip = False
             continue
         name = a.split("=", 1)[0]
-        if name in ("--workers", "--admin", "--worker-index"):
+        if name in ("--workers", "--admin", "--worker-index", "--grpc", "--advertise"):
             skip = "=" not in a and i + 1 < len(argv)
             continue
         out.append(a)
-    return [*out, "--workers", str(workers), "--worker-index", str(index), "--admin", f"{_admin_host(argv)}:{admin_port}"]
+    grpc = _shifted(_option(argv, "--grpc") or GRPC_DEFAULT, index)
+    advertise = _option(argv, "--advertise")
+    admin_host = (_option(argv, "--admin") or ADMIN_DEFAULT).rpartition(":")[0] or "127.0.0.1"
+    return [*out, "--grpc", grpc, *(("--advertise", _shifted(advertise, index)) if advertise else ()),
+            "--workers", str(workers), "--worker-index", str(index), "--admin", f"{admin_host}:{admin_port}"]
 
 
-def _admin_host(argv: Sequence[str]) -> str:
-    host = "127.0.0.1"
+def _option(argv: Sequence[str], name: str) -> str | None:
+    value = None
     for i, a in enumerate(argv):
-        if a == "--admin" and i + 1 < len(argv):
-            host = argv[i + 1].rpartition(":")[0] or host
-        elif a.startswith("--admin="):
-            host = a.split("=", 1)[1].rpartition(":")[0] or host
-    return host
+        if a == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def _shifted(address: str, index: int) -> str:
+    """``host:port`` with the port moved up by ``index``: worker ``index``'s."""
+    host, _, port = address.rpartition(":")
+    return f"{host or '127.0.0.1'}:{int(port) + index}"
 
 
 def supervise(argv: Sequence[str], workers: int, admin_port: int) -> int:

@@ -25,6 +25,18 @@ RESPONSE_HEADERS_FROM_METADATA = (
 )
 PM = processing_mode_pb2.ProcessingMode
 
+
+def _mode(response_headers: int, response_body: int, response_trailers: int) -> PM:
+    # The request side is the same in every mode: headers SEND, their answer deferred until
+    # the STREAMED body is complete (extproc.envoy.extproc_filter).
+    return PM(request_header_mode=PM.SEND, request_body_mode=PM.STREAMED,
+              request_trailer_mode=PM.SKIP, response_header_mode=response_headers,
+              response_body_mode=response_body, response_trailer_mode=response_trailers)
+
+
+# The ext_proc filter's static mode: the request side only (extproc.envoy.extproc_filter).
+REQUEST_ONLY = _mode(PM.SKIP, PM.NONE, PM.SKIP)
+
 # A pass-through path needs nothing more from us after its headers.
 SKIP_REST = PM(
     request_header_mode=PM.SKIP, response_header_mode=PM.SKIP,
@@ -32,34 +44,33 @@ SKIP_REST = PM(
     request_trailer_mode=PM.SKIP, response_trailer_mode=PM.SKIP,
 )
 
-# The whole processing mode of a request Sluice admits, per response_processing, sent as the
-# mode_override of its answer to the request headers (the filter's static mode leaves the
-# response side off: extproc.envoy.extproc_filter). usage_trailers: response headers (status,
-# first byte) and the trailers Envoy's usage filter synthesizes with the usage, never a body
-# chunk; streamed: every response body chunk, no headers (the status is an attribute).
+# The whole processing mode of a request Sluice reads, per response_processing: the mode of
+# the routes it matches first (extproc.envoy.routes, ExtProcPerRoute) and the mode_override
+# of Sluice's answer to its headers (which Envoy 1.40 takes only from a filter without the
+# one-round-trip request side). access_log: nothing of the response; usage_trailers:
+# response headers (status, first byte) and the trailers Envoy's usage filter synthesizes
+# with the usage, never a body chunk; streamed: every response body chunk, no headers (the
+# status is an attribute).
 RESPONSE_MODES = {
-    "usage_trailers": PM(
-        request_header_mode=PM.SEND, response_header_mode=PM.SEND,
-        request_body_mode=PM.BUFFERED, response_body_mode=PM.NONE,
-        request_trailer_mode=PM.SKIP, response_trailer_mode=PM.SEND,
-    ),
-    "streamed": PM(
-        request_header_mode=PM.SEND, response_header_mode=PM.SKIP,
-        request_body_mode=PM.BUFFERED, response_body_mode=PM.STREAMED,
-        request_trailer_mode=PM.SKIP, response_trailer_mode=PM.SKIP,
-    ),
+    "access_log": REQUEST_ONLY,
+    "usage_trailers": _mode(PM.SEND, PM.NONE, PM.SEND),
+    "streamed": _mode(PM.SKIP, PM.STREAMED, PM.SKIP),
 }
 
 # A response whose usage Envoy's usage filter cannot read (the Responses API: its usage
-# rides in a response.completed event) is read here, chunk by chunk, under either
-# response_processing; the response headers bring the status and the first byte. The
-# usage filter still adds trailers when it finds a `usage` object, and then the last body
-# chunk is not end-of-stream: the trailers are what ends the body here.
-READ_RESPONSE_BODY = PM(
-    request_header_mode=PM.SEND, response_header_mode=PM.SEND,
-    request_body_mode=PM.BUFFERED, response_body_mode=PM.STREAMED,
-    request_trailer_mode=PM.SKIP, response_trailer_mode=PM.SEND,
-)
+# rides in a response.completed event; an embeddings body) is read here, chunk by chunk,
+# under any response_processing; the response headers bring the status and the first byte.
+# The usage filter still adds trailers when it finds a `usage` object, and then the last
+# body chunk is not end-of-stream: the trailers are what ends the body here.
+READS_BODY = ("responses", "embeddings")
+READ_RESPONSE_BODY = _mode(PM.SEND, PM.STREAMED, PM.SEND)
+
+
+def response_mode(kind: str, response_processing: str) -> PM:
+    """The processing mode of a request of endpoint ``kind`` (``extproc.openai_api.body``)."""
+    if kind in READS_BODY and response_processing != "streamed":
+        return READ_RESPONSE_BODY
+    return RESPONSE_MODES[response_processing]
 
 
 def header_map(headers: pb.HttpHeaders, wanted: frozenset[str] | None = None) -> dict[str, str]:
@@ -101,7 +112,12 @@ def _common(set_headers: Mapping[str, str] | None, remove: Iterable[str], body: 
             clear_route_cache: bool) -> pb.CommonResponse:
     common = pb.CommonResponse()
     if set_headers or remove:
-        common.header_mutation.CopyFrom(mutation(set_headers, remove))
+        # Filled in place: a HeaderMutation built apart and copied in costs a second copy.
+        hm = common.header_mutation
+        if set_headers:
+            hm.set_headers.extend([_option(k, v) for k, v in set_headers.items()])
+        if remove:
+            hm.remove_headers.extend(remove)
     if body is not None:
         common.body_mutation.body = body
     if clear_route_cache:
@@ -110,10 +126,14 @@ def _common(set_headers: Mapping[str, str] | None, remove: Iterable[str], body: 
 
 
 def headers_response(phase: str, set_headers: Mapping[str, str] | None = None, remove: Iterable[str] = (),
-                     mode_override: processing_mode_pb2.ProcessingMode | None = None) -> pb.ProcessingResponse:
-    resp = pb.ProcessingResponse(**{phase: pb.HeadersResponse(response=_common(set_headers, remove, None, False))})
+                     mode_override: processing_mode_pb2.ProcessingMode | None = None, clear_route_cache: bool = False,
+                     metadata: Mapping[str, Mapping[str, str]] | None = None) -> pb.ProcessingResponse:
+    resp = pb.ProcessingResponse(
+        **{phase: pb.HeadersResponse(response=_common(set_headers, remove, None, clear_route_cache))})
     if mode_override is not None:
         resp.mode_override.CopyFrom(mode_override)
+    if metadata:
+        _set_metadata(resp, metadata)
     return resp
 
 
@@ -123,22 +143,45 @@ def body_response(phase: str, body: bytes | None = None, set_headers: Mapping[st
     resp = pb.ProcessingResponse(
         **{phase: pb.BodyResponse(response=_common(set_headers, remove, body, clear_route_cache))})
     if metadata:
-        # Top-level keys are namespaces; Envoy accepts those listed in metadata_options.
-        # Field by field: Struct.update() walks values generically and costs ~17 us.
-        fields = resp.dynamic_metadata.fields
-        for ns, values in metadata.items():
-            inner = fields[ns].struct_value.fields
-            for k, v in values.items():
-                inner[k].string_value = v
+        _set_metadata(resp, metadata)
     return resp
 
 
+def _set_metadata(resp: pb.ProcessingResponse, metadata: Mapping[str, Mapping[str, str]]) -> None:
+    # Top-level keys are namespaces; Envoy accepts those listed in metadata_options.
+    # Field by field: Struct.update() walks values generically and costs ~17 us.
+    fields = resp.dynamic_metadata.fields
+    for ns, values in metadata.items():
+        inner = fields[ns].struct_value.fields
+        for k, v in values.items():
+            inner[k].string_value = v
+
+
 _EMPTY_BODY_RESPONSE = pb.ProcessingResponse(response_body=pb.BodyResponse())
+_CONTINUE_REQUEST_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+_CLEAR_REQUEST_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse(
+    response=pb.CommonResponse(body_mutation=pb.BodyMutation(clear_body=True))))
 
 
 def continue_response_body() -> pb.ProcessingResponse:
     """The answer to most streamed chunks: forward unchanged (one shared message)."""
     return _EMPTY_BODY_RESPONSE
+
+
+def continue_request_body() -> pb.ProcessingResponse:
+    """A STREAMED request chunk forwarded unchanged (one shared message)."""
+    return _CONTINUE_REQUEST_BODY
+
+
+def request_chunk_answers(chunks: int, new_body: bytes | None) -> list[pb.ProcessingResponse]:
+    """The answers to a STREAMED request body's ``chunks`` messages, after its headers'.
+
+    Envoy applies each answer to the chunk it sent in that place: unchanged, every chunk
+    goes on as it came; rewritten, the first carries the whole new body and the others
+    are emptied."""
+    if new_body is None:
+        return [_CONTINUE_REQUEST_BODY] * chunks
+    return [body_response("request_body", new_body), *[_CLEAR_REQUEST_BODY] * (chunks - 1)]
 
 
 def attribute(request: pb.ProcessingRequest, name: str) -> object:

@@ -86,6 +86,12 @@ def backend_state(stack: Stack) -> dict[str, Any]:
     return stack.state()["backends"]["sim"]
 
 
+def settled_backend_state(stack: Stack) -> dict[str, Any]:
+    """The backend once every answered request has settled: under access_log a response's
+    end reaches Sluice in Envoy's next access-log batch, within the settle lag."""
+    return stack.wait_settled()["backends"]["sim"]
+
+
 def wait_scale(stack: Stack, ok: Any, timeout: float = 5.0) -> float:
     seen: list[float] = []
 
@@ -134,7 +140,7 @@ def test_burst_of_long_prompts_preempts_without_sluice_and_not_with_it(stack: St
     assert [r.status_code for r in rs] == [200] * 12, [r.text for r in rs if r.status_code != 200]
     assert engine["preemptions_total"] == before["preemptions_total"], engine
     assert engine["kv_blocks_peak"] < KV_BLOCKS, engine
-    st = backend_state(stack)
+    st = settled_backend_state(stack)
     assert st["kv"]["reserved_tokens"] == 0 and st["slots"]["in_use"] == 0
 
 
@@ -252,7 +258,7 @@ def test_queue_timeout_full_queue_and_disconnect_while_queued(stack: Stack) -> N
         after = stack.state()["ledger"]
         assert after["charged"] == before["charged"], "a request that never reached the backend is not billed"
         assert [h.result().status_code for h in holders] == [200, 200]
-    st = backend_state(stack)
+    st = settled_backend_state(stack)
     assert st["kv"]["reserved_tokens"] == 0 and st["slots"]["in_use"] == 0
 
 

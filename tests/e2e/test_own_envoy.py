@@ -65,6 +65,7 @@ def merge(cfg: dict[str, Any], pieces: dict[str, Any], backend_cluster: str) -> 
     hcm = res["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     router = next(i for i, f in enumerate(hcm["http_filters"]) if f["name"] == "envoy.filters.http.router")
     hcm["http_filters"][router:router] = pieces["http_filters"]
+    hcm.setdefault("access_log", []).extend(pieces.get("access_log", []))  # response_processing access_log
     res["clusters"].extend(pieces["clusters"])
     off = {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": True}
     for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:

@@ -7,14 +7,22 @@ import json
 import re
 import socket
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.e2e.harness import TEST_KEYS, Stack
+from tests.e2e.harness import TEST_KEYS, Stack, running
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running(Stack(tmp_path_factory.mktemp("trailers"), gateway={"response_processing": "usage_trailers"})) as s:
+        yield s
+
 AUTH = {"authorization": f"Bearer {TEST_KEYS['premium']}"}
 
 

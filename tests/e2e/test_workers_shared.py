@@ -1,20 +1,20 @@
 """``extproc serve --workers 2`` on a Redis store, behind one Envoy: one tenant, one budget.
 
-Envoy opens a new ext_proc connection per stream here (``max_requests_per_connection:
-1`` on the ext_proc cluster), so the kernel's ``SO_REUSEPORT`` spreads the streams over
-both workers; the tenant's TPM bucket, kept in Redis, holds across them.
+Each worker serves its own gRPC port and Envoy's ext_proc cluster lists both
+(``envoy-config --extproc-workers 2``), so Envoy spreads the streams over them; the
+tenant's TPM bucket, kept in Redis, holds across them.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
-import yaml
 
-from bench.procs import Proc, wait_http, wait_idle
+from bench.procs import Proc, free_ports, wait_http, wait_idle
 from bench.redis_server import RedisServer
 from extproc.envoy.bootstrap import BackendRoute, EnvoyOptions, policy_options, write_config
 from extproc.policy.schema import build_policy
@@ -27,7 +27,11 @@ TINY_BURST = 600  # the tiny tier's bucket (tests/e2e/harness.py: test_policy), 
 
 
 class WorkersStack(Stack):
-    """The harness's stack with ``--workers 2`` and one ext_proc connection per stream."""
+    """The harness's stack with ``--workers 2``: two gRPC ports, both in Envoy's cluster."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.grpc_port, self.admin_port = free_ports(2), free_ports(2)
 
     def start_extproc(self) -> None:
         p = Proc("extproc", [sys.executable, "-m", "extproc", "serve", "--workers", "2", "--policy",
@@ -38,30 +42,31 @@ class WorkersStack(Stack):
         for i in range(2):
             wait_http(f"http://127.0.0.1:{self.admin_port + i}/healthz", proc=p.popen)
 
+    def worker_metrics(self, i: int) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port + i}/metrics", timeout=5) as r:
+            return r.read().decode()
+
     def start_envoy(self) -> None:
         assert self.policy_doc is not None
         policy = build_policy(self.policy_doc)
         opts = EnvoyOptions(listen_port=self.envoy_port, admin_port=self.envoy_admin_port,
-                            extproc_port=self.grpc_port, drain_port=self.admin_port,
-                            **policy_options(policy))  # type: ignore[arg-type]
+                            extproc_port=self.grpc_port, extproc_more=(("127.0.0.1", self.grpc_port + 1),),
+                            drain_port=self.admin_port, **policy_options(policy))  # type: ignore[arg-type]
         cfg = write_config(self.workdir / "envoy.yaml", [BackendRoute("sim", "127.0.0.1", self.sim_port)], opts)
-        doc = yaml.safe_load(cfg.read_text())
-        for c in doc["static_resources"]["clusters"]:
-            if c["name"] == "sluice_extproc":
-                proto = c["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
-                proto["common_http_protocol_options"] = {"max_requests_per_connection": 1}
-        cfg.write_text(yaml.safe_dump(doc, sort_keys=False))
         p = Proc("envoy", [envoy_binary(), "-c", str(cfg), "--disable-hot-restart", "-l", "warning",
                            "--concurrency", "1"], self.workdir / "envoy.log")
         self.procs["envoy"] = p.start()
         wait_http(f"http://127.0.0.1:{self.envoy_admin_port}/ready", proc=p.popen)
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkersStack]:
+# access_log: each worker is its own access-log sink; an entry must come back to the
+# worker that forwarded its request, or that request would wait for its expiry.
+@pytest.fixture(scope="module", params=["usage_trailers", "access_log"])
+def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[WorkersStack]:
     redis = RedisServer(tmp_path_factory.mktemp("redis")).start()  # Debian's redis-server
     try:
-        s = WorkersStack(tmp_path_factory.mktemp("workers"), gateway={"state": redis.url})
+        s = WorkersStack(tmp_path_factory.mktemp("workers"),
+                         gateway={"state": redis.url, "response_processing": request.param})
         with running(s):
             yield s
     finally:
@@ -76,7 +81,7 @@ def test_two_workers_serve_and_share_one_tenants_budget(stack: WorkersStack) -> 
     states = [wait_idle(f"http://127.0.0.1:{stack.admin_port + i}/debug/state", 5, 0.02) for i in range(2)]
     tiny = [st["tenants"]["t-tiny"] for st in states]
     admitted = [st["ledger"]["precharged"] for st in states]
-    # Both workers took streams (SO_REUSEPORT spread Envoy's connections over them) ...
+    # Both workers took streams (Envoy balanced them over the two endpoints) ...
     assert all(a > 0 for a in admitted), (admitted, tiny)
     assert all(st["store"]["member"].startswith(f"w-{i}#") for i, st in enumerate(states))
     # ... and together they kept one bucket: 20 requests of ~60 tokens need twice the
@@ -85,3 +90,8 @@ def test_two_workers_serve_and_share_one_tenants_budget(stack: WorkersStack) -> 
     assert sum(admitted) <= TINY_BURST + 10 * elapsed + 60, (admitted, elapsed)
     assert all(st["in_flight"] == 0 and st["ledger"]["balanced"] for st in states), states
     assert sum(t["rejections"].get("tpm", 0) for t in tiny) == codes.count(429)
+    # every forwarded request settled in the worker that admitted it (its own sink)
+    for i in range(2):
+        text = stack.worker_metrics(i)
+        assert "sluice_access_log_awaiting 0.0" in text
+        assert 'sluice_access_log_entries_total{outcome="unknown"}' not in text
