@@ -95,8 +95,9 @@ class Stack(ProcGroup):
     def envoy_sent(self) -> float:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.envoy_admin}/stats?format=json", timeout=5) as r:
             stats = json.loads(r.read())["stats"]
-        return next((float(s["value"]) for s in stats if s.get("name") == "http.sluice.ext_proc.sluice.stream_msgs_sent"),
-                    0.0)
+        return next(
+            (float(s["value"]) for s in stats if s.get("name") == "http.sluice.ext_proc.sluice.stream_msgs_sent"), 0.0
+        )
 
     def body_seconds(self) -> tuple[float, float]:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/metrics", timeout=5) as r:

@@ -61,7 +61,8 @@ def _doc(url: str) -> dict[str, Any]:
 
 
 async def run(server: RedisServer, seed: int, ttl: float, freeze: float, rounds: int) -> Result:
-    """``rounds`` freezes of ``freeze`` to ``freeze + ttl / 2`` s, with the leases' and the registry's ttl at ``ttl``."""
+    """``rounds`` freezes of ``freeze`` to ``freeze + ttl / 2`` s, with the leases' and the
+    registry's ttl at ``ttl``."""
     rng = random.Random(seed)
     rts = [Runtime(build_policy(_doc(server.url)), replica_id=f"f{seed}r{i}") for i in range(REPLICAS)]
     for rt in rts:

@@ -200,10 +200,28 @@ class Stack(ProcGroup):
         wait_until(lambda: http_ok(f"http://127.0.0.1:{self.base_admin}/healthz"), "baseline Sluice", p.popen,
                    log=p.log)
         cfg = self.dir / "envoy-e.yaml"
-        subprocess.run([sys.executable, "-m", "extproc", "envoy-config", str(pol), "-o", str(cfg),
-                        "--listen", f"127.0.0.1:{self.listen[BASELINE]}", "--admin-port", str(self.envoy_admin[BASELINE]),
-                        "--extproc", f"127.0.0.1:{self.base_grpc}", "--extproc-admin", f"127.0.0.1:{self.base_admin}"],
-                       cwd=self.baseline, check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "extproc",
+                "envoy-config",
+                str(pol),
+                "-o",
+                str(cfg),
+                "--listen",
+                f"127.0.0.1:{self.listen[BASELINE]}",
+                "--admin-port",
+                str(self.envoy_admin[BASELINE]),
+                "--extproc",
+                f"127.0.0.1:{self.base_grpc}",
+                "--extproc-admin",
+                f"127.0.0.1:{self.base_admin}",
+            ],
+            cwd=self.baseline,
+            check=True,
+            capture_output=True,
+        )
         self.start_envoy(f"envoy-{BASELINE}", yaml.safe_load(cfg.read_text()), self.envoy_admin[BASELINE],
                          self.concurrency)
 
@@ -275,13 +293,19 @@ def context_rows(envoy_concurrency: int) -> list[Row]:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor() or "?")
     load = os.getloadavg()
-    return [Row("context", k, {"value": v}) for k, v in [
-        ("cores", f"{os.cpu_count()} ({cpu})"),
-        ("python", f"{platform.python_implementation()} {platform.python_version()}"),
-        ("envoy", f"{m.group(1) if m else version.strip()} (--concurrency {envoy_concurrency}, one instance per config)"),
-        ("grpcio / protobuf", f"{grpc.__version__} / {protobuf_version} ({api_implementation.Type()})"),
-        ("load average at start", " ".join(f"{x:.2f}" for x in load)),
-    ]]
+    return [
+        Row("context", k, {"value": v})
+        for k, v in [
+            ("cores", f"{os.cpu_count()} ({cpu})"),
+            ("python", f"{platform.python_implementation()} {platform.python_version()}"),
+            (
+                "envoy",
+                f"{m.group(1) if m else version.strip()} (--concurrency {envoy_concurrency}, one instance per config)",
+            ),
+            ("grpcio / protobuf", f"{grpc.__version__} / {protobuf_version} ({api_implementation.Type()})"),
+            ("load average at start", " ".join(f"{x:.2f}" for x in load)),
+        ]
+    ]
 
 
 # -- the run ----------------------------------------------------------------------------------

@@ -355,8 +355,9 @@ def measure_capacity(workdir: Path, size: Sizing, log: Callable[[str], None]) ->
             t0 = time.monotonic()
             kv = asyncio.create_task(sample_kv(stack.engine_urls(), t0, stop, run.kv))
             try:
-                return await closed_loop(stack.url, KEYS, iter(reqs), workers, size.capacity_s + size.capacity_tail_s, t0,
-                                         body=convs.body)
+                return await closed_loop(
+                    stack.url, KEYS, iter(reqs), workers, size.capacity_s + size.capacity_tail_s, t0, body=convs.body
+                )
             finally:
                 stop.set()
                 await kv
@@ -497,12 +498,13 @@ def markdown(b: PoolBench) -> str:
         out.append(
             f"| {run.title} | {pre} | {peak} | {mean} | {run.goodput:.0f} | "
             f"{_f(100 * ratio(run.goodput, b.capacity_tok_s), '{:.0f}')} | "
-            f"{_f(ratio(run.goodput, base.goodput))} | {_f(run.premium_ttft(.5))} / {_f(run.premium_ttft(.99))} | "
-            f"{_f(ratio(run.premium_ttft(.99), base.premium_ttft(.99)))} | "
+            f"{_f(ratio(run.goodput, base.goodput))} | {_f(run.premium_ttft(0.5))} / {_f(run.premium_ttft(0.99))} | "
+            f"{_f(ratio(run.premium_ttft(0.99), base.premium_ttft(0.99)))} | "
             f"{st['premium'].ok}/{st['premium'].sent} | {st['free'].ok}/{st['free'].sent} | "
             f"{s429} / {s503} / {unfinished} / {other} | "
             f"{_per_engine([_f(100 * h, '{:.0f}') for h in run.prefix_hit_rates()])} | "
-            f"{'off' if run.affinity is None else ' / '.join(str(run.affinity[k]) for k in ('hit', 'spill', 'miss'))} |")
+            f"{'off' if run.affinity is None else ' / '.join(str(run.affinity[k]) for k in ('hit', 'spill', 'miss'))} |"
+        )
         notes.append(f"{run.title}: premium response headers p50 / p99 {_f(run.premium_wait(.5))} / "
                      f"{_f(run.premium_wait(.99))} s (the wait in Sluice's queue), headers to first token "
                      f"{_f(run.premium_engine(.5))} / {_f(run.premium_engine(.99))} s (the engine)")
@@ -512,7 +514,11 @@ def markdown(b: PoolBench) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a 15 s trace window (5 s replayed) and a 5 s capacity run (~1 min): a smoke test")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a 15 s trace window (5 s replayed) and a 5 s capacity run (~1 min): a smoke test",
+    )
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help=f"comma-separated, of {', '.join(PLACEMENTS)} (default: {', '.join(CONFIGS)})")
     ap.add_argument("--workdir", type=Path, default=None, help="where configs and process logs go (kept)")

@@ -43,8 +43,18 @@ def protobuf_rows(seconds: float = 1.5) -> list[Row]:
             "betterproto2": _time_op(lambda w=wire: bytes(BetterRequest.parse(w)), seconds / 2),
             "upb": _time_op(lambda w=wire: pb.ProcessingRequest.FromString(w).SerializeToString(), seconds / 2),
         }
-        rows.append(Row("protobuf", label, {"bytes": len(wire), "betterproto2_us": timings["betterproto2"],
-                                            "upb_us": timings["upb"], "ratio": timings["betterproto2"] / timings["upb"]}))
+        rows.append(
+            Row(
+                "protobuf",
+                label,
+                {
+                    "bytes": len(wire),
+                    "betterproto2_us": timings["betterproto2"],
+                    "upb_us": timings["upb"],
+                    "ratio": timings["betterproto2"] / timings["upb"],
+                },
+            )
+        )
     return rows
 
 

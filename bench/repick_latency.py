@@ -59,13 +59,22 @@ def config(eds_dir: Path, listen: int, admin: int) -> dict[str, Any]:
                route("odst", "odst"), route("eds", "eds"), route("repick", "eds")]}]},
            "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}
-    return {"node": {"id": "bench", "cluster": "bench"},
-            "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
-            "static_resources": {
-                "listeners": [{"name": "l", "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen}},
-                               "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                                               "typed_config": hcm}]}]}],
-                "clusters": [odst, eds]}}
+    return {
+        "node": {"id": "bench", "cluster": "bench"},
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "l",
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen}},
+                    "filter_chains": [
+                        {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
+                    ],
+                }
+            ],
+            "clusters": [odst, eds],
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {case} | {statistics.median(xs):.3f} | {pct(xs, 0.9):.3f} | {pct(xs, 0.99):.3f} | "
               f"{statistics.fmean(xs):.3f} |")
     print(f"Envoy: {counters}")
-    print(f"re-pick adds (p50 repick - p50 eds): {statistics.median(times['repick']) - statistics.median(times['eds']):.3f} ms")
+    print(
+        "re-pick adds (p50 repick - p50 eds): "
+        f"{statistics.median(times['repick']) - statistics.median(times['eds']):.3f} ms"
+    )
     return 0
 
 

@@ -112,9 +112,24 @@ def tier_rows(h: Headline) -> list[list[object]]:
         for tier in TIERS:
             rs = [r for r in run.results if r.tier == tier]
             s, sb, ss = tier_stats(rs), tier_stats(in_phase(rs, "burst")), tier_stats(in_phase(rs, "steady"))
-            rows.append([run.name, tier, s.sent, s.ok, s.rejected_429, s.rejected_503, s.gave_up, s.unfinished,
-                         s.other_errors, s.degraded, f"{ms(ss.ttft_p50)} / {ms(ss.ttft_p99)}", f"{ms(sb.ttft_p50)} / {ms(sb.ttft_p99)}",
-                         f"{ms(ss.e2e_p50)} / {ms(ss.e2e_p99)}", f"{ms(sb.e2e_p50)} / {ms(sb.e2e_p99)}"])
+            rows.append(
+                [
+                    run.name,
+                    tier,
+                    s.sent,
+                    s.ok,
+                    s.rejected_429,
+                    s.rejected_503,
+                    s.gave_up,
+                    s.unfinished,
+                    s.other_errors,
+                    s.degraded,
+                    f"{ms(ss.ttft_p50)} / {ms(ss.ttft_p99)}",
+                    f"{ms(sb.ttft_p50)} / {ms(sb.ttft_p99)}",
+                    f"{ms(ss.e2e_p50)} / {ms(ss.e2e_p99)}",
+                    f"{ms(sb.e2e_p50)} / {ms(sb.e2e_p99)}",
+                ]
+            )
     return rows
 
 

@@ -202,11 +202,15 @@ def median_result(rs: list[Result]) -> Result:
 
 
 def render(results: list[Result], load: tuple[float, float], rounds: int) -> str:
-    out = [f"{results[0].requests} concurrent streams per gateway, one SSE event per token, 20 ms apart; load average at start "
-           f"{load[0]:.2f} / {load[1]:.2f} ({os.cpu_count()} cores)", "",
-           "| gateway | tokens | ok | Envoy µs/event | Envoy µs/event over alone | extproc µs/event | "
-           "extproc ms/request | ext_proc msgs/request | usage chunk hidden |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out = [
+        f"{results[0].requests} concurrent streams per gateway, one SSE event per token, 20 ms apart; "
+        "load average at start "
+        f"{load[0]:.2f} / {load[1]:.2f} ({os.cpu_count()} cores)",
+        "",
+        "| gateway | tokens | ok | Envoy µs/event | Envoy µs/event over alone | extproc µs/event | "
+        "extproc ms/request | ext_proc msgs/request | usage chunk hidden |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in results:
         env = r.envoy_ns / r.events / 1000
         extra = "–" if r.config == "alone" else f"{r.added_ns / 1000:+.1f}"

@@ -144,7 +144,10 @@ def run(clients: int, seconds: float, tokens: int, tps: int, log: Any = print) -
         stack.stop()
         log(f"logs in {workdir}")
     lag = buckets(sluice, "sluice_settle_lag_seconds")
-    count, total = sample(sluice, "sluice_settle_lag_seconds_count", ""), sample(sluice, "sluice_settle_lag_seconds_sum", "")
+    count, total = (
+        sample(sluice, "sluice_settle_lag_seconds_count", ""),
+        sample(sluice, "sluice_settle_lag_seconds_sum", ""),
+    )
     from_log = sample(sluice, "sluice_access_log_entries_total", '{outcome="settled"}')
     expired = sample(sluice, "sluice_access_log_expired_total", "")
     late = sample(sluice, "sluice_access_log_entries_total", '{outcome="late"}')

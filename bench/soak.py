@@ -242,15 +242,27 @@ def markdown(r: SoakResult) -> str:
         ["slots in use", slots, "0", verdict(slots == 0)],
         ["KV reserved (tokens)", kv, "0", verdict(kv == 0)],
         ["admission queue depth", queued, "0", verdict(queued == 0)],
-        ["token ledger: precharged + excess = charged + refunded, outstanding",
-         f"{led.get('precharged', 0):,} + {led.get('excess', 0):,} = {led.get('charged', 0):,} + "
-         f"{led.get('refunded', 0):,}; outstanding {led.get('outstanding')}", "balanced, 0",
-         verdict(bool(led.get("balanced")) and led.get("outstanding") == 0)],
-        ["backend: running / waiting / KV blocks used at the end",
-         f"{r.engine.get('running')} / {r.engine.get('waiting')} / {r.engine.get('kv_blocks_used')}", "0 / 0 / 0",
-         verdict(r.engine.get("running") == 0 and r.engine.get("waiting") == 0 and r.engine.get("kv_blocks_used") == 0)],
-        [f"extproc RSS (last process, {r.seen_by_last} requests)", f"{start_mb:.1f} -> {end_mb:.1f} MB "
-         f"({growth:+.1%})", "< +10 %", verdict(growth < 0.10)],
+        [
+            "token ledger: precharged + excess = charged + refunded, outstanding",
+            f"{led.get('precharged', 0):,} + {led.get('excess', 0):,} = {led.get('charged', 0):,} + "
+            f"{led.get('refunded', 0):,}; outstanding {led.get('outstanding')}",
+            "balanced, 0",
+            verdict(bool(led.get("balanced")) and led.get("outstanding") == 0),
+        ],
+        [
+            "backend: running / waiting / KV blocks used at the end",
+            f"{r.engine.get('running')} / {r.engine.get('waiting')} / {r.engine.get('kv_blocks_used')}",
+            "0 / 0 / 0",
+            verdict(
+                r.engine.get("running") == 0 and r.engine.get("waiting") == 0 and r.engine.get("kv_blocks_used") == 0
+            ),
+        ],
+        [
+            f"extproc RSS (last process, {r.seen_by_last} requests)",
+            f"{start_mb:.1f} -> {end_mb:.1f} MB ({growth:+.1%})",
+            "< +10 %",
+            verdict(growth < 0.10),
+        ],
     ]
     rss_all = "; ".join(f"pid {p}: {a:.1f} -> {b:.1f} MB" for p, a, b in r.rss_mb)
     bill_rows = [[basis, n, f"{charged:,}", f"{done:,}", f"{charged / done:.3f}" if done else "–"]

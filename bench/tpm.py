@@ -158,29 +158,59 @@ def markdown(r: TpmResult) -> str:
     consumed = sum(n for _, n in r.events)
     mean = consumed / len(r.events) if r.events else 0.0
     grain = mean / (TPM * (r.seconds - r.skip) / 60.0)
-    estimated = sum(n for how, n in r.settles.items() if how not in ("end_of_stream", "rejected"))  # rejected: 0, exactly
+    estimated = sum(
+        n for how, n in r.settles.items() if how not in ("end_of_stream", "rejected")
+    )  # rejected: 0, exactly
     head += [
         f"One tenant, TPM {TPM:,} (burst = one minute's worth), {CLIENTS} concurrent streaming clients for "
         f"{r.seconds:.0f} s through Envoy + Sluice; each asks max_tokens {MAX_TOKENS} with the trace's prompt and "
         "output lengths and, on 429, waits as `retry-after-ms` says. Consumed = usage charged at settle, stamped "
         "at each response's end; the worst window is searched over every pair of response ends <= 60 s apart.",
         "",
-        table(["measure", "value", "target", "verdict"], [
-            ["responses ok / 429 / other", f"{r.ok} / {r.refused} / {r.other}", "", ""],
-            ["tokens consumed (clients' usage) / charged by Sluice", f"{consumed:,} / {r.charged_by_sluice:,}",
-             "equal, but for estimated settles", verdict(ledger_matches(consumed, r.charged_by_sluice, estimated, mean))],
-            ["settles from the backend's usage / estimated (the client closed after [DONE] before the usage "
-             "reached Sluice, or mid-stream)", f"{r.settles.get('end_of_stream', 0)} / {estimated}", "", ""],
-            ["worst window: consumed / (burst + TPM x W / 60)",
-             f"{r.ratio:.3f} (W = {r.window_s:.1f} s from t = {r.window_at:.1f} s)", "<= 1.02",
-             verdict(r.ratio <= 1.02)],
-            [f"steady consumption per 60 s / TPM (t = {r.skip:.0f}-{r.seconds:.0f} s), each response's tokens "
-             "spread over its life", f"{r.steady:.3f}", "0.95-1.02", verdict(0.95 <= r.steady <= 1.02)],
-            ["the same, each response counted whole at its end (one response more or less: "
-             f"±{grain:.1%})", f"{r.steady_at_end:.3f}", "", ""],
-            ["Sluice's ledger balanced after the run", str(r.ledger.get("balanced")), "True",
-             verdict(bool(r.ledger.get("balanced")) and r.ledger.get("outstanding") == 0)],
-        ]),
+        table(
+            ["measure", "value", "target", "verdict"],
+            [
+                ["responses ok / 429 / other", f"{r.ok} / {r.refused} / {r.other}", "", ""],
+                [
+                    "tokens consumed (clients' usage) / charged by Sluice",
+                    f"{consumed:,} / {r.charged_by_sluice:,}",
+                    "equal, but for estimated settles",
+                    verdict(ledger_matches(consumed, r.charged_by_sluice, estimated, mean)),
+                ],
+                [
+                    "settles from the backend's usage / estimated (the client closed after [DONE] before the usage "
+                    "reached Sluice, or mid-stream)",
+                    f"{r.settles.get('end_of_stream', 0)} / {estimated}",
+                    "",
+                    "",
+                ],
+                [
+                    "worst window: consumed / (burst + TPM x W / 60)",
+                    f"{r.ratio:.3f} (W = {r.window_s:.1f} s from t = {r.window_at:.1f} s)",
+                    "<= 1.02",
+                    verdict(r.ratio <= 1.02),
+                ],
+                [
+                    f"steady consumption per 60 s / TPM (t = {r.skip:.0f}-{r.seconds:.0f} s), each response's tokens "
+                    "spread over its life",
+                    f"{r.steady:.3f}",
+                    "0.95-1.02",
+                    verdict(0.95 <= r.steady <= 1.02),
+                ],
+                [
+                    f"the same, each response counted whole at its end (one response more or less: ±{grain:.1%})",
+                    f"{r.steady_at_end:.3f}",
+                    "",
+                    "",
+                ],
+                [
+                    "Sluice's ledger balanced after the run",
+                    str(r.ledger.get("balanced")),
+                    "True",
+                    verdict(bool(r.ledger.get("balanced")) and r.ledger.get("outstanding") == 0),
+                ],
+            ],
+        ),
         "",
     ]
     return "\n".join(head)

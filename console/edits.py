@@ -93,10 +93,17 @@ def set_breaker(state: PolicyState, *, actor: str, backend: str, action: str, re
             _deactivate(db, "breaker", backend, name)
             _insert(db, "breaker", backend, name, entry, None, actor, now, reason)
             held = f" for {minutes:g} min" if minutes else ""
-            audit.record(db, at=now, actor=actor, kind=f"breaker.{action}", target=backend,
-                         summary=f"{whose}breaker {'tripped (forced open)' if action == 'trip' else 'reset (forced closed)'}"
-                                 f"{held or ' until cleared'}",
-                         reason=reason, detail=entry)
+            audit.record(
+                db,
+                at=now,
+                actor=actor,
+                kind=f"breaker.{action}",
+                target=backend,
+                summary=f"{whose}breaker {'tripped (forced open)' if action == 'trip' else 'reset (forced closed)'}"
+                f"{held or ' until cleared'}",
+                reason=reason,
+                detail=entry,
+            )
         state.store.policy_changed()
         return EditResult(True)
 

@@ -55,8 +55,10 @@ def ingest_backend(db: Database, now: float, replica: str, backend: str, counts:
             before = [0] * len(now_c)  # first report, or the replica restarted
         delta = [a - b for a, b in zip(now_c, before, strict=True)]
         if any(delta):
-            db.execute("INSERT INTO ttft_samples (at, replica, backend, tier, bounds, counts) VALUES (?, ?, ?, ?, ?, ?)",
-                       [now, replica, backend, str(tier), json.dumps(bounds), json.dumps(delta)])
+            db.execute(
+                "INSERT INTO ttft_samples (at, replica, backend, tier, bounds, counts) VALUES (?, ?, ?, ?, ?, ?)",
+                [now, replica, backend, str(tier), json.dumps(bounds), json.dumps(delta)],
+            )
 
 
 def quantile(bounds: Sequence[float], counts: Sequence[int], q: float) -> float | None:

@@ -249,7 +249,9 @@ def _envoy_config(args: argparse.Namespace) -> int:
                         extproc_host=ehost, extproc_port=eport, extproc_more=tuple(more),
                         drain_host=dhost, drain_port=dport, eds_dir=eds_dir,
                         **policy_options(policy))  # type: ignore[arg-type]
-    routes = [BackendRoute(b.name, b.host, b.port, tuple(m.name for m in b.models), pool=b.is_pool) for b in policy.backends]
+    routes = [
+        BackendRoute(b.name, b.host, b.port, tuple(m.name for m in b.models), pool=b.is_pool) for b in policy.backends
+    ]
     if args.pieces:
         from extproc.envoy.pieces import render_pieces_yaml
 

@@ -39,7 +39,11 @@ def runtime(**kw: Any) -> BackendState:
 
 def test_footprint_rounds_to_blocks() -> None:
     be = runtime()
-    assert kvmath.footprint(1, be.kv_block_size) == 10 and kvmath.footprint(10, be.kv_block_size) == 10 and kvmath.footprint(11, be.kv_block_size) == 20
+    assert (
+        kvmath.footprint(1, be.kv_block_size) == 10
+        and kvmath.footprint(10, be.kv_block_size) == 10
+        and kvmath.footprint(11, be.kv_block_size) == 20
+    )
 
 
 def test_kv_budget_refuses_overcommit_but_a_lone_request_fits() -> None:

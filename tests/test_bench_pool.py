@@ -114,7 +114,9 @@ def test_envoy_placements_balance_a_static_cluster_and_sluice_follows_its_header
             assert c["type"] == "EDS" and "load_balancing_policy" in c
             path = c["eds_cluster_config"]["eds_config"]["path_config_source"]["path"]
             (cla,) = yaml.safe_load(Path(path).read_text())["resources"]
-            hosts = [e["endpoint"]["address"]["socket_address"]["port_value"] for e in cla["endpoints"][0]["lb_endpoints"]]
+            hosts = [
+                e["endpoint"]["address"]["socket_address"]["port_value"] for e in cla["endpoints"][0]["lb_endpoints"]
+            ]
             assert Path(path).parent == eds and sorted(hosts) == ports
 
 

@@ -68,7 +68,10 @@ async def reconnect(b: RedisBudgets) -> None:
 def redis_count(url: str, prefix: str, tenant: str = "t", budget: Budget = DAY) -> dict[str, float]:
     """The period's count as Redis holds it: settled and in flight, summed over holders."""
     r = redis.Redis.from_url(url)
-    raw = {k.decode(): v.decode() for k, v in r.hgetall(f"{prefix}:bud:{tenant}:{budget.key(budget.span(time.time()))}").items()}
+    raw = {
+        k.decode(): v.decode()
+        for k, v in r.hgetall(f"{prefix}:bud:{tenant}:{budget.key(budget.span(time.time()))}").items()
+    }
     r.close()
     out = {"settled_t": float(raw.get("mt", 0)), "settled_c": float(raw.get("mc", 0)), "out_t": 0.0}
     for k, v in raw.items():

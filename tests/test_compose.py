@@ -264,7 +264,9 @@ def test_the_replicas_write_the_pool_endpoints_where_envoy_reads_them() -> None:
             spec = next(v for v in SERVICES[replica]["volumes"] if v.startswith(f"{volume}:"))
             assert not spec.endswith(":ro"), f"{replica} cannot write {directory}"
     # A named volume starts with the image's directory, and so its owner: the image's user.
-    assert "/eds" in (ROOT / "Dockerfile").read_text() and "chown sluice /data /eds" in (ROOT / "Dockerfile").read_text()
+    assert (
+        "/eds" in (ROOT / "Dockerfile").read_text() and "chown sluice /data /eds" in (ROOT / "Dockerfile").read_text()
+    )
 
 
 def test_published_ports_match_what_listens() -> None:

@@ -35,11 +35,17 @@ def test_an_endpoint_override_parses() -> None:
         ("pool", B, "open", "bad GPU", 2e9, None)
 
 
-@pytest.mark.parametrize("entry,needle", [
-    ({"endpoint": "127.0.0.1:9999"}, "has no endpoint '127.0.0.1:9999' (its endpoints: 127.0.0.1:7001, 127.0.0.1:7002)"),
-    ({"endpoint": B, "model": "m"}, "a model route or a pool endpoint, not both"),
-    ({"endpoint": 7002}, "breakers[0].endpoint"),
-])
+@pytest.mark.parametrize(
+    "entry,needle",
+    [
+        (
+            {"endpoint": "127.0.0.1:9999"},
+            "has no endpoint '127.0.0.1:9999' (its endpoints: 127.0.0.1:7001, 127.0.0.1:7002)",
+        ),
+        ({"endpoint": B, "model": "m"}, "a model route or a pool endpoint, not both"),
+        ({"endpoint": 7002}, "breakers[0].endpoint"),
+    ],
+)
 def test_a_bad_endpoint_override_is_refused_with_a_clear_error(entry: dict[str, Any], needle: str) -> None:
     with pytest.raises(PolicyError) as exc:
         build_policy(with_breakers({"backend": "pool", "state": "open", "reason": "x", **entry}))

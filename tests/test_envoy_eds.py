@@ -40,8 +40,14 @@ def pool_doc(*addresses: str) -> dict[str, Any]:
 def hosts(text: str) -> list[tuple[str, int]]:
     (cla,) = yaml.safe_load(text)["resources"]
     assert cla["@type"] == CLA and cla["cluster_name"] == "pool"
-    return [(e["endpoint"]["address"]["socket_address"]["address"], e["endpoint"]["address"]["socket_address"]["port_value"])
-            for loc in cla.get("endpoints", []) for e in loc["lb_endpoints"]]
+    return [
+        (
+            e["endpoint"]["address"]["socket_address"]["address"],
+            e["endpoint"]["address"]["socket_address"]["port_value"],
+        )
+        for loc in cla.get("endpoints", [])
+        for e in loc["lb_endpoints"]
+    ]
 
 
 def test_a_discovery_response_with_one_load_assignment() -> None:

@@ -366,7 +366,11 @@ def test_a_pool_is_an_eds_cluster_balanced_by_the_hosts_in_x_sluice_endpoint(tmp
     assert "original_dst_lb_config" not in pool
     assert pool["eds_cluster_config"]["eds_config"] == {
         "resource_api_version": "V3",
-        "path_config_source": {"path": f"{tmp_path}/eds/pool.eds.yaml", "watched_directory": {"path": f"{tmp_path}/eds"}}}
+        "path_config_source": {
+            "path": f"{tmp_path}/eds/pool.eds.yaml",
+            "watched_directory": {"path": f"{tmp_path}/eds"},
+        },
+    }
     (lb,) = pool["load_balancing_policy"]["policies"]
     assert lb["typed_extension_config"]["name"] == "envoy.load_balancing_policies.override_host"
     override = lb["typed_extension_config"]["typed_config"]

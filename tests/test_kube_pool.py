@@ -24,13 +24,25 @@ APP = {"app": "vllm"}
 def policy_doc() -> dict[str, Any]:
     return {
         "backends": [
-            {"name": "pool", "max_concurrency": 8,
-             "endpoints": [{"address": "vllm.default.svc:8000", "metrics_url": "http://vllm.default.svc:8000/metrics",
-                            "kv_capacity_tokens": 50_000, "max_concurrency": 16}],
-             "models": [{"name": "m", "context_window": 4096}]},
+            {
+                "name": "pool",
+                "max_concurrency": 8,
+                "endpoints": [
+                    {
+                        "address": "vllm.default.svc:8000",
+                        "metrics_url": "http://vllm.default.svc:8000/metrics",
+                        "kv_capacity_tokens": 50_000,
+                        "max_concurrency": 16,
+                    }
+                ],
+                "models": [{"name": "m", "context_window": 4096}],
+            },
             {"name": "other", "address": "127.0.0.1:9999", "models": [{"name": "o", "context_window": 4096}]},
         ],
-        "tiers": {"std": {"priority": 10, "tpm": 100_000, "rpm": 1000}, "bulk": {"priority": 0, "tpm": 100_000, "rpm": 1000}},
+        "tiers": {
+            "std": {"priority": 10, "tpm": 100_000, "rpm": 1000},
+            "bulk": {"priority": 0, "tpm": 100_000, "rpm": 1000},
+        },
         "tenants": [{"name": "a", "tier": "std", "keys": [hash_key("k")]}],
     }
 

@@ -82,8 +82,12 @@ def test_decide_table(view: BackendSnapshot, request_: SlotRequest, expected: tu
 
 def test_a_refusal_carries_what_the_client_is_told() -> None:
     big = decide(BASE, req(kv=1008), 0.0)
-    assert big == Reject(Reason.TOO_LARGE_FOR_BACKEND, "The request may need 1008 tokens of KV cache; backend 'b' "
-                         "has 1000. Lower max_tokens or shorten the prompt.", code="context_length_exceeded", param="max_tokens")
+    assert big == Reject(
+        Reason.TOO_LARGE_FOR_BACKEND,
+        "The request may need 1008 tokens of KV cache; backend 'b' has 1000. Lower max_tokens or shorten the prompt.",
+        code="context_length_exceeded",
+        param="max_tokens",
+    )
     capped = decide(replace(BASE, tenant_held={"t": 3}), req(cap=3), 0.0)
     assert isinstance(capped, Reject) and capped.retry_after_s == 1 and capped.code == "rate_limit_exceeded"
     assert capped.message == "Too many concurrent requests for this key (limit 3)."

@@ -184,7 +184,9 @@ ops = st.lists(
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops)
-def test_ledger_balanced_after_any_sequence(make_state: Callable[[], TokenState], seq: list[tuple[str, object, int, float]]) -> None:
+def test_ledger_balanced_after_any_sequence(
+    make_state: Callable[[], TokenState], seq: list[tuple[str, object, int, float]]
+) -> None:
     s = make_state()
     limits = dict.fromkeys("abc", LIM)
     held: list[tuple[str, int]] = []

@@ -98,8 +98,13 @@ def test_triton_needs_label_matchers() -> None:
     wrong = parse_sample(text, by_name)
     assert wrong.kv_usage == 1.0 and wrong.waiting == 273.0  # max block count as percent, clamped; a sum
     # Matchers in an override, in either spelling, pick the one series that means it.
-    matched = engine_metrics("triton", {"kv_usage": ("nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=fraction}",),
-                                        "waiting": ('nv_trt_llm_request_metrics{request_type="waiting"}',)})
+    matched = engine_metrics(
+        "triton",
+        {
+            "kv_usage": ("nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=fraction}",),
+            "waiting": ('nv_trt_llm_request_metrics{request_type="waiting"}',),
+        },
+    )
     right = parse_sample(text, matched)
     assert right.kv_usage == pytest.approx(0.244140625) and right.waiting == 2.0 and right.running == 6.0
 

@@ -1,5 +1,6 @@
 """Redis back without the slot leases (restarted empty): no replica takes room another
-still holds before that one has reported it (extproc/store/lease_recovery.py), on a real redis-server killed and started again on its port."""
+still holds before that one has reported it (extproc/store/lease_recovery.py), on a real
+redis-server killed and started again on its port."""
 
 from __future__ import annotations
 
@@ -351,7 +352,10 @@ def test_a_heartbeat_that_lands_between_two_leases_of_a_check_caps_the_second(se
 
         usage = {"other": beat_now, "b": lambda: (POOL, 0, a.in_use + a.waiting, 0, 0, a.in_use, 0)}
         f.run(a.leases.tick(usage))
-        assert a.leases.recovery.claims.get("b") == (7, 0) and a.lease == 7, (a.leases.recovery.claims, a.lease)  # before: 10
+        assert a.leases.recovery.claims.get("b") == (7, 0) and a.lease == 7, (
+            a.leases.recovery.claims,
+            a.lease,
+        )  # before: 10
         assert f.held() <= POOL
     finally:
         sync.close()
@@ -380,7 +384,9 @@ def test_a_heartbeat_whose_answer_was_lost_leaves_no_member_behind_once_the_repl
             for r in f.replicas:
                 f.t[0] += 0.05
                 f.tick(r)
-        assert not a.leases.recovery.claims and not b.leases.recovery.claims  # every registered replica reported: lifted
+        assert (
+            not a.leases.recovery.claims and not b.leases.recovery.claims
+        )  # every registered replica reported: lifted
     finally:
         f.close()
 

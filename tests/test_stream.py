@@ -99,7 +99,9 @@ def test_passthrough_path_is_answered_at_its_headers_and_holds_nothing() -> None
     sp = StreamProcessor(rt, peer=None)  # type: ignore[arg-type]
     out = [sp.handle("request_headers", headers(_path="/v1/files", _method="GET", authorization="Bearer k"))]
     assert sp.finished and out[0] is not None and out[0].HasField("request_headers")
-    set_headers = {h.header.key: h.header.raw_value for h in out[0].request_headers.response.header_mutation.set_headers}
+    set_headers = {
+        h.header.key: h.header.raw_value for h in out[0].request_headers.response.header_mutation.set_headers
+    }
     assert set_headers["x-sluice-tenant"] == b"a"
     assert "authorization" in out[0].request_headers.response.header_mutation.remove_headers
     assert rt.status()["in_flight"] == 0

@@ -48,8 +48,16 @@ from extproc.envoy.clusters import extproc_cluster
 from extproc.envoy.headers import SETTLE_KEY
 from extproc.wire.messages import METADATA_NAMESPACE
 
-__all__ = ["CLUSTER_PREFIX", "LOG_NAME", "LOGGED_RESPONSE_HEADERS", "SETTLE_KEY", "access_log_clusters", "access_loggers",
-           "cluster_name", "sink_key"]
+__all__ = [
+    "CLUSTER_PREFIX",
+    "LOG_NAME",
+    "LOGGED_RESPONSE_HEADERS",
+    "SETTLE_KEY",
+    "access_log_clusters",
+    "access_loggers",
+    "cluster_name",
+    "sink_key",
+]
 
 LOG_NAME = "sluice"
 # What settle needs from the response headers: whether the body was SSE (the estimate

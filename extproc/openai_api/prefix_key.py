@@ -20,7 +20,8 @@ The hash is Python's own (64-bit SipHash, keyed per process): 20-40 us for 16 Ki
 where BLAKE2b took 70-110 us here, and the keys never leave the process that made them
 (each extproc process keeps its own map). The model's name seeds the chain (two models
 never share a cache). Images and token-id prompts are not in the texts: two requests
-that differ only there share keys, which costs at most a cache miss. Embeddings have no prefix cache to aim for: no keys.
+that differ only there share keys, which costs at most a cache miss. Embeddings have no prefix
+cache to aim for: no keys.
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ from extproc.openai_api import responses as responses_api
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 MAX_JSON_BODY = 8 << 20
 TAIL_BYTES = 4096  # of a body read for its trailing usage object only
-MAX_HELD_EVENT = 1 << 20  # the most of one unfinished SSE event held back  # non-streaming bodies larger than this are not parsed for usage
+MAX_HELD_EVENT = (
+    1 << 20
+)  # the most of one unfinished SSE event held back  # non-streaming bodies larger than this are not parsed for usage
 
 
 @dataclass(frozen=True)

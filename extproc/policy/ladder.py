@@ -32,7 +32,18 @@ from extproc.policy.breaker import BreakerVerdict
 from extproc.policy.model import Degrade
 from extproc.policy.reasons import Reason
 
-__all__ = ["AS_ASKED", "RULES", "Decision", "Fallback", "LadderInput", "Proceed", "Refuse", "asks_tenant", "decide", "land"]
+__all__ = [
+    "AS_ASKED",
+    "RULES",
+    "Decision",
+    "Fallback",
+    "LadderInput",
+    "Proceed",
+    "Refuse",
+    "asks_tenant",
+    "decide",
+    "land",
+]
 
 BREAKER, SHED, DEGRADE = "breaker", "shed", "degrade"
 RULES = (BREAKER, SHED, DEGRADE)  # the shadowable rules the ladder reads
@@ -110,9 +121,16 @@ def decide(inp: LadderInput) -> Decision:
         if inp.fallback_window is not None:
             return _fallback(inp, False, hits)
         if BREAKER not in inp.shadowed:
-            what = f"Model {inp.model!r} on backend {inp.backend!r}" if inp.route_refused else f"Backend {inp.backend!r}"
-            return Refuse(Reason.BREAKER_OPEN, f"{what} is unavailable ({v.reason}); retry later.", "service_unavailable",
-                          _retry(v), ())
+            what = (
+                f"Model {inp.model!r} on backend {inp.backend!r}" if inp.route_refused else f"Backend {inp.backend!r}"
+            )
+            return Refuse(
+                Reason.BREAKER_OPEN,
+                f"{what} is unavailable ({v.reason}); retry later.",
+                "service_unavailable",
+                _retry(v),
+                (),
+            )
         hits = (BREAKER,)
     t = inp.tenant
     if t is not None and not t.allowed:

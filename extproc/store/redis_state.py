@@ -13,7 +13,8 @@ Redis unreachable (an error, or an exchange slower than recent answers allow, at
 ``admit_wait_s``: ``extproc.store.round_trips``): the store's
 breaker opens, ``sluice_state_store_up`` drops to 0, and admission continues from
 unexpired leases, then from a local share of the bucket (limit / the most replicas
-seen in the last registry ttl that Redis answered, ``Registry.most_seen``), or is refused (``fail_closed``). A probe every
+seen in the last registry ttl that Redis answered, ``Registry.most_seen``), or is refused
+(``fail_closed``). A probe every
 ``probe_s`` closes the breaker; every charge made meanwhile reaches Redis in the
 tenant's next exchange, before Redis admits anything beyond the local share.
 """

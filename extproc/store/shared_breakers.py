@@ -2,7 +2,8 @@
 
 A breaker that trips on its own evidence (``consecutive_failures``, ``error_ratio``,
 an OOM, ...) is published as ``<prefix>:breaker:<backend>`` (``/<model>`` for a
-route's breaker, ``@<host:port>`` for a pool endpoint's) with the value ``<member> <trips> <cause>`` and an expiry of its
+route's breaker, ``@<host:port>`` for a pool endpoint's) with the value ``<member> <trips>
+<cause>`` and an expiry of its
 cooldown. Every replica reads all its breakers' keys in one ``MGET`` per ``sync``
 (every 250 ms, from the lease task): a key it has not applied yet trips its own
 closed breaker, with the cause ``shared:<cause>``, which is never published again.

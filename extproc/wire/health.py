@@ -22,7 +22,17 @@ from typing import Any
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-__all__ = ["LIVENESS", "NOT_SERVING", "PICKER_SERVICES", "READINESS", "SERVICE", "SERVING", "Health", "HealthCheckRequest", "HealthCheckResponse"]
+__all__ = [
+    "LIVENESS",
+    "NOT_SERVING",
+    "PICKER_SERVICES",
+    "READINESS",
+    "SERVICE",
+    "SERVING",
+    "Health",
+    "HealthCheckRequest",
+    "HealthCheckResponse",
+]
 
 SERVICE = "grpc.health.v1.Health"
 # What Envoy asks by default ("": the whole server) and the service it checks for.

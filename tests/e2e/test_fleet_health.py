@@ -63,7 +63,9 @@ class Traffic(ClientThreads):
                 t0 = time.monotonic()
                 try:
                     r = c.post(f"{self.f.url}/v1/chat/completions", json=chat_body(max_tokens=8), headers=headers)
-                    outcome = str(r.status_code) + ("" if r.status_code == 200 else f" {r.headers.get('x-sluice-reason')}")
+                    outcome = str(r.status_code) + (
+                        "" if r.status_code == 200 else f" {r.headers.get('x-sluice-reason')}"
+                    )
                 except httpx.HTTPError as exc:
                     outcome = type(exc).__name__
                 self.done.append((t0, time.monotonic(), outcome))

@@ -177,16 +177,19 @@ def test_redis_down_admission_stays_within_the_local_share(fleet: Fleet, what: s
     late = [v for t, v in rs if a + LEASE_TTL_S + 1.5 <= t < z]  # the leases cut, the ~1 s streams ended
     ran = [m["vllm:num_requests_running"] for t, m in b if a <= t < z]
     back = [t - z for t in run["ok_at"] if t >= z]
-    print(f"\nRedis {what} for {z - a:.1f} s, {CLIENTS} clients: {codes}\n"
-          f"worst window over the run {ratio:.3f} x (B + r.W) (W = {width:.1f} s at t = {at:.1f} s); "
-          f"{len(b)} backend samples, {len(rs)} replica samples\n"
-          f"during: {n} admissions (request body) {frac:.3f} within 10 ms, {slow:.3f} within 100 ms (before: "
-          f"{before_frac:.3f} of {before_n}); {peeks} peeks (request headers) {peek_frac:.3f} within 10 ms\n"
-          f"tokens admitted per replica {net} (share {share:.0f}); most slots in use "
-          f"{max(sum(v[i][0] for i in range(REPLICAS)) for v in during)} / {SLOTS}, after the leases' deadline "
-          f"{[max(v[i][0] for v in late) for i in range(REPLICAS)]}; backend ran at most {max(ran):.0f}\n"
-          f"after Redis returned: first admitted request sent {back[0] if back else float('nan'):.2f} s, {len(back)} in the 4 s "
-          "that followed")
+    print(
+        f"\nRedis {what} for {z - a:.1f} s, {CLIENTS} clients: {codes}\n"
+        f"worst window over the run {ratio:.3f} x (B + r.W) (W = {width:.1f} s at t = {at:.1f} s); "
+        f"{len(b)} backend samples, {len(rs)} replica samples\n"
+        f"during: {n} admissions (request body) {frac:.3f} within 10 ms, {slow:.3f} within 100 ms (before: "
+        f"{before_frac:.3f} of {before_n}); {peeks} peeks (request headers) {peek_frac:.3f} within 10 ms\n"
+        f"tokens admitted per replica {net} (share {share:.0f}); most slots in use "
+        f"{max(sum(v[i][0] for i in range(REPLICAS)) for v in during)} / {SLOTS}, after the leases' deadline "
+        f"{[max(v[i][0] for v in late) for i in range(REPLICAS)]}; backend ran at most {max(ran):.0f}\n"
+        f"after Redis returned: first admitted request sent {back[0] if back else float('nan'):.2f} s, "
+        f"{len(back)} in the 4 s "
+        "that followed"
+    )
     # decisions go on, fast, through Envoy
     assert n >= 50 and frac >= 0.95 and slow >= 0.99, (n, frac, slow)
     assert peeks >= 50 and peek_frac >= 0.95, (peeks, peek_frac)

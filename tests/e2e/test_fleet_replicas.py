@@ -217,7 +217,9 @@ def test_a_replica_frozen_past_its_ttl_is_fenced_and_registers_again(fleet: Flee
     # heartbeat (with Envoy health-checking the replicas, no stream reaches the thawed
     # replica until its next check passes, so the heartbeat often comes first).
     log = f.procs[f.name(victim)].log.read_text()
-    assert after["store"]["slot_leases"]["fenced"] > fenced_before or f"replica r{victim + 1} was fenced" in log, log[-2000:]
+    assert after["store"]["slot_leases"]["fenced"] > fenced_before or f"replica r{victim + 1} was fenced" in log, log[
+        -2000:
+    ]
     assert int(after["store"]["member"].split("#")[1]) > int(old_member.split("#")[1])  # a new epoch
     assert gone <= TTL_S + TTL_S / 3 + 2, gone
     assert max(sum(v.values()) for _, v in samples) <= POOL

@@ -3,7 +3,8 @@
 Each module-scoped stack is one gateway: GIE's reference config and llm-d-router's e2e config
 as vendored (only addresses and ports changed), and Envoy AI Gateway's generated settings
 (``failure_mode_allow: false``, ``message_timeout: 300s``; FULL_DUPLEX and its BUFFERED
-annotation); GIE's once more with the picker port on grpc.aio (``--picker-stack grpcio``). Every test runs under each; after each, the harness's fixture checks that
+annotation); GIE's once more with the picker port on grpc.aio (``--picker-stack grpcio``). Every
+test runs under each; after each, the harness's fixture checks that
 nothing is in flight and the ledger balances.
 
 The data-plane half of GIE's conformance suite (``conformance/tests/`` there) is reproduced
