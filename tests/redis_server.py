@@ -17,7 +17,8 @@ from bench.redis_server import RedisServer
 from extproc.policy.bucket import Ledger
 from extproc.policy.gate import RateView, Verdict
 from extproc.policy.schema import Limits
-from extproc.store.redis_state import RedisState, connect
+from extproc.store.client import connect
+from extproc.store.redis_state import RedisState
 
 
 @pytest.fixture(scope="module", name="redis_server")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from extproc.store.redis_state import connect
+from extproc.store.client import connect
 from extproc.store.registry import Registry
 from extproc.store.slot_leases import SlotLeases
 

@@ -16,7 +16,7 @@ from extproc.policy.breaker_outcome import Outcome
 from extproc.policy.schema import build_policy
 from extproc.runtime.runtime import Runtime
 from extproc.store import ENV_URL
-from extproc.store.redis_state import connect
+from extproc.store.client import connect
 from extproc.store.shared_breakers import SharedBreakers
 from tests.backend_ops import try_acquire
 from tests.redis_server import redis_server_fixture  # noqa: F401 - the redis_server fixture

@@ -9,7 +9,7 @@ import asyncio
 import redis
 
 from bench.redis_server import RedisServer
-from extproc.store.redis_state import connect
+from extproc.store.client import connect
 from extproc.store.registry import Registry
 from extproc.store.slot_leases import SLOT_LEASE, SlotLeases
 from tests.redis_server import redis_server_fixture  # noqa: F401 - the redis_server fixture

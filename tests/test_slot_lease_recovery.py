@@ -16,8 +16,8 @@ import pytest
 import redis
 
 from bench.redis_server import RedisServer
+from extproc.store.client import connect
 from extproc.store.pool_lease import PoolLease
-from extproc.store.redis_state import connect
 from extproc.store.registry import Registry
 from extproc.store.scripts import HEARTBEAT
 from extproc.store.slot_leases import SlotLeases

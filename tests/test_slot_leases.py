@@ -23,7 +23,7 @@ from extproc.backends.state import BackendState
 from extproc.policy.schema import build_policy, hash_key
 from extproc.runtime.runtime import Runtime
 from extproc.store import ENV_URL
-from extproc.store.redis_state import connect
+from extproc.store.client import connect
 from extproc.store.registry import Registry
 from extproc.store.slot_leases import SlotLeases, block, want
 from tests.backend_ops import try_acquire

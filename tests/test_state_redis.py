@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from bench.redis_server import RedisServer
 from extproc.policy.gate import Verdict
 from extproc.policy.schema import Limits
-from extproc.store.redis_state import RedisState, connect
+from extproc.store.client import connect
+from extproc.store.redis_state import RedisState
 from tests.redis_replicas import (
     RATE,
     Load,

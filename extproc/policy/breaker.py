@@ -43,11 +43,18 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from enum import StrEnum
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 from extproc.policy.breaker_config import BreakerConfig
 from extproc.policy.breaker_outcome import Outcome
+from extproc.policy.breaker_types import (
+    REASON_HALF_OPEN_THROTTLE,
+    REASON_MANUAL_OPEN,
+    REASON_OPEN,
+    BreakerEvent,
+    BreakerState,
+    BreakerVerdict,
+)
 from extproc.policy.window import Window as _Window
 
 __all__ = [
@@ -61,31 +68,7 @@ __all__ = [
     "BreakerVerdict",
 ]
 
-REASON_OPEN = "breaker_open"
-REASON_HALF_OPEN_THROTTLE = "breaker_half_open_throttle"
-REASON_MANUAL_OPEN = "breaker_manual_open"
 _EPS = 1e-9
-
-
-class BreakerState(StrEnum):
-    CLOSED = "closed"
-    OPEN = "open"
-    HALF_OPEN = "half_open"
-
-
-@dataclass(frozen=True)
-class BreakerVerdict:
-    allowed: bool
-    state: BreakerState
-    reason: str | None = None  # None when allowed
-    retry_after_s: float | None = None
-
-
-class BreakerEvent(NamedTuple):
-    at: float
-    from_state: BreakerState
-    to_state: BreakerState
-    cause: str  # a label-safe token: error_ratio, manual_open, recovered, ...
 
 
 @dataclass(frozen=True)

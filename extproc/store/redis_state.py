@@ -14,8 +14,7 @@ Redis unreachable (an error, or an exchange slower than recent answers allow, at
 breaker opens, ``sluice_state_store_up`` drops to 0, and admission continues from
 unexpired leases, then from a local share of the bucket (limit / the most replicas
 seen in the last registry ttl that Redis answered, ``Registry.most_seen``), or is refused
-(``fail_closed``). A probe every
-``probe_s`` closes the breaker; every charge made meanwhile reaches Redis in the
+(``fail_closed``). A probe every ``probe_s`` closes the breaker; every charge made meanwhile reaches Redis in the
 tenant's next exchange, before Redis admits anything beyond the local share.
 """
 
@@ -31,7 +30,6 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
-from redis.backoff import NoBackoff
 
 from extproc.policy.bucket import Ledger
 from extproc.policy.gate import RateView, Verdict
@@ -39,19 +37,13 @@ from extproc.policy.lease import TenantLease, local_share
 from extproc.policy.reasons import Reason
 from extproc.policy.schema import Limits
 from extproc.store.breaker import StoreBreaker
+from extproc.store.client import connect
 from extproc.store.exchange import STORE_ERRORS, Exchanges
 from extproc.store.registry import Registry
 from extproc.store.round_trips import RoundTrips
 from extproc.store.scripts import EXCHANGE
 
 log = logging.getLogger("sluice.store")
-
-def connect(url: str, socket_timeout_s: float) -> aioredis.Redis:
-    from redis.asyncio.retry import Retry
-
-    return aioredis.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
-                             retry=Retry(NoBackoff(), 0), health_check_interval=0)
-
 
 class RedisState(Exchanges):
     """TokenState over Redis; see the module docstring (the round trips: ``extproc.store.exchange``)."""
