@@ -15,10 +15,12 @@ from extproc.policy.breaker_config import BreakerConfig
 
 __all__ = ["AdaptiveSettings", "Backend", "Endpoint", "BreakerOverride", "BreakerSettings",
            "Degrade", "EdgeSettings", "Gateway", "Limits", "Model", "Policy", "Tenant", "Tier",
-           "WatermarkSettings", "hash_key", "KV_RESERVATIONS", "PROBES", "TPM_PRECHARGES"]
+           "WatermarkSettings", "hash_key", "KV_RESERVATIONS", "PROBES", "TPM_PRECHARGES",
+           "ENGINE_PRIORITIES"]
 
 KV_RESERVATIONS = ("worst_case", "learned")
 PROBES = ("completions", "chat", "embeddings", "health")
+ENGINE_PRIORITIES = ("off", "vllm", "sglang")
 TPM_PRECHARGES = ("max_tokens", "learned")
 _BREAKER = BreakerConfig()  # the defaults BreakerSettings takes
 _BREAKER_FIELDS = frozenset(f.name for f in fields(BreakerConfig)) - {"max_cooldown_s"}
@@ -282,10 +284,23 @@ class Backend:
     # ``kv_capacity_tokens`` above are the pool's sums: the admission budget.
     endpoints: tuple[Endpoint, ...] = ()
     placement: PlacementSettings = field(default_factory=PlacementSettings)
+    # Each request's tier priority written into the upstream body's ``priority`` field, in
+    # the engine's sign: "vllm" (lower runs first; needs --scheduling-policy priority, or
+    # vLLM answers 400), "sglang" (higher runs first), "off" (nothing written).
+    engine_priority: str = "off"
 
     @property
     def is_pool(self) -> bool:
         return bool(self.endpoints)
+
+    def engine_priority_of(self, tier_priority: int) -> int | None:
+        """The body's ``priority`` for a tier (None: not written). vLLM runs lower values first,
+        SGLang higher ones, so the tier's priority is negated for vLLM."""
+        if self.engine_priority == "vllm":
+            return -tier_priority
+        if self.engine_priority == "sglang":
+            return tier_priority
+        return None
 
 
 @dataclass(frozen=True)
@@ -307,6 +322,14 @@ class Tier:
     # mean time between tokens of a stream. Either drives the adaptive concurrency limit.
     ttft_p99_ms: int | None = None
     itl_p99_ms: int | None = None
+    # KV shares (extproc.policy.kv_shares), fractions of each backend's (pool endpoint's) KV
+    # budget: kept for this tier while it has demand, and the most it holds above that.
+    # A tier with a guarantee may take it back from lower tiers (extproc.policy.revoke).
+    kv_guaranteed: float = 0.0
+    kv_burst: float | None = None
+    # Its requests in flight may be ended to give room to a higher tier (a stream ends with
+    # an error event and is billed what it produced); off by default.
+    revocable: bool = False
 
 
 @dataclass(frozen=True)

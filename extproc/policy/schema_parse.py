@@ -11,6 +11,7 @@ from typing import Any
 
 from extproc.policy.engine_metrics import KINDS, PRESETS, parse_selector
 from extproc.policy.model import (
+    ENGINE_PRIORITIES,
     KV_RESERVATIONS,
     TPM_PRECHARGES,
     AdaptiveSettings,
@@ -113,7 +114,7 @@ def _metric_names(r: Reader, m: Mapping[str, Any], path: Path) -> dict[str, tupl
 _BACKEND_FIELDS = ("name", "address", "max_concurrency", "models", "metrics_url", "engine", "metric_names",
                    "watermark", "breaker", "kv_capacity_tokens", "kv_block_size", "kv_overcommit",
                    "kv_reservation", "learned_quantile", "tpm_precharge", "adaptive_concurrency",
-                   "endpoints", "placement")
+                   "endpoints", "placement", "engine_priority")
 _ENDPOINT_FIELDS = ("address", "metrics_url", "kv_capacity_tokens", "max_concurrency")
 
 
@@ -217,6 +218,7 @@ def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
             adaptive_concurrency=_adaptive(r, m.get("adaptive_concurrency"), (*path, "adaptive_concurrency")),
             endpoints=endpoints,
             placement=read_flat(r, m.get("placement"), (*path, "placement"), PlacementSettings),
+            engine_priority=r.get(m, path, "engine_priority", str, "off", choices=ENGINE_PRIORITIES),
         ))
     return tuple(out)
 
@@ -253,6 +255,16 @@ def _queue_wait(r: Reader, t: Mapping[str, Any], path: Path) -> int:
     return v
 
 
+def _fraction(r: Reader, t: Mapping[str, Any], path: Path, name: str, default: float | None) -> float | None:
+    v = r.get(t, path, name, (int, float), default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not 0 <= v <= 1:
+        r.fail((*path, name), "a fraction of the KV budget, in [0, 1]")
+        return default
+    return float(v)
+
+
 def _tiers(r: Reader, doc: Any) -> dict[str, Tier]:
     fields = tuple(f for f in Tier.__dataclass_fields__ if f != "name")
     m = r.mapping(doc, ("tiers",), tuple(doc)) if isinstance(doc, dict) else r.mapping(doc, ("tiers",), ())
@@ -279,6 +291,9 @@ def _tiers(r: Reader, doc: Any) -> dict[str, Tier]:
             shadow=_shadow(r, t, path),
             ttft_p99_ms=r.get(t, path, "ttft_p99_ms", int, None, minimum=1),
             itl_p99_ms=r.get(t, path, "itl_p99_ms", int, None, minimum=1),
+            kv_guaranteed=_fraction(r, t, path, "kv_guaranteed", 0.0) or 0.0,
+            kv_burst=_fraction(r, t, path, "kv_burst", None),
+            revocable=r.get(t, path, "revocable", bool, False),
         )
     if not out:
         r.fail(("tiers",), "at least one tier is required")
@@ -395,6 +410,9 @@ def _cross_checks(r: Reader, backends: tuple[Backend, ...], tiers: Mapping[str, 
                        f"{t.max_queue_wait_ms / 1000:g} s, and Envoy counts that wait in the request's time")
     seen_backends: set[str] = set()
     guaranteed = sum(t.guaranteed_slots for t in tiers.values())
+    kv_guaranteed = sum(t.kv_guaranteed for t in tiers.values())
+    if kv_guaranteed > 1 + 1e-9:
+        r.fail(("tiers",), f"the tiers' kv_guaranteed add up to {kv_guaranteed:g}, more than the whole KV budget (1)")
     for i, b in enumerate(backends):
         if b.name in seen_backends:
             r.fail(("backends", i, "name"), f"duplicate backend {b.name!r}")
