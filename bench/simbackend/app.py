@@ -206,6 +206,13 @@ def _who(request: web.Request) -> dict[str, str]:
             "tenant": request.headers.get("x-sluice-tenant", "")}
 
 
+def _check_priority(st: SimState, req: GenRequest) -> None:
+    # vLLM refuses a priority it cannot honour rather than ignore it (its engine's add_request).
+    if req.priority != 0 and st.config.scheduling_policy != "priority":
+        raise ApiError(400, f"Got priority {req.priority} but Priority scheduling is not enabled.",
+                       "invalid_request_error", "priority")
+
+
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     st = request.app[STATE]
     body = await _json_body(request)
@@ -218,6 +225,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         count, ids = prompt_token_ids(r, enc)
         return count, block_hashes(ids, block) if caching and ids is not None else ()
 
+    _check_priority(st, req)
     prompt, hashes = await _count(st, req, count_and_hash)  # off the loop for large prompts
     target, natural = _plan_length(st, req, prompt, sim.tokens)
     seq = Sequence(
@@ -227,6 +235,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         delay=sim.delay_ms / 1000.0,
         tps=sim.tps,
         natural_stop=natural,
+        priority=req.priority,
         **_who(request),
     )
     seq.block_hashes = hashes
@@ -258,6 +267,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
 async def embeddings(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     req = parse_embedding(await _json_body(request))
+    _check_priority(st, req)
     sim = parse_sim_headers(request.headers)
     counts: list[int] = await _count(st, req, count_items)
     mml = st.config.max_model_len
@@ -271,7 +281,8 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
                 "input",
             )
     prompt = sum(counts)
-    seq = Sequence(prompt_tokens=prompt, max_tokens=0, delay=sim.delay_ms / 1000.0, **_who(request))
+    seq = Sequence(prompt_tokens=prompt, max_tokens=0, delay=sim.delay_ms / 1000.0,
+                   priority=req.priority, **_who(request))
     handle = st.scheduler.submit(seq)
     model = req.model or st.config.model
     job = Job(request, handle, "embedding", model, req, sim, prompt, st.config.embedding_dim)
@@ -346,6 +357,12 @@ async def get_work(request: web.Request) -> web.Response:
     return web.json_response(request.app[STATE].engine.work.report(after))
 
 
+async def get_aborts(request: web.Request) -> web.Response:
+    """The last aborted requests: x-request-id, wall time (time.time()) the blocks were freed,
+    how many, and whether the sequence was waiting or running."""
+    return web.json_response(list(request.app[STATE].scheduler.aborts))
+
+
 async def get_engine(request: web.Request) -> web.Response:
     st = request.app[STATE]
     e = st.engine
@@ -364,6 +381,8 @@ async def get_engine(request: web.Request) -> web.Response:
             "oom_failures_total": e.oom_failures_total,
             "paused": e.paused(st.clock.now()),
             "mode": e.mode,
+            "scheduling_policy": e.waiting.policy,
+            "aborted": e.finished_total["abort"],
             "steps": st.scheduler.steps,
             "prefix_cache": None if e.prefix is None else {
                 "queries_tokens": e.prefix.queries, "hits_tokens": e.prefix.hits,
@@ -403,6 +422,7 @@ def create_app(config: SimConfig | None = None) -> web.Application:
     app.router.add_post("/admin/config", post_config)
     app.router.add_get("/admin/engine", get_engine)
     app.router.add_get("/admin/work", get_work)
+    app.router.add_get("/admin/aborts", get_aborts)
     app.on_startup.append(_on_startup)
     app.on_shutdown.append(_on_shutdown)
     return app

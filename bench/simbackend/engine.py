@@ -26,18 +26,27 @@ What is modelled, because the gateway's behaviour depends on it:
 - Running out of blocks either preempts the newest sequence (recompute: it returns to the
   front of the queue and redoes its prefill) or, in "oom" mode, kills every running
   request and pauses admission, the way a crashing server would.
+- ``scheduling_policy="priority"`` (vLLM's ``--scheduling-policy priority``): the waiting
+  queue is ordered by the request's ``priority`` (lower first), then arrival
+  (``waitqueue.py``); the sequence preempted for room is the running one of the lowest
+  priority, latest arrival (not the newest); and, as vLLM V0's
+  ``_schedule_priority_preemption`` does, a waiting head that does not fit preempts
+  running sequences of lower priority, lowest first, until it does (the whole-prompt
+  path; vLLM V1's chunked scheduler preempts only for a running sequence's growth).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections import Counter, deque
+from collections import Counter
 
 from .config import SimConfig
 from .prefix_cache import PrefixCache
 from .sequence import Sequence, StepOutcome
 from .step_cost import decode_step_ms, prefill_step_s
 from .work import WorkLog
+from .waitqueue import WaitQueue, order_key
 
 __all__ = ["OOM_MESSAGE", "Engine", "Sequence", "StepOutcome"]
 
@@ -51,7 +60,8 @@ class Engine:
         self.total_blocks = cfg.kv_blocks
         self.free_blocks = cfg.kv_blocks
         self.watermark_blocks = int(cfg.watermark * cfg.kv_blocks)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitQueue(cfg.scheduling_policy)
+        self._arrivals = itertools.count(1)
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.paused_until = -math.inf
         self._admitted = 0
@@ -93,20 +103,26 @@ class Engine:
     def add(self, seq: Sequence, now: float) -> None:
         seq.state = "waiting"
         seq.ready_at = now + seq.delay
+        seq.arrival = next(self._arrivals)
         self.waiting.append(seq)
 
-    def abort(self, seq: Sequence) -> None:
-        """The client went away: forget the sequence and free its blocks at once."""
+    def abort(self, seq: Sequence) -> int:
+        """The client went away: forget the sequence and free its blocks at once. Returns the
+        blocks freed (-1: it had already ended)."""
+        freed = 0
         if seq.state == "waiting":
             self.waiting.remove(seq)
         elif seq.state == "running":
             self.running.remove(seq)
+            before = self.free_blocks
             self._free(seq)
+            freed = self.free_blocks - before
         else:
-            return
+            return -1
         seq.state = "aborted"
         self.finished_total["abort"] += 1
         self.work.finished(seq, "abort")
+        return freed
 
     # ---- one scheduler iteration ----------------------------------------------------
     def step(self, now: float) -> StepOutcome:
@@ -142,6 +158,8 @@ class Engine:
         self.free_blocks -= blocks
 
     def _admit(self, out: StepOutcome) -> list[Sequence]:
+        if self.waiting.by_priority:
+            self._priority_preempt(out)
         admitted: list[Sequence] = []
         budget = self.cfg.batched_tokens_budget
         batched = 0
@@ -157,12 +175,33 @@ class Engine:
             batched += prefill
         return admitted
 
+    def _priority_preempt(self, out: StepOutcome) -> None:
+        """vLLM V0's priority preemption: the waiting head preempts running sequences of lower
+        priority (lowest, latest first) until it fits (blocks and a batch place)."""
+        if not self.waiting:
+            return
+        head = self.waiting.head()
+        need = self._admission_blocks(head, self._hit(head))
+        if need > self.total_blocks - self.watermark_blocks:
+            return  # it never fits; _fitting_head fails it
+        while self.running:
+            if self.free_blocks - need >= self.watermark_blocks and len(self.running) < self.cfg.max_num_seqs:
+                return
+            victim = max(self.running, key=order_key)
+            if order_key(victim) <= order_key(head):
+                return
+            self._preempt(victim, out)
+
+    def _victim(self) -> Sequence:
+        """Whom to preempt for room: the newest (fcfs), or the lowest priority, latest arrival."""
+        return max(self.running, key=order_key) if self.waiting.by_priority else self.running[-1]
+
     def _fitting_head(self, out: StepOutcome) -> tuple[Sequence, int, list[int]] | None:
         """The queue's head, the free blocks it needs to start and its cached leading blocks;
         heads that would never fit, even alone, are failed on the way (waiting would
         block the queue forever)."""
         while self.waiting:
-            seq = self.waiting[0]
+            seq = self.waiting.head()
             hit = self._hit(seq)
             need = self._admission_blocks(seq, hit)
             if need <= self.total_blocks - self.watermark_blocks:
@@ -260,7 +299,7 @@ class Engine:
             if self.mode == "oom":
                 self._oom(now, out)
                 return False
-            victim = self.running[-1]
+            victim = self._victim()
             if victim is seq and len(self.running) == 1:
                 # Alone and still out of room: preempting itself would loop forever.
                 self._finish(seq, "length", out)
@@ -399,7 +438,7 @@ class Engine:
         self._free(victim)
         victim.state = "waiting"
         victim.num_preemptions += 1
-        self.waiting.appendleft(victim)
+        self.waiting.prepend(victim)
         self.preemptions_total += 1
         out.emitted.pop(victim, None)
         out.preempted.append(victim)
