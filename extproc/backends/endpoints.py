@@ -22,12 +22,14 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
 from extproc.backends import build
 from extproc.policy.affinity import PrefixAffinity
 from extproc.policy.breaker import Breaker, BreakerState, Outcome
+from extproc.policy.kv_shares import KvShare, burst_room, reserved_for_others
 from extproc.policy.owed import owed_endpoints
 from extproc.policy.placement import Candidate, Placement, largest_capacity, pick, second_choice
 from extproc.policy.schema import (
@@ -40,6 +42,8 @@ from extproc.policy.schema import (
 from extproc.policy.watermark import WatermarkController
 
 UNUSABLE_METRICS = ("no_data", "unreachable", "stale")
+# The tier being placed, every tier's KV share, and which tiers are active (BackendState._shares_for).
+Shares = tuple[str, Mapping[str, KvShare], Mapping[str, bool]]
 
 
 def resolve(host: str) -> str | None:
@@ -89,6 +93,7 @@ class EndpointState:
     # Requests Envoy re-picked away from this endpoint (it refused the connection) and onto it.
     repicked_away: int = 0
     repicked_here: int = 0
+    kv_by_tier: Counter[str] = field(default_factory=Counter)  # this replica's reservations here, per tier
 
     @property
     def key(self) -> str:
@@ -110,12 +115,15 @@ class EndpointState:
     def scale(self, now: float) -> float:
         return self.wm.scale(now) if self.spec.metrics_url else 1.0
 
-    def candidate(self, now: float, kv: int = 0, extra: tuple[int, int] = (0, 0), lease: bool = True) -> Candidate:
+    def candidate(self, now: float, kv: int = 0, extra: tuple[int, int] = (0, 0), lease: bool = True,
+                  shares: Shares | None = None) -> Candidate:
         """The endpoint as placement sees it, for a request of footprint ``kv``.
 
         Leased: unusable unless this replica's lease holds one more slot and ``kv`` more
         (``lease=False`` skips that check: could a bigger lease hold it?); the counts
-        include what the other replicas hold and ``extra``, demand planned here already."""
+        include what the other replicas hold and ``extra``, demand planned here already.
+        ``shares``: the KV shares of the tier being placed, judged on this endpoint's budget
+        (its lease when leased)."""
         waiting = 0.0
         st = self.wm.state(now) if self.spec.metrics_url else None
         if st is not None and st.smoothed_waiting is not None:
@@ -128,9 +136,17 @@ class EndpointState:
                     self.spec.kv_capacity_tokens is None or self.kv_in_use + kv <= self.leased_kv)
             kv_in_use += self.others_kv
             in_flight += self.others_slots
-        return Candidate(key=self.key, usable=usable, kv_in_use=kv_in_use,
-                         kv_capacity=self.spec.kv_capacity_tokens, kv_scale=self.scale(now) * self.overcommit,
-                         in_flight=in_flight, max_concurrency=self.spec.max_concurrency, waiting=waiting)
+        scale = self.scale(now) * self.overcommit
+        reserved, room = 0.0, float("inf")
+        cap = self.spec.kv_capacity_tokens
+        if shares is not None and cap is not None:
+            tier, table, active = shares
+            budget = cap * scale if self.leased_slots is None else min(cap * scale, float(self.leased_kv))
+            reserved = reserved_for_others(table, self.kv_by_tier, active, budget, tier)
+            room = burst_room(table.get(tier), self.kv_by_tier.get(tier, 0), budget)
+        return Candidate(key=self.key, usable=usable, kv_in_use=kv_in_use, kv_capacity=cap, kv_scale=scale,
+                         in_flight=in_flight, max_concurrency=self.spec.max_concurrency, waiting=waiting,
+                         kv_reserved=reserved, kv_burst_room=room)
 
 
 @dataclass
@@ -209,8 +225,8 @@ class EndpointSet:
                     continue
                 st.breaker.set_manual(ov.state, ov.reason, until, now)
 
-    def candidates(self, now: float, kv: int = 0) -> list[Candidate]:
-        return [st.candidate(now, kv) for st in self.by_key.values()]
+    def candidates(self, now: float, kv: int = 0, shares: Shares | None = None) -> list[Candidate]:
+        return [st.candidate(now, kv, shares=shares) for st in self.by_key.values()]
 
     def largest_capacity(self) -> int | None:
         return largest_capacity([Candidate(k, True, 0, st.spec.kv_capacity_tokens, 1.0, 0, 1)
@@ -226,7 +242,7 @@ class EndpointSet:
         return owed_endpoints(self.candidates(now), heads, priorities, tier, behind_head)
 
     def place(self, kv: int, now: float, prefix: tuple[int, ...] = (),
-              exclude: Collection[str] = ()) -> Placement | None:
+              exclude: Collection[str] = (), shares: Shares | None = None, tier: str = "") -> Placement | None:
         """Pick an endpoint and reserve on it; ``prefix`` (extproc.openai_api.prefix_key) steers the
         pick to the endpoint that last served the longest known part of it, and records
         where it went; ``exclude`` (owed endpoints) is not picked. The placement names a
@@ -234,12 +250,13 @@ class EndpointSet:
         aff = self.affinity if prefix else None
         known = aff.lookup(prefix, now) if aff is not None else None
         preferred = known[0] if known is not None else None
-        candidates = self.candidates(now, kv)
+        candidates = self.candidates(now, kv, shares)
         got = pick(candidates, kv, preferred, self.placement.affinity_min_headroom, exclude)
         if got is not None:
             st = self.by_key[got.key]
             st.kv_in_use += kv
             st.in_flight += 1
+            st.kv_by_tier[tier] += kv
             second = second_choice(candidates, kv, got.key, exclude) if len(candidates) > 1 else None
             if second is not None:
                 got = replace(got, second=second)
@@ -250,8 +267,9 @@ class EndpointSet:
                 got = replace(got, affinity=result)
         return got
 
-    def fits_somewhere(self, kv: int, now: float, exclude: Collection[str] = ()) -> bool:
-        return pick(self.candidates(now, kv), kv, exclude=exclude) is not None
+    def fits_somewhere(self, kv: int, now: float, exclude: Collection[str] = (),
+                       shares: Shares | None = None) -> bool:
+        return pick(self.candidates(now, kv, shares), kv, exclude=exclude) is not None
 
     def plan(self, kvs: list[int], now: float) -> dict[str, tuple[int, int]]:
         """Where requests of footprints ``kvs`` would go if this replica's leases could grow:
@@ -265,16 +283,17 @@ class EndpointSet:
                 extra[got.key] = (s + 1, k + kv)
         return extra
 
-    def release(self, key: str, kv: int) -> None:
+    def release(self, key: str, kv: int, tier: str = "") -> None:
         st = self.by_key.get(key)
         if st is None:
             return
         st.kv_in_use -= kv
         st.in_flight -= 1
+        _take(st.kv_by_tier, tier, kv)
         if st.draining and st.in_flight <= 0:
             self._forget(key)
 
-    def move(self, src: str, dst: str, kv: int, repick: bool = True) -> bool:
+    def move(self, src: str, dst: str, kv: int, repick: bool = True, tier: str = "") -> bool:
         """A request placed on ``src`` runs on ``dst`` (Envoy re-picked after a connect
         failure; or, ``repick=False``, a gateway's subset hint ruled ``src`` out): its slot
         and KV follow it, over ``dst``'s budget if need be (it is already running there).
@@ -284,12 +303,13 @@ class EndpointSet:
             return False
         to.kv_in_use += kv
         to.in_flight += 1
+        to.kv_by_tier[tier] += kv
         frm = self.by_key.get(src)
         if repick:
             to.repicked_here += 1
             if frm is not None:
                 frm.repicked_away += 1
-        self.release(src, kv)
+        self.release(src, kv, tier)
         return True
 
     def key_of(self, destination: str) -> str | None:
@@ -326,6 +346,12 @@ class EndpointSet:
         if not usable:
             return None
         return min(usable, key=lambda st: (st.in_flight, st.key)).destination
+
+
+def _take(counter: Counter[str], key: str, n: int) -> None:
+    counter[key] -= n
+    if counter[key] <= 0:
+        del counter[key]
 
 
 def _same_watermark(st: EndpointState, spec: Backend) -> bool:
