@@ -41,7 +41,8 @@ def identity_headers(tenant: Tenant) -> dict[str, str]:
 def forward(rt: Runtime, policy: Policy, tenant: Tenant, req: ParsedRequest, ticket: Ticket,
             destination: Destination = endpoint_headers) -> Forward:
     """The mutation for an admitted request."""
-    body = upstream_body(req, ticket.completion, ticket.model.name)
+    body = upstream_body(req, ticket.completion, ticket.model.name,
+                         ticket.backend.engine_priority_of(policy.tiers[tenant.tier].priority))
     set_headers = {**identity_headers(tenant), "x-sluice-backend": ticket.backend.name}
     dest = _destination(rt, ticket, destination)
     if dest is not None:
