@@ -12,7 +12,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from bench.simbackend import STATE, SimConfig, create_app
 from bench.simbackend.engine import Engine, Sequence
-from tests.test_simbackend import CHAT, aio, chat, drive
+from tests.sim_client import CHAT, aio, chat
+from tests.test_simbackend_engine import drive
 from tests.waiting import eventually_async
 
 

@@ -11,7 +11,9 @@ import pytest
 
 from bench.simbackend import SimConfig
 from bench.simbackend.engine import Engine, Sequence
-from tests.test_simbackend import CHAT, aio, chat, drive, served, sim
+from tests.sim_client import CHAT, aio, chat, sim
+from tests.test_simbackend_engine import drive
+from tests.test_simbackend_server import served
 
 
 def test_each_ending_leaves_one_record_with_the_engines_counts() -> None:

@@ -45,8 +45,8 @@ from .config import SimConfig
 from .prefix_cache import PrefixCache
 from .sequence import Sequence, StepOutcome
 from .step_cost import decode_step_ms, prefill_step_s
-from .work import WorkLog
 from .waitqueue import WaitQueue, order_key
+from .work import WorkLog
 
 __all__ = ["OOM_MESSAGE", "Engine", "Sequence", "StepOutcome"]
 
