@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from extproc.policy.schema import hash_key
+from tests.e2e.billing import Billing
 from tests.e2e.harness import Stack, get_json, running
 from tests.waiting import eventually
 
@@ -68,8 +69,9 @@ def body(max_tokens: int, stream: bool) -> bytes:
     return json.dumps(doc).encode()
 
 
-def post(stack: Stack, tier: str, max_tokens: int, stream: bool, **headers: str
-         ) -> tuple[int, dict[str, str], bytes]:
+def post(stack: Stack, tier: str, max_tokens: int, stream: bool, got: list[bytes] | None = None,
+         **headers: str) -> tuple[int, dict[str, str], bytes]:
+    """The answer; ``got`` collects a stream's chunks as they come."""
     req = urllib.request.Request(stack.url + "/v1/chat/completions", data=body(max_tokens, stream), method="POST",
                                  headers={"authorization": f"Bearer {KEYS[tier]}", "content-type": "application/json",
                                           **headers})
@@ -79,6 +81,8 @@ def post(stack: Stack, tier: str, max_tokens: int, stream: bool, **headers: str
             try:
                 while chunk := r.read1(65536):
                     data += chunk
+                    if got is not None:
+                        got.append(chunk)
             except Exception:  # noqa: BLE001 - a revoked stream ends with a reset after its error event
                 pass
             return r.status, {k.lower(): v for k, v in r.headers.items()}, data
@@ -91,12 +95,13 @@ class Background:
 
     def __init__(self, stack: Stack, tier: str, max_tokens: int, stream: bool, **headers: str) -> None:
         self.result: tuple[int, dict[str, str], bytes] | None = None
+        self.chunks: list[bytes] = []  # a stream's chunks so far
         self._t = threading.Thread(target=self._go, args=(stack, tier, max_tokens, stream), kwargs=headers,
                                    daemon=True)
         self._t.start()
 
     def _go(self, stack: Stack, tier: str, max_tokens: int, stream: bool, **headers: str) -> None:
-        self.result = post(stack, tier, max_tokens, stream, **headers)
+        self.result = post(stack, tier, max_tokens, stream, self.chunks, **headers)
 
     def join(self, timeout: float = 30) -> tuple[int, dict[str, str], bytes]:
         self._t.join(timeout)
@@ -115,6 +120,7 @@ def kv_state(stack: Stack) -> dict[str, Any]:
 def test_a_premium_request_revokes_a_batch_request_queued_at_the_engine(rv: Stack) -> None:
     stack = rv
     before = stack.state()["ledger"]
+    billing = Billing.of(stack)
     # A batch stream runs (the engine takes one sequence at a time) and a second batch
     # request, non-streaming, waits in the engine's queue: both hold Sluice's KV (750 + 750).
     running_doc = Background(stack, "batch", 700, True, **{"x-sim-tps": "10", "x-sim-tokens": "60"})
@@ -150,15 +156,21 @@ def test_a_premium_request_revokes_a_batch_request_queued_at_the_engine(rv: Stac
     # The revoked request was not billed: what was charged is the two that were served.
     after = stack.wait_settled()["ledger"]
     assert after["charged"] - before["charged"] == premium["total_tokens"] + usage["total_tokens"]
+    # and against the engine's own record: the revoked one charged 0, aborted there
+    pairs = billing.check(expect={"revoked": 1, "reported": 2})
+    revoked = next(p for p in pairs if p.basis == "revoked")
+    assert revoked.work is not None and revoked.work["finished_reason"] == "abort"
 
 
 def test_a_revocable_stream_ends_with_an_error_event_and_is_billed_what_it_produced(rv: Stack) -> None:
     stack = rv
     before = stack.state()["ledger"]
+    billing = Billing.of(stack)
     doc = Background(stack, "batch", 1800, True, **{"x-sim-tps": "20", "x-sim-tokens": "1500"})
     eventually(lambda: engine(stack)["running"] == 1 and kv_state(stack)["tiers"]["batch"]["reserved_tokens"] > 0,
                5, lambda: str(engine(stack)))
-    time.sleep(0.5)  # let it stream some tokens (the engine paces it at 20/s)
+    # let it stream some tokens (the engine paces it at 20/s)
+    eventually(lambda: b"".join(doc.chunks).count(b"data: ") >= 5, 10, lambda: str(doc.chunks))
     status, _, data = post(stack, "premium", 600, False, **{"x-sim-tokens": "5"})
     assert status == 200, data
     premium = json.loads(data)["usage"]
@@ -180,6 +192,10 @@ def test_a_revocable_stream_ends_with_an_error_event_and_is_billed_what_it_produ
     after = stack.wait_settled()["ledger"]
     batch = after["charged"] - before["charged"] - premium["total_tokens"]
     assert abs(batch - (premium["prompt_tokens"] + streamed)) <= 1, (batch, premium, streamed)
+    # and against the engine's record: counted from the stream, within what the engine did
+    pairs = billing.check(expect={"counted": 1, "reported": 1})
+    cut = next(p for p in pairs if p.basis == "counted")
+    assert cut.work is not None and cut.work["finished_reason"] == "abort"
 
 
 def test_the_engine_sees_each_tiers_priority(rv: Stack) -> None:
