@@ -164,10 +164,12 @@ def test_the_schema_reads_kv_shares_revocable_and_engine_priority() -> None:
     assert (t.kv_guaranteed, t.kv_burst, t.revocable) == (0.5, 0.25, False)
     assert (b.kv_guaranteed, b.kv_burst, b.revocable) == (0.0, None, True)
     be = p.backends[0]
-    assert be.engine_priority == "vllm" and be.engine_priority_of(100) == -100
     from dataclasses import replace as dc_replace
-    assert dc_replace(be, engine_priority="sglang").engine_priority_of(100) == 100
-    assert dc_replace(be, engine_priority="off").engine_priority_of(100) is None
+
+    from extproc.request.upstream import engine_priority
+    assert be.engine_priority == "vllm" and engine_priority(be, 100) == -100
+    assert engine_priority(dc_replace(be, engine_priority="sglang"), 100) == 100
+    assert engine_priority(dc_replace(be, engine_priority="off"), 100) is None
 
 
 @pytest.mark.parametrize(("tiers", "says"), [

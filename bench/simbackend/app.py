@@ -18,10 +18,11 @@ from extproc.tokens import encodings
 from . import openai_fmt as fmt
 from .config import LiveConfig, SimConfig, parse_live_update
 from .engine import Engine, Sequence
-from .metrics import CONTENT_TYPE, SimCollector, make_registry, render
+from .metrics import CONTENT_TYPE, SimCollector, engine_report, make_registry, render
 from .parse import (
     BadRequest,
     GenRequest,
+    check_priority,
     count_items,
     parse_chat,
     parse_completion,
@@ -206,13 +207,6 @@ def _who(request: web.Request) -> dict[str, str]:
             "tenant": request.headers.get("x-sluice-tenant", "")}
 
 
-def _check_priority(st: SimState, req: GenRequest) -> None:
-    # vLLM refuses a priority it cannot honour rather than ignore it (its engine's add_request).
-    if req.priority != 0 and st.config.scheduling_policy != "priority":
-        raise ApiError(400, f"Got priority {req.priority} but Priority scheduling is not enabled.",
-                       "invalid_request_error", "priority")
-
-
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     st = request.app[STATE]
     body = await _json_body(request)
@@ -225,7 +219,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         count, ids = prompt_token_ids(r, enc)
         return count, block_hashes(ids, block) if caching and ids is not None else ()
 
-    _check_priority(st, req)
+    check_priority(req, st.config.scheduling_policy)
     prompt, hashes = await _count(st, req, count_and_hash)  # off the loop for large prompts
     target, natural = _plan_length(st, req, prompt, sim.tokens)
     seq = Sequence(
@@ -267,7 +261,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
 async def embeddings(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     req = parse_embedding(await _json_body(request))
-    _check_priority(st, req)
+    check_priority(req, st.config.scheduling_policy)
     sim = parse_sim_headers(request.headers)
     counts: list[int] = await _count(st, req, count_items)
     mml = st.config.max_model_len
@@ -365,32 +359,7 @@ async def get_aborts(request: web.Request) -> web.Response:
 
 async def get_engine(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    e = st.engine
-    return web.json_response(
-        {
-            "kv_blocks_total": e.total_blocks,
-            "kv_blocks_used": e.used_blocks,
-            "kv_usage": e.kv_usage,
-            "running": len(e.running),
-            "waiting": len(e.waiting),
-            "preemptions_total": e.preemptions_total,
-            "prompt_tokens_total": e.prompt_tokens_total,
-            "generation_tokens_total": e.generation_tokens_total,
-            "finished_total": dict(e.finished_total),
-            "kv_blocks_peak": e.peak_used_blocks,
-            "oom_failures_total": e.oom_failures_total,
-            "paused": e.paused(st.clock.now()),
-            "mode": e.mode,
-            "scheduling_policy": e.waiting.policy,
-            "aborted": e.finished_total["abort"],
-            "steps": st.scheduler.steps,
-            "prefix_cache": None if e.prefix is None else {
-                "queries_tokens": e.prefix.queries, "hits_tokens": e.prefix.hits,
-                "shared_blocks": len(e.prefix.refs), "evictable_blocks": len(e.prefix.evictable),
-                "evictions": e.prefix.evictions,
-            },
-        }
-    )
+    return web.json_response(engine_report(st.engine, st.scheduler.steps, st.clock.now()))
 
 
 # ---- assembly ---------------------------------------------------------------------------

@@ -89,6 +89,13 @@ def _common(body: Any, kind: str) -> GenRequest:
     return req
 
 
+def check_priority(req: GenRequest, scheduling_policy: str) -> None:
+    """vLLM refuses a priority it cannot honour rather than ignore it (its engine's add_request)."""
+    if req.priority != 0 and scheduling_policy != "priority":
+        raise BadRequest(f"Got priority {req.priority} but Priority scheduling is not enabled.",
+                         "priority", "invalid_request_error")
+
+
 def _priority(body: dict[str, Any]) -> int:
     v = body.get("priority", 0)
     if v is None:

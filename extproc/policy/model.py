@@ -293,15 +293,6 @@ class Backend:
     def is_pool(self) -> bool:
         return bool(self.endpoints)
 
-    def engine_priority_of(self, tier_priority: int) -> int | None:
-        """The body's ``priority`` for a tier (None: not written). vLLM runs lower values first,
-        SGLang higher ones, so the tier's priority is negated for vLLM."""
-        if self.engine_priority == "vllm":
-            return -tier_priority
-        if self.engine_priority == "sglang":
-            return tier_priority
-        return None
-
 
 @dataclass(frozen=True)
 class Tier:

@@ -32,13 +32,13 @@ from extproc.policy.model import (
     hash_key,
 )
 from extproc.policy.reader import Locator, PolicyError, Problem, Reader
+from extproc.policy.schema_breakers import breakers as _breakers
 from extproc.policy.schema_parse import (
     ENGINES,
     KNOWN_ENCODINGS,
     MAX_QUEUE_WAIT_MS,
     SHADOW_RULES,
     _backends,
-    _breakers,
     _cross_checks,
     _gateway,
     _tenants,
