@@ -62,14 +62,26 @@ PATIENCE = ClientPolicy(30, 120)
 
 
 def fairness_policy(port: int, watermark: bool) -> dict[str, Any]:
-    tier: dict[str, Any] = {"priority": 10, "tpm": 10**9, "rpm": 10**7, "max_concurrency": 256,
-                            "max_queue_wait_ms": 25_000, "max_queue_depth": 512}
+    tier: dict[str, Any] = {
+        "priority": 10,
+        "tpm": 10**9,
+        "rpm": 10**7,
+        "max_concurrency": 256,
+        "max_queue_wait_ms": 25_000,
+        "max_queue_depth": 512,
+    }
     backend = example_backend(port)
     backend["kv_reservation"] = "worst_case"
     if not watermark:
         backend.pop("metrics_url", None)
-    return {"gateway": example_gateway(), "backends": [backend], "tiers": {"free": tier},
-            "tenants": [{"name": name, "tier": "free", "keys": [hash_key(key)]} for name, key in KEYS.items()]}
+    return {
+        "gateway": example_gateway(),
+        "backends": [backend],
+        "tiers": {"free": tier},
+        "tenants": [
+            {"name": name, "tier": "free", "keys": [hash_key(key)]} for name, key in KEYS.items()
+        ],
+    }
 
 
 @dataclass
@@ -94,10 +106,14 @@ def _light(i: int, at: float) -> Request:
 
 
 def _heavy(i: int) -> Request:
-    return Request(100_000 + i, 0.0, "measure", "heavy", CHAT_MODEL, HEAVY_PROMPT, HEAVY_OUT, HEAVY_OUT)
+    return Request(
+        100_000 + i, 0.0, "measure", "heavy", CHAT_MODEL, HEAVY_PROMPT, HEAVY_OUT, HEAVY_OUT
+    )
 
 
-async def _drive(url: str, heavy: bool, warm_s: float, measure_s: float) -> tuple[list[Result], list[Result]]:
+async def _drive(
+    url: str, heavy: bool, warm_s: float, measure_s: float
+) -> tuple[list[Result], list[Result]]:
     """Light arrivals (Poisson) for warm + measure; heavy clients back to back. Returns the
     results of requests sent in the measured window (after the warm-up)."""
     rng = random.Random(13)
@@ -114,7 +130,9 @@ async def _drive(url: str, heavy: bool, warm_s: float, measure_s: float) -> tupl
             delay = t0 + at - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send(session, url, KEYS["light"], _light(i, at), t0, PATIENCE)))
+            tasks.append(
+                asyncio.create_task(send(session, url, KEYS["light"], _light(i, at), t0, PATIENCE))
+            )
             i += 1
         light.extend(await asyncio.gather(*tasks))
 
@@ -136,8 +154,16 @@ async def _drive(url: str, heavy: bool, warm_s: float, measure_s: float) -> tupl
     return keep, [r for r in heavy_out if r.sent >= warm_s]
 
 
-def _one(workdir: Path, name: str, sluice: bool, heavy: bool, watermark: bool, warm_s: float,
-         measure_s: float, log: Any) -> Row:
+def _one(
+    workdir: Path,
+    name: str,
+    sluice: bool,
+    heavy: bool,
+    watermark: bool,
+    warm_s: float,
+    measure_s: float,
+    log: Any,
+) -> Row:
     row = Row(name, seconds=measure_s)
     gw = Gateway(workdir / name.replace(" ", "-").replace(",", ""), Ports())
     try:
@@ -146,8 +172,14 @@ def _one(workdir: Path, name: str, sluice: bool, heavy: bool, watermark: bool, w
         if sluice:
             gw.start_sluice(doc, "fair")
         else:
-            gw.start_envoy(envoy_config("none", [BackendRoute("sim", "127.0.0.1", gw.ports.sim)],
-                                        envoy_options(gw.ports, doc)), "fair")
+            gw.start_envoy(
+                envoy_config(
+                    "none",
+                    [BackendRoute("sim", "127.0.0.1", gw.ports.sim)],
+                    envoy_options(gw.ports, doc),
+                ),
+                "fair",
+            )
         log(f"fairness: {name} ({warm_s:.0f} s warm-up, {measure_s:.0f} s measured)")
         row.light, row.heavy = asyncio.run(_drive(gw.url, heavy, warm_s, measure_s))
         if sluice:
@@ -178,22 +210,35 @@ def _ms(x: float) -> str:
 
 def markdown(f: FairnessRun) -> str:
     base = next((r for r in f.rows if r.name == "light alone" and not r.error), None)
-    alone = pct([r.ttft for r in base.light if r.ok and r.ttft is not None], .99) if base else float("nan")
+    alone = (
+        pct([r.ttft for r in base.light if r.ok and r.ttft is not None], 0.99)
+        if base
+        else float("nan")
+    )
     out = []
     for r in f.rows:
         if r.error:
             out.append([r.name, f"did not run: {r.error}", "", "", "", "", ""])
             continue
         ok = [x for x in r.light if x.ok and x.ttft is not None]
-        p50, p90, p99 = (pct([x.ttft for x in ok], q) for q in (.5, .9, .99))
+        p50, p90, p99 = (pct([x.ttft for x in ok], q) for q in (0.5, 0.9, 0.99))
         ratio = p99 / alone if alone == alone and alone > 0 else float("nan")
         light_tok = sum(x.tokens for x in r.light if x.ok) / r.seconds
         heavy_tok = sum(x.tokens for x in r.heavy if x.ok) / r.seconds
         fair = "–" if not r.fair else f"{r.fair['service_difference']:,.0f} / {r.fair['jain']:.3f}"
-        out.append([r.name, f"{len(ok)} / {len(r.light)}", f"{_ms(p50)} / {_ms(p90)} / {_ms(p99)}",
-                    "–" if ratio != ratio else f"{ratio:.2f}x" + (" (target <= 1.5x)" if r.name != "light alone" else ""),
-                    f"{light_tok:.0f} / {heavy_tok:.0f}", fair,
-                    str(sum(1 for x in r.heavy if x.status in (429, 503)))])
+        out.append(
+            [
+                r.name,
+                f"{len(ok)} / {len(r.light)}",
+                f"{_ms(p50)} / {_ms(p90)} / {_ms(p99)}",
+                "–"
+                if ratio != ratio
+                else f"{ratio:.2f}x" + (" (target <= 1.5x)" if r.name != "light alone" else ""),
+                f"{light_tok:.0f} / {heavy_tok:.0f}",
+                fair,
+                str(sum(1 for x in r.heavy if x.status in (429, 503))),
+            ]
+        )
     lines = [
         "## Fair share by work: a heavy and a light tenant in one tier",
         "",
@@ -204,8 +249,18 @@ def markdown(f: FairnessRun) -> str:
         "among the tenants waiting at the end (work = input + 2 x output tokens). TTFT in ms. One run, rows "
         "compared with each other (real time on a shared machine).",
         "",
-        table(["configuration", "light ok / sent", "light TTFT p50 / p90 / p99", "light p99 / alone",
-               "completion tokens/s light / heavy", "service difference / Jain", "heavy refused"], out),
+        table(
+            [
+                "configuration",
+                "light ok / sent",
+                "light TTFT p50 / p90 / p99",
+                "light p99 / alone",
+                "completion tokens/s light / heavy",
+                "service difference / Jain",
+                "heavy refused",
+            ],
+            out,
+        ),
         "",
     ]
     return "\n".join(lines)

@@ -60,10 +60,16 @@ from bench.trace import (
 )
 from extproc.envoy.bootstrap import BackendRoute
 
-NAMES = {"a": "(a) Envoy, no limiter", "b": "(b) Envoy local_ratelimit", "c": "(c) LiteLLM proxy",
-         "d": "(d) Envoy + Sluice", "e": "(e) Sluice, learned KV", "f": "(f) Sluice, learned KV + SLO",
-         "g": "(g) (f) + KV guarantees, revocation, engine priority",
-         "h": "(h) as (g), premium guaranteed a quarter"}
+NAMES = {
+    "a": "(a) Envoy, no limiter",
+    "b": "(b) Envoy local_ratelimit",
+    "c": "(c) LiteLLM proxy",
+    "d": "(d) Envoy + Sluice",
+    "e": "(e) Sluice, learned KV",
+    "f": "(f) Sluice, learned KV + SLO",
+    "g": "(g) (f) + KV guarantees, revocation, engine priority",
+    "h": "(h) as (g), premium guaranteed a quarter",
+}
 SLUICE = "defgh"  # the configurations that run Sluice
 # (g)'s KV shares: premium keeps half of each cache while it has demand (room for its chat at
 # the trace's load: ~9 requests of ~1.6k-token learned footprints in flight); the batch tier

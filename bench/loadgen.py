@@ -230,18 +230,37 @@ class OpenLoop:
     # within their patience (total_s from the first send).
     retry_revoked: frozenset[str] = frozenset()
 
-    async def _send(self, session: aiohttp.ClientSession, req: Request, t0: float, policy: ClientPolicy,
-                    extra: Mapping[str, str] | None, live: dict[int, Result]) -> Result:
+    async def _send(
+        self,
+        session: aiohttp.ClientSession,
+        req: Request,
+        t0: float,
+        policy: ClientPolicy,
+        extra: Mapping[str, str] | None,
+        live: dict[int, Result],
+    ) -> Result:
         first = time.monotonic()
         revoked = 0
         while True:
-            res = await send(session, self.base_url, self.keys[req.tier], req, t0, policy, extra, track=live,
-                             body=self.body(req) if self.body else None)
+            res = await send(
+                session,
+                self.base_url,
+                self.keys[req.tier],
+                req,
+                t0,
+                policy,
+                extra,
+                track=live,
+                body=self.body(req) if self.body else None,
+            )
             if res.reason != "revoked":
                 break
             revoked += 1
             wait = res.retry_after_s if res.retry_after_s is not None else 1.0
-            if req.tier not in self.retry_revoked or time.monotonic() + wait - first > policy.total_s:
+            if (
+                req.tier not in self.retry_revoked
+                or time.monotonic() + wait - first > policy.total_s
+            ):
                 break
             await asyncio.sleep(wait)
         res.revoked = revoked

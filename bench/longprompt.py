@@ -79,8 +79,17 @@ def run(workdir: Path, *, quick: bool = False, configs: str = "adefgh", log: Any
     sched = schedule(cap.rps, quick)
     out = LongPromptRun(cap, sched, quick=quick)
     for key in configs:
-        r, _ = headline.run_config(key, workdir / "longprompt", sched, cap, "preempt",
-                                   TAIL_S_QUICK if quick else TAIL_S, log, sim_extra=SIM_EXTRA, clients=LONG_CLIENTS)
+        r, _ = headline.run_config(
+            key,
+            workdir / "longprompt",
+            sched,
+            cap,
+            "preempt",
+            TAIL_S_QUICK if quick else TAIL_S,
+            log,
+            sim_extra=SIM_EXTRA,
+            clients=LONG_CLIENTS,
+        )
         r.name = NAMES[key]
         out.runs[key] = r
     return out
@@ -96,8 +105,10 @@ def revocation_cost(run: ConfigRun) -> str:
     n = sum(rev["revoked"].values())
     wasted = sum(rev["wasted_tokens"].values())
     freed = {a["request_id"]: a["at"] for a in run.aborts if a.get("request_id")}
-    lat = sorted((freed[r["request_id"]] - r["at"]) * 1000 for r in rev["recent"] if r["request_id"] in freed)
-    tail = f"; to engine free p50 {pct(lat, .5):.0f} / max {lat[-1]:.0f} ms" if lat else ""
+    lat = sorted(
+        (freed[r["request_id"]] - r["at"]) * 1000 for r in rev["recent"] if r["request_id"] in freed
+    )
+    tail = f"; to engine free p50 {pct(lat, 0.5):.0f} / max {lat[-1]:.0f} ms" if lat else ""
     return f"{n} ({wasted:,} tokens thrown away{tail})"
 
 
@@ -158,9 +169,23 @@ def markdown(s: LongPromptRun) -> str:
         "away (prompt prefilled + tokens generated) and the time from the decision to the engine freeing the "
         "blocks (the engine's abort log).",
         "",
-        table(["configuration", "preemptions", "KV peak", "KV mean", "premium in long: ok / sent: TTFT",
-               "chat tokens/s in long", "documents ok / sent", "documents refused", "documents gave up / open",
-               "document TTFT", "document goodput tokens/s", "revocations"], rows(s)),
+        table(
+            [
+                "configuration",
+                "preemptions",
+                "KV peak",
+                "KV mean",
+                "premium in long: ok / sent: TTFT",
+                "chat tokens/s in long",
+                "documents ok / sent",
+                "documents refused",
+                "documents gave up / open",
+                "document TTFT",
+                "document goodput tokens/s",
+                "revocations",
+            ],
+            rows(s),
+        ),
     ]
     for run in s.runs.values():
         for note in run.notes:

@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     if "longprompt" in parts:
         def longprompt_part() -> str:
             from bench import longprompt
+
             configs = args.configs.replace("b", "").replace("c", "")
             if configs == "adefg":  # the default: the long-prompt run also shows (h)
                 configs += "h"

@@ -137,8 +137,16 @@ def kv_tier_views(value: Any) -> list[TierKvView]:
     out = []
     for tier, t in as_map(as_map(value).get("tiers")).items():
         t = as_map(t)
-        out.append(TierKvView(str(tier), num(t.get("guaranteed_tokens")), num(t.get("burst_tokens")),
-                              num(t.get("reserved_tokens")), t.get("active") is True, t.get("revocable") is True))
+        out.append(
+            TierKvView(
+                str(tier),
+                num(t.get("guaranteed_tokens")),
+                num(t.get("burst_tokens")),
+                num(t.get("reserved_tokens")),
+                t.get("active") is True,
+                t.get("revocable") is True,
+            )
+        )
     return out
 
 
@@ -158,8 +166,10 @@ class BackendView:
     queue: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # replica -> queue
     endpoints: list[EndpointView] = field(default_factory=list)  # a pool's, from the freshest report
     pool: PoolView | None = None  # a pool's own line: its endpoints' sums, from the freshest report
-    affinity: AffinityView | None = None  # a pool's prefix affinity; None while no replica has it on
-    kv_tiers: list[TierKvView] = field(default_factory=list)  # KV shares per tier, from the freshest report
+    affinity: AffinityView | None = None
+    kv_tiers: list[TierKvView] = field(
+        default_factory=list
+    )  # KV shares per tier, from the freshest report
     revoked: int = 0  # requests revoked for a higher tier, summed over the fresh reports
     revoked_work: int = 0  # the work those threw away (tokens)
 
@@ -195,9 +205,12 @@ def backend_views(names: list[str], reps: list[Replica]) -> list[BackendView]:
             if shares:
                 v.kv_tiers = kv_tier_views(shares)
                 rev = as_map(shares.get("revocation"))
-                v.revoked += int(sum(n for n in (num(x) for x in as_map(rev.get("revoked")).values()) if n))
-                v.revoked_work += int(sum(n for n in (num(x) for x in as_map(rev.get("wasted_tokens")).values())
-                                          if n))
+                v.revoked += int(
+                    sum(n for n in (num(x) for x in as_map(rev.get("revoked")).values()) if n)
+                )
+                v.revoked_work += int(
+                    sum(n for n in (num(x) for x in as_map(rev.get("wasted_tokens")).values()) if n)
+                )
             if isinstance(b.get("prefix_affinity"), Mapping):
                 v.affinity = v.affinity or AffinityView()
                 v.affinity.add(b["prefix_affinity"])

@@ -14,13 +14,32 @@ from extproc.policy.schema import build_policy, hash_key
 
 
 def backend() -> BackendState:
-    p = build_policy({
-        "backends": [{"name": "b", "address": "127.0.0.1:1", "max_concurrency": 64, "kv_capacity_tokens": 10_000,
-                      "kv_block_size": 10, "models": [{"name": "m", "context_window": 4096}]}],
-        "tiers": {"free": {"priority": 1, "tpm": 10**6, "rpm": 10**4, "max_queue_depth": 64,
-                           "max_queue_wait_ms": 10_000}},
-        "tenants": [{"name": n, "tier": "free", "keys": [hash_key(n)]} for n in ("heavy", "light")],
-    })
+    p = build_policy(
+        {
+            "backends": [
+                {
+                    "name": "b",
+                    "address": "127.0.0.1:1",
+                    "max_concurrency": 64,
+                    "kv_capacity_tokens": 10_000,
+                    "kv_block_size": 10,
+                    "models": [{"name": "m", "context_window": 4096}],
+                }
+            ],
+            "tiers": {
+                "free": {
+                    "priority": 1,
+                    "tpm": 10**6,
+                    "rpm": 10**4,
+                    "max_queue_depth": 64,
+                    "max_queue_wait_ms": 10_000,
+                }
+            },
+            "tenants": [
+                {"name": n, "tier": "free", "keys": [hash_key(n)]} for n in ("heavy", "light")
+            ],
+        }
+    )
     be = BackendState.create(p.backends[0], p, 0.0)
     be.has_metrics = False
     return be
@@ -45,9 +64,12 @@ def test_a_light_tenant_is_not_kept_waiting_by_a_heavy_one_filling_the_cache() -
         be.release(light, 1.0)
         # Heavy's next (3,000) would fit the 4,000 free now, but it is what light needs: it stays free.
         assert be.kv_in_use == 6000 and be.queue.depth("free") == 8
-        assert isinstance(ask(be, "light", 3000, 100, 1.1), Hold)  # light goes at once, past the queue
+        assert isinstance(
+            ask(be, "light", 3000, 100, 1.1), Hold
+        )  # light goes at once, past the queue
         st = be.status(1.1)["fair_share"]["free"]
         assert st["backlogged"] == 1
+
     asyncio.run(go())
 
 
@@ -56,14 +78,19 @@ def test_heavy_gets_the_room_light_does_not_need() -> None:
         be = backend()
         got = [ask(be, "heavy", 3200, 200, 0.0) for _ in range(3)]
         assert all(isinstance(h, Hold) for h in got)  # light never seen: nothing kept for it
+
     asyncio.run(go())
 
 
 def test_a_blocked_head_over_its_share_does_not_hold_a_light_tenants_turn() -> None:
     async def go() -> Any:
         be = backend()
-        be.queue.order.charge("free", "light", 50_000.0, 0.0)  # light was given more: the counters pick heavy
-        held = [ask(be, "heavy", 3000, 200, 0.0) for _ in range(3)]  # 9,000 of 10,000: over a half share
+        be.queue.order.charge(
+            "free", "light", 50_000.0, 0.0
+        )  # light was given more: the counters pick heavy
+        held = [
+            ask(be, "heavy", 3000, 200, 0.0) for _ in range(3)
+        ]  # 9,000 of 10,000: over a half share
         assert all(isinstance(h, Hold) for h in held)
         big = be.queue.enqueue("free", "heavy", None, 3000, 0.1, work=work(2800, 200))
         small = be.queue.enqueue("free", "light", None, 500, 0.2, work=work(400, 100))
@@ -75,5 +102,8 @@ def test_a_blocked_head_over_its_share_does_not_hold_a_light_tenants_turn() -> N
         h = held[0]
         assert isinstance(h, Hold)
         be.release(h, 0.4)
-        assert big.future.done() and isinstance(big.future.result(), Hold)  # and heavy's head when room came
+        assert big.future.done() and isinstance(
+            big.future.result(), Hold
+        )  # and heavy's head when room came
+
     asyncio.run(go())

@@ -16,21 +16,39 @@ from extproc.policy.schema import build_policy, hash_key
 
 
 def make_policy(endpoints: bool = False) -> Any:
-    be: dict[str, Any] = {"name": "b", "max_concurrency": 64, "kv_block_size": 10,
-                          "models": [{"name": "m", "context_window": 4096}]}
+    be: dict[str, Any] = {
+        "name": "b",
+        "max_concurrency": 64,
+        "kv_block_size": 10,
+        "models": [{"name": "m", "context_window": 4096}],
+    }
     if endpoints:
-        be["endpoints"] = [{"address": "127.0.0.1:1", "kv_capacity_tokens": 1000},
-                           {"address": "127.0.0.2:1", "kv_capacity_tokens": 1000}]
+        be["endpoints"] = [
+            {"address": "127.0.0.1:1", "kv_capacity_tokens": 1000},
+            {"address": "127.0.0.2:1", "kv_capacity_tokens": 1000},
+        ]
     else:
         be.update(address="127.0.0.1:1", kv_capacity_tokens=1000)
     queue = {"max_queue_depth": 8, "max_queue_wait_ms": 5000}
-    return build_policy({
-        "backends": [be],
-        "tiers": {"premium": {"priority": 100, "tpm": 10**6, "rpm": 1000, "kv_guaranteed": 0.4, **queue},
-                  "free": {"priority": 10, "tpm": 10**6, "rpm": 1000, **queue},
-                  "batch": {"priority": 0, "tpm": 10**6, "rpm": 1000, "revocable": True, **queue}},
-        "tenants": [{"name": n, "tier": n, "keys": [hash_key(n)]} for n in ("premium", "free", "batch")],
-    })
+    return build_policy(
+        {
+            "backends": [be],
+            "tiers": {
+                "premium": {
+                    "priority": 100,
+                    "tpm": 10**6,
+                    "rpm": 1000,
+                    "kv_guaranteed": 0.4,
+                    **queue,
+                },
+                "free": {"priority": 10, "tpm": 10**6, "rpm": 1000, **queue},
+                "batch": {"priority": 0, "tpm": 10**6, "rpm": 1000, "revocable": True, **queue},
+            },
+            "tenants": [
+                {"name": n, "tier": n, "keys": [hash_key(n)]} for n in ("premium", "free", "batch")
+            ],
+        }
+    )
 
 
 @dataclass
@@ -53,13 +71,15 @@ def backend(endpoints: bool = False) -> BackendState:
     p = make_policy(endpoints)
     be = BackendState.create(p.backends[0], p, 0.0)
     be.has_metrics = False
-    for st in (be.endpoints.by_key.values() if be.endpoints else ()):
+    for st in be.endpoints.by_key.values() if be.endpoints else ():
         st.spec = st.spec.__class__(**{**st.spec.__dict__, "metrics_url": None})
         st.ip = st.spec.host
     return be
 
 
-def take(be: BackendState, tier: str, kv: int, now: float, handle: Handle | None = None) -> Hold | Queue:
+def take(
+    be: BackendState, tier: str, kv: int, now: float, handle: Handle | None = None
+) -> Hold | Queue:
     got = be.acquire(SlotRequest(tier, tier, None, kv), now)
     if isinstance(got, Hold) and handle is not None:
         be.shares.revocations.track(got.grant.id, tier, got.kv, got.endpoint, now, handle)
@@ -76,11 +96,18 @@ def test_an_idle_tier_lends_its_guarantee_and_an_active_one_keeps_it() -> None:
     assert isinstance(take(be, "batch", 900, 0.0), Hold)  # premium never seen: its 400 are lent
     be2 = backend()
     assert isinstance(take(be2, "premium", 10, 0.0), Hold)
-    assert isinstance(take(be2, "batch", 610, 0.0), Queue)  # 10 + 610 + the 390 premium keeps > 1000
+    assert isinstance(
+        take(be2, "batch", 610, 0.0), Queue
+    )  # 10 + 610 + the 390 premium keeps > 1000
     assert isinstance(take(be2, "batch", 600, 0.0), Hold)
     status = be2.status(0.0)["kv_shares"]["tiers"]["premium"]
-    assert status == {"guaranteed_tokens": 400, "burst_tokens": None, "reserved_tokens": 10, "active": True,
-                      "revocable": False}
+    assert status == {
+        "guaranteed_tokens": 400,
+        "burst_tokens": None,
+        "reserved_tokens": 10,
+        "active": True,
+        "revocable": False,
+    }
 
 
 def test_the_guarantee_is_held_for_a_while_after_the_tiers_last_request() -> None:
@@ -105,7 +132,9 @@ def test_a_premium_waiter_within_its_guarantee_revokes_a_batch_request_that_borr
         assert docs[1].revoked and not docs[0].revoked
         assert be.shares.revocations.freeing() == 450
         be.queue.tick(1.1)
-        assert len(docs[1].revoked) == 1 and not docs[0].revoked  # not revoked twice for the same room
+        assert (
+            len(docs[1].revoked) == 1 and not docs[0].revoked
+        )  # not revoked twice for the same room
         h1 = holds[1]
         assert isinstance(h1, Hold)
         be.release(h1, 1.2)  # its stream ended and settled
@@ -114,6 +143,7 @@ def test_a_premium_waiter_within_its_guarantee_revokes_a_batch_request_that_borr
         assert st["revoked"] == {"batch/unanswered": 1} and st["wasted_tokens"] == {"batch": 100}
         assert st["decision_to_release_ms"]["n"] == 1 and st["freeing_tokens"] == 0
         assert st["recent"][0]["request_id"] == "doc-2"
+
     run(go())
 
 
@@ -129,6 +159,7 @@ def test_above_its_guarantee_a_tier_revokes_only_while_its_slo_is_at_risk() -> N
         be.slo_at_risk = lambda tier, now: tier == "premium"  # type: ignore[method-assign]
         be.queue.tick(1.1)
         assert doc.revoked
+
     run(go())
 
 
@@ -142,6 +173,7 @@ def test_answered_requests_of_a_tier_that_is_not_revocable_are_left_alone() -> N
         assert isinstance(take(be, "premium", 300, 1.0), Queue)
         be.queue.enqueue("premium", "premium", None, 300, 1.0)
         assert stream.revoked and not chat.revoked  # the batch stream is revocable
+
     run(go())
 
 
@@ -156,6 +188,7 @@ def test_on_a_pool_the_room_comes_from_the_endpoint_the_waiter_would_fit_on() ->
         be.queue.enqueue("premium", "premium", None, 350, 1.0)
         # It fits soonest where less must be freed: the endpoint with 700 reserved.
         assert b.revoked and not a.revoked
+
     run(go())
 
 
@@ -172,4 +205,5 @@ def test_a_waiter_that_waited_a_quarter_of_its_ttft_slo_revokes_above_its_guaran
         assert not doc.revoked  # waited 200 ms of 1,000: not yet
         be.queue.tick(1.25)
         assert doc.revoked
+
     run(go())

@@ -12,13 +12,26 @@ from extproc.service.monitor import refresh
 
 
 def policy() -> Any:
-    return build_policy({
-        "backends": [{"name": "b", "address": "127.0.0.1:1", "max_concurrency": 8, "kv_capacity_tokens": 10_000,
-                      "models": [{"name": "m", "context_window": 4096}]}],
-        "tiers": {"premium": {"priority": 100, "tpm": 10**6, "rpm": 10**4, "kv_guaranteed": 0.4},
-                  "batch": {"priority": 0, "tpm": 10**6, "rpm": 10**4, "revocable": True}},
-        "tenants": [{"name": n, "tier": n, "keys": [hash_key(n)]} for n in ("premium", "batch")],
-    })
+    return build_policy(
+        {
+            "backends": [
+                {
+                    "name": "b",
+                    "address": "127.0.0.1:1",
+                    "max_concurrency": 8,
+                    "kv_capacity_tokens": 10_000,
+                    "models": [{"name": "m", "context_window": 4096}],
+                }
+            ],
+            "tiers": {
+                "premium": {"priority": 100, "tpm": 10**6, "rpm": 10**4, "kv_guaranteed": 0.4},
+                "batch": {"priority": 0, "tpm": 10**6, "rpm": 10**4, "revocable": True},
+            },
+            "tenants": [
+                {"name": n, "tier": n, "keys": [hash_key(n)]} for n in ("premium", "batch")
+            ],
+        }
+    )
 
 
 def value(rt: Runtime, name: str, **labels: str) -> float | None:

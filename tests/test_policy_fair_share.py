@@ -111,10 +111,14 @@ def test_counters_survive_a_reload() -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.integers(1, 2000), min_size=1, max_size=5), st.lists(st.integers(1, 2000), min_size=1,
-                                                                         max_size=5), st.integers(20, 200))
-def test_backlogged_tenants_stay_within_one_request_of_each_other(a_sizes: list[int], b_sizes: list[int],
-                                                                   n: int) -> None:
+@given(
+    st.lists(st.integers(1, 2000), min_size=1, max_size=5),
+    st.lists(st.integers(1, 2000), min_size=1, max_size=5),
+    st.integers(20, 200),
+)
+def test_backlogged_tenants_stay_within_one_request_of_each_other(
+    a_sizes: list[int], b_sizes: list[int], n: int
+) -> None:
     """VTC's bound: two tenants backlogged together differ by at most the largest request's work."""
     q = one_tier()
     works: dict[str, float] = {}
@@ -140,8 +144,12 @@ def test_peer_headroom_is_what_less_served_peers_recently_needed_up_to_a_fair_sh
     light = Demand(held=100, peak=600.0, at=9.0)
     mid = Demand(held=0, peak=5_000.0, at=9.0)
     gone = Demand(held=0, peak=900.0, at=3.0)
-    demand = {"heavy": Demand(held=3000, waiting=30_000, peak=33_000.0, at=9.0), "light": light, "mid": mid,
-              "gone": gone}
+    demand = {
+        "heavy": Demand(held=3000, waiting=30_000, peak=33_000.0, at=9.0),
+        "light": light,
+        "mid": mid,
+        "gone": gone,
+    }
     # Three seen recently (gone was not): a fair share is 3,000 of 9,000; 1.5 x a peak is kept.
     assert peer_headroom(ledger, "heavy", demand, 9000.0, 9.0, 5.0) == (900 - 100) + 3000
     assert peer_headroom(ledger, "mid", demand, 9000.0, 9.0, 5.0) == 800
@@ -159,12 +167,18 @@ def test_a_heavy_tenant_leaves_a_light_ones_room_free() -> None:
     from extproc.policy.decision import Admit
     from extproc.policy.view import BackendSnapshot
 
-    view = BackendSnapshot(kv_capacity=1000, kv_in_use=600, priorities={"free": 1}, headroom={"heavy": 200})
+    view = BackendSnapshot(
+        kv_capacity=1000, kv_in_use=600, priorities={"free": 1}, headroom={"heavy": 200}
+    )
     assert isinstance(decide(view, SlotRequest("free", "heavy", None, 200), 0.0), Admit)
     assert not isinstance(decide(view, SlotRequest("free", "heavy", None, 201), 0.0), Admit)
     assert isinstance(decide(view, SlotRequest("free", "light", None, 400), 0.0), Admit)
     lone = replace(view, kv_in_use=0)
-    assert isinstance(decide(lone, SlotRequest("free", "heavy", None, 1000), 0.0), Admit)  # alone: the whole cache
-    capped = replace(view, kv_in_use=400, headroom={"heavy": 900})  # at most half of the budget is kept
+    assert isinstance(
+        decide(lone, SlotRequest("free", "heavy", None, 1000), 0.0), Admit
+    )  # alone: the whole cache
+    capped = replace(
+        view, kv_in_use=400, headroom={"heavy": 900}
+    )  # at most half of the budget is kept
     assert isinstance(decide(capped, SlotRequest("free", "heavy", None, 100), 0.0), Admit)
     assert not isinstance(decide(capped, SlotRequest("free", "heavy", None, 101), 0.0), Admit)

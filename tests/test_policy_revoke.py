@@ -17,8 +17,15 @@ NO_SHARES: dict[str, KvShare] = {}
 ALL_ACTIVE = {"premium": True, "free": True, "batch": True}
 
 
-def run(i: int, tier: str, kv: int, producing: bool = False, waste: int = 0, at: float = 0.0,
-        endpoint: str | None = None) -> Running:
+def run(
+    i: int,
+    tier: str,
+    kv: int,
+    producing: bool = False,
+    waste: int = 0,
+    at: float = 0.0,
+    endpoint: str | None = None,
+) -> Running:
     return Running(i, tier, kv, producing, waste, at, endpoint)
 
 
@@ -33,8 +40,12 @@ def held_of(cands: list[Running]) -> dict[str, int]:
     return out
 
 
-def plan_for(cands: list[Running], need: Need, shares: dict[str, KvShare] = NO_SHARES,
-             revocable: dict[str, bool] = REVOCABLE) -> list[int]:
+def plan_for(
+    cands: list[Running],
+    need: Need,
+    shares: dict[str, KvShare] = NO_SHARES,
+    revocable: dict[str, bool] = REVOCABLE,
+) -> list[int]:
     return ids(plan(cands, need, PRIO, revocable, shares, held_of(cands), ALL_ACTIVE, 1000.0))
 
 
@@ -44,8 +55,12 @@ def test_not_yet_producing_goes_before_producing() -> None:
 
 
 def test_lowest_tier_first_then_least_waste_then_newest() -> None:
-    cands = [run(1, "free", 300), run(2, "batch", 300, waste=50), run(3, "batch", 300, waste=10, at=1.0),
-             run(4, "batch", 300, waste=10, at=2.0)]
+    cands = [
+        run(1, "free", 300),
+        run(2, "batch", 300, waste=50),
+        run(3, "batch", 300, waste=10, at=1.0),
+        run(4, "batch", 300, waste=10, at=2.0),
+    ]
     assert plan_for(cands, Need("premium", 300)) == [4]
     assert plan_for(cands, Need("premium", 600)) == [4, 3]
     assert plan_for(cands, Need("premium", 1200)) == [4, 3, 2, 1]
@@ -54,7 +69,9 @@ def test_lowest_tier_first_then_least_waste_then_newest() -> None:
 def test_a_producing_request_of_a_tier_that_is_not_revocable_stays() -> None:
     cands = [run(1, "free", 500, producing=True), run(2, "batch", 100, producing=True)]
     assert plan_for(cands, Need("premium", 100)) == [2]
-    assert plan_for(cands, Need("premium", 200)) == []  # the free stream may not be ended: nothing helps
+    assert (
+        plan_for(cands, Need("premium", 200)) == []
+    )  # the free stream may not be ended: nothing helps
 
 
 def test_only_lower_tiers() -> None:
@@ -89,38 +106,70 @@ def test_on_a_pool_only_the_endpoint_counts() -> None:
 
 def test_when_a_tier_may_take_room_back() -> None:
     shares = {"premium": KvShare(0.4), "free": KvShare(0.0, burst=0.5)}
-    assert should_revoke(shares, {"premium": 100}, "premium", 300, 1000.0, slo_at_risk=False)  # within
+    assert should_revoke(
+        shares, {"premium": 100}, "premium", 300, 1000.0, slo_at_risk=False
+    )  # within
     assert not should_revoke(shares, {"premium": 100}, "premium", 301, 1000.0, slo_at_risk=False)
-    assert should_revoke(shares, {"premium": 100}, "premium", 301, 1000.0, slo_at_risk=True)  # burst, at risk
-    assert not should_revoke(shares, {}, "free", 10, 1000.0, slo_at_risk=True)  # no guarantee: no right
+    assert should_revoke(
+        shares, {"premium": 100}, "premium", 301, 1000.0, slo_at_risk=True
+    )  # burst, at risk
+    assert not should_revoke(
+        shares, {}, "free", 10, 1000.0, slo_at_risk=True
+    )  # no guarantee: no right
     capped = {"premium": KvShare(0.4, burst=0.1)}
     assert not should_revoke(capped, {"premium": 450}, "premium", 100, 1000.0, slo_at_risk=True)
 
 
 def test_shortfall_counts_the_guarantees_and_what_is_owed() -> None:
-    view = BackendSnapshot(kv_capacity=1000, kv_in_use=800, priorities=PRIO,
-                           kv_shares={"free": KvShare(0.1)}, kv_by_tier={"batch": 800}, active=frozenset({"free"}))
+    view = BackendSnapshot(
+        kv_capacity=1000,
+        kv_in_use=800,
+        priorities=PRIO,
+        kv_shares={"free": KvShare(0.1)},
+        kv_by_tier={"batch": 800},
+        active=frozenset({"free"}),
+    )
     assert shortfall(view, "premium", 150, 0.0) == 800 + 150 + 100 - 1000
     assert shortfall(replace(view, kv_in_use=0, kv_by_tier={}), "premium", 150, 0.0) == 0
     assert shortfall(replace(view, kv_capacity=None), "premium", 10**6, 0.0) == 0
 
 
 # -- properties --------------------------------------------------------------------------
-cand_st = st.builds(run, st.integers(0, 10**6), st.sampled_from(["free", "batch", "premium"]),
-                    st.integers(1, 400), st.booleans(), st.integers(0, 1000), st.floats(0, 100))
-shares_st = st.fixed_dictionaries({"free": st.builds(KvShare, st.sampled_from([0.0, 0.1, 0.3])),
-                                   "batch": st.builds(KvShare, st.sampled_from([0.0, 0.2]))})
+cand_st = st.builds(
+    run,
+    st.integers(0, 10**6),
+    st.sampled_from(["free", "batch", "premium"]),
+    st.integers(1, 400),
+    st.booleans(),
+    st.integers(0, 1000),
+    st.floats(0, 100),
+)
+shares_st = st.fixed_dictionaries(
+    {
+        "free": st.builds(KvShare, st.sampled_from([0.0, 0.1, 0.3])),
+        "batch": st.builds(KvShare, st.sampled_from([0.0, 0.2])),
+    }
+)
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.lists(cand_st, max_size=12, unique_by=lambda r: r.id), st.integers(1, 2000), shares_st,
-       st.sampled_from([{}, {"batch": True}, {"batch": True, "free": True}]))
-def test_a_plan_meets_the_need_with_no_victim_to_spare(cands: list[Running], need_kv: int,
-                                                       shares: dict[str, KvShare], revocable: dict[str, bool]) -> None:
+@given(
+    st.lists(cand_st, max_size=12, unique_by=lambda r: r.id),
+    st.integers(1, 2000),
+    shares_st,
+    st.sampled_from([{}, {"batch": True}, {"batch": True, "free": True}]),
+)
+def test_a_plan_meets_the_need_with_no_victim_to_spare(
+    cands: list[Running], need_kv: int, shares: dict[str, KvShare], revocable: dict[str, bool]
+) -> None:
     need = Need("premium", need_kv)
     held = held_of(cands)
     got = plan(cands, need, PRIO, revocable, shares, held, ALL_ACTIVE, 1000.0)
-    eligible = [r for r in cands if PRIO[r.tier] < PRIO["premium"] and (not r.producing or revocable.get(r.tier))]
+    eligible = [
+        r
+        for r in cands
+        if PRIO[r.tier] < PRIO["premium"] and (not r.producing or revocable.get(r.tier))
+    ]
     if not got:
         assert _freed(eligible, shares, held, ALL_ACTIVE, 1000.0) < need_kv
         return

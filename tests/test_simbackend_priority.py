@@ -18,11 +18,15 @@ from tests.waiting import eventually_async
 
 
 def test_the_waiting_queue_goes_by_priority_then_arrival() -> None:
-    e = Engine(SimConfig(kv_blocks=1000, block_size=16, max_num_seqs=1, scheduling_policy="priority"))
+    e = Engine(
+        SimConfig(kv_blocks=1000, block_size=16, max_num_seqs=1, scheduling_policy="priority")
+    )
     first = Sequence(prompt_tokens=16, max_tokens=4)
     e.add(first, 0.0)
     e.step(0.0)  # it runs; the batch (one sequence) is full
-    low, high, mid, high2 = (Sequence(prompt_tokens=16, max_tokens=4, priority=p) for p in (5, -3, 0, -3))
+    low, high, mid, high2 = (
+        Sequence(prompt_tokens=16, max_tokens=4, priority=p) for p in (5, -3, 0, -3)
+    )
     for s in (low, high, mid, high2):
         e.add(s, 0.0)
     assert list(e.waiting) == [high, high2, mid, low]
@@ -75,8 +79,16 @@ def test_room_to_grow_is_taken_from_the_lowest_priority_not_the_newest() -> None
     # Chunked prefill (V1): a running sequence short of a block preempts the running sequence
     # of the lowest priority (latest arrival among equals), where fcfs takes the newest.
     for policy, victim_index in (("priority", 0), ("fcfs", 2)):
-        e = Engine(SimConfig(kv_blocks=9, block_size=4, watermark=0.0, chunked_prefill=True,
-                             max_num_batched_tokens=64, scheduling_policy=policy))
+        e = Engine(
+            SimConfig(
+                kv_blocks=9,
+                block_size=4,
+                watermark=0.0,
+                chunked_prefill=True,
+                max_num_batched_tokens=64,
+                scheduling_policy=policy,
+            )
+        )
         seqs = [Sequence(prompt_tokens=8, max_tokens=40, priority=p) for p in (9, 0, 1)]
         e.add(seqs[0], 0.0)  # the lowest priority is running first, so it is not the newest
         now = e.step(0.0).duration
@@ -121,13 +133,18 @@ async def test_an_abort_is_logged_with_the_request_id_and_the_blocks_it_freed() 
     e = app[STATE].engine
     try:
         async with aiohttp.ClientSession() as s:
-            r = await s.post(url + CHAT, json=chat("x " * 300, stream=True),
-                             headers={"x-sim-tps": "10", "x-sim-tokens": "500", "x-request-id": "req-42"})
+            r = await s.post(
+                url + CHAT,
+                json=chat("x " * 300, stream=True),
+                headers={"x-sim-tps": "10", "x-sim-tokens": "500", "x-request-id": "req-42"},
+            )
             await r.content.readline()
             r.close()
             await eventually_async(lambda: bool(app[STATE].scheduler.aborts), 5, "the abort")
             got = await (await s.get(url + "/admin/aborts")).json()
-        assert got[0]["request_id"] == "req-42" and got[0]["was"] == "running" and got[0]["blocks"] > 0
+        assert (
+            got[0]["request_id"] == "req-42" and got[0]["was"] == "running" and got[0]["blocks"] > 0
+        )
         assert e.used_blocks == 0 and e.finished_total["abort"] == 1
     finally:
         await runner.cleanup()

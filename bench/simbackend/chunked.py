@@ -43,8 +43,11 @@ def step_chunked(self: Engine, now: float, out: StepOutcome) -> None:
             decode.append((seq, k))
             budget -= 1
     if not out.preempted and not self.paused(now):
-        while budget > 0 and len(self.running) < self.cfg.max_num_seqs \
-                and (head := self._fitting_head(out)) is not None:
+        while (
+            budget > 0
+            and len(self.running) < self.cfg.max_num_seqs
+            and (head := self._fitting_head(out)) is not None
+        ):
             seq, _, hit = head
             cached = len(hit) * self.cfg.block_size
             total = seq.kv_tokens() - cached  # to compute: a hit is never the whole prompt
@@ -69,7 +72,9 @@ def step_chunked(self: Engine, now: float, out: StepOutcome) -> None:
     if prefill:
         out.duration += prefill_step_s(self.cfg, prefill)
     if decode:
-        out.duration += self.decode_ms(len(decode), sum(s.kv_tokens() for s, _ in decode), now) / 1000.0
+        out.duration += (
+            self.decode_ms(len(decode), sum(s.kv_tokens() for s, _ in decode), now) / 1000.0
+        )
     end = now + out.duration
     for seq, k in decode:
         self._emit(seq, k, end, out)

@@ -186,7 +186,10 @@ class Engine:
         if need > self.total_blocks - self.watermark_blocks:
             return  # it never fits; _fitting_head fails it
         while self.running:
-            if self.free_blocks - need >= self.watermark_blocks and len(self.running) < self.cfg.max_num_seqs:
+            if (
+                self.free_blocks - need >= self.watermark_blocks
+                and len(self.running) < self.cfg.max_num_seqs
+            ):
                 return
             victim = max(self.running, key=order_key)
             if order_key(victim) <= order_key(head):

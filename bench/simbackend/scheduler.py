@@ -91,8 +91,15 @@ class Scheduler:
             state = handle.seq.state
             freed = self.engine.abort(handle.seq)
             if freed >= 0:
-                self.aborts.append({"request_id": handle.seq.request_id, "at": time.time(), "blocks": freed,
-                                    "was": state, "generated": handle.seq.generated})
+                self.aborts.append(
+                    {
+                        "request_id": handle.seq.request_id,
+                        "at": time.time(),
+                        "blocks": freed,
+                        "was": state,
+                        "generated": handle.seq.generated,
+                    }
+                )
             self._wake.set()
 
     def slow_down(self, factor: float, seconds: float) -> None:

@@ -115,8 +115,14 @@ class EndpointState:
     def scale(self, now: float) -> float:
         return self.wm.scale(now) if self.spec.metrics_url else 1.0
 
-    def candidate(self, now: float, kv: int = 0, extra: tuple[int, int] = (0, 0), lease: bool = True,
-                  shares: Shares | None = None) -> Candidate:
+    def candidate(
+        self,
+        now: float,
+        kv: int = 0,
+        extra: tuple[int, int] = (0, 0),
+        lease: bool = True,
+        shares: Shares | None = None,
+    ) -> Candidate:
         """The endpoint as placement sees it, for a request of footprint ``kv``.
 
         Leased: unusable unless this replica's lease holds one more slot and ``kv`` more
@@ -141,12 +147,25 @@ class EndpointState:
         cap = self.spec.kv_capacity_tokens
         if shares is not None and cap is not None:
             tier, table, active = shares
-            budget = cap * scale if self.leased_slots is None else min(cap * scale, float(self.leased_kv))
+            budget = (
+                cap * scale
+                if self.leased_slots is None
+                else min(cap * scale, float(self.leased_kv))
+            )
             reserved = reserved_for_others(table, self.kv_by_tier, active, budget, tier)
             room = burst_room(table.get(tier), self.kv_by_tier.get(tier, 0), budget)
-        return Candidate(key=self.key, usable=usable, kv_in_use=kv_in_use, kv_capacity=cap, kv_scale=scale,
-                         in_flight=in_flight, max_concurrency=self.spec.max_concurrency, waiting=waiting,
-                         kv_reserved=reserved, kv_burst_room=room)
+        return Candidate(
+            key=self.key,
+            usable=usable,
+            kv_in_use=kv_in_use,
+            kv_capacity=cap,
+            kv_scale=scale,
+            in_flight=in_flight,
+            max_concurrency=self.spec.max_concurrency,
+            waiting=waiting,
+            kv_reserved=reserved,
+            kv_burst_room=room,
+        )
 
 
 @dataclass

@@ -161,10 +161,18 @@ class BackendQueue:
         scale = be.slot_scale(now)
         for wid in ids:
             w = self.waiters.get(wid)
-            if w is None or w.future.done() or w.tenant == head.tenant or not be.under_share(tier, w.tenant, now):
+            if (
+                w is None
+                or w.future.done()
+                or w.tenant == head.tenant
+                or not be.under_share(tier, w.tenant, now)
+            ):
                 continue
-            if kvmath.kv_fits(be, w.kv, now, tier, w.tenant) and be.fits_somewhere(w.kv, now, tier) \
-                    and not isinstance(be.slot_for(tier, w.tenant, w.tenant_cap, scale), Denied):
+            if (
+                kvmath.kv_fits(be, w.kv, now, tier, w.tenant)
+                and be.fits_somewhere(w.kv, now, tier)
+                and not isinstance(be.slot_for(tier, w.tenant, w.tenant_cap, scale), Denied)
+            ):
                 return wid
         return None
 
@@ -174,8 +182,16 @@ class BackendQueue:
         return admit.can_admit(self.backend, tier, None if head is None else head.kv, now,
                                None if head is None else head.tenant)
 
-    def enqueue(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
-                prefix: tuple[int, ...] = (), work: float = 0.0) -> Waiter | str:
+    def enqueue(
+        self,
+        tier: str,
+        tenant: str,
+        cap: int | None,
+        kv: int,
+        now: float,
+        prefix: tuple[int, ...] = (),
+        work: float = 0.0,
+    ) -> Waiter | str:
         """Queue a request; ``work`` (extproc.policy.fair_share.work) orders it among its tier's tenants."""
         wid = next(_ids)
         res = self.order.enqueue(wid, tier, now, tenant, work)
@@ -270,7 +286,8 @@ class BackendQueue:
         new: AdmissionQueue[int] = AdmissionQueue(configs)
         new.keep_counters(self.order)
         for w in sorted(self.waiters.values(), key=lambda w: w.id):
-            if w.tier not in policy.tiers or not isinstance(new.enqueue(w.id, w.tier, w.queued_at, w.tenant, w.work),
-                                                            Enqueued):
+            if w.tier not in policy.tiers or not isinstance(
+                new.enqueue(w.id, w.tier, w.queued_at, w.tenant, w.work), Enqueued
+            ):
                 self._resolve(w, Denied(Cause.QUEUE_REMOVED, "tier removed or queue shrank"))
         self.order = new

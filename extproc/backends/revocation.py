@@ -33,7 +33,9 @@ class Progress:
     """How far an admitted request has got, as its stream sees it."""
 
     answered: bool  # the client has response headers: a 503 can no longer replace the answer
-    waste: int  # work lost if it ends now: prompt tokens prefilled plus tokens generated (estimated)
+    waste: (
+        int  # work lost if it ends now: prompt tokens prefilled plus tokens generated (estimated)
+    )
     generated: int = 0  # tokens generated so far (estimated where they are not read)
 
 
@@ -72,8 +74,15 @@ class Revocations:
     _new_counts: Counter[tuple[str, str]] = field(default_factory=Counter)
     _new_wasted: Counter[str] = field(default_factory=Counter)
 
-    def track(self, key: int, tier: str, kv: int, endpoint: str | None, admitted_at: float,
-              handle: Revocable) -> None:
+    def track(
+        self,
+        key: int,
+        tier: str,
+        kv: int,
+        endpoint: str | None,
+        admitted_at: float,
+        handle: Revocable,
+    ) -> None:
         self.running[key] = Tracked(key, tier, kv, endpoint, admitted_at, handle)
 
     def untrack(self, key: int, wall: float) -> None:
@@ -84,8 +93,11 @@ class Revocations:
 
     def freeing(self, endpoint: str | None = None) -> int:
         """KV of revoked requests not yet released (on ``endpoint``, or anywhere)."""
-        return sum(t.kv for t in self.running.values()
-                   if t.revoked_at is not None and (endpoint is None or t.endpoint == endpoint))
+        return sum(
+            t.kv
+            for t in self.running.values()
+            if t.revoked_at is not None and (endpoint is None or t.endpoint == endpoint)
+        )
 
     def candidates(self, now: float) -> list[Running]:
         out = []
@@ -96,14 +108,26 @@ class Revocations:
             out.append(Running(t.key, t.tier, t.kv, p.answered, p.waste, t.admitted_at, t.endpoint))
         return out
 
-    def reclaim(self, need: Need, now: float, wall: float, priorities: Mapping[str, int],
-                revocable: Mapping[str, bool], shares: Mapping[str, KvShare], held: Mapping[str, int],
-                active: Mapping[str, bool], budget: float, retry_after_s: Callable[[str], float]) -> int:
+    def reclaim(
+        self,
+        need: Need,
+        now: float,
+        wall: float,
+        priorities: Mapping[str, int],
+        revocable: Mapping[str, bool],
+        shares: Mapping[str, KvShare],
+        held: Mapping[str, int],
+        active: Mapping[str, bool],
+        budget: float,
+        retry_after_s: Callable[[str], float],
+    ) -> int:
         """Revoke what ``need`` calls for (less what is already freeing); returns the KV freeing."""
         need = Need(need.tier, need.kv - self.freeing(need.endpoint), need.endpoint)
         if need.kv <= 0:
             return 0
-        victims = plan(self.candidates(now), need, priorities, revocable, shares, held, active, budget)
+        victims = plan(
+            self.candidates(now), need, priorities, revocable, shares, held, active, budget
+        )
         for v in victims:
             t = self.running[v.id]
             kind = "streaming" if v.producing else "unanswered"
@@ -112,10 +136,22 @@ class Revocations:
             self.wasted[t.tier] += v.waste
             self._new_counts[(t.tier, kind)] += 1
             self._new_wasted[t.tier] += v.waste
-            self.recent.append({"request_id": t.handle.request_id, "tier": t.tier, "kind": kind, "kv": t.kv,
-                                "for_tier": need.tier, "waste": v.waste, "at": wall})
-            t.handle.revoke(f"Revoked to make room for a request of a higher tier; retry in "
-                            f"{retry_after_s(t.tier):.0f} s.", retry_after_s(t.tier))
+            self.recent.append(
+                {
+                    "request_id": t.handle.request_id,
+                    "tier": t.tier,
+                    "kind": kind,
+                    "kv": t.kv,
+                    "for_tier": need.tier,
+                    "waste": v.waste,
+                    "at": wall,
+                }
+            )
+            t.handle.revoke(
+                f"Revoked to make room for a request of a higher tier; retry in "
+                f"{retry_after_s(t.tier):.0f} s.",
+                retry_after_s(t.tier),
+            )
         return sum(v.kv for v in victims)
 
     def drain(self) -> tuple[Counter[tuple[str, str]], Counter[str]]:
@@ -131,7 +167,12 @@ class Revocations:
             "freeing_tokens": self.freeing(),
             "revoked": {f"{tier}/{kind}": n for (tier, kind), n in sorted(self.counts.items())},
             "wasted_tokens": dict(self.wasted),
-            "decision_to_release_ms": None if not lat else {
-                "p50": round(lat[len(lat) // 2] * 1000, 2), "max": round(lat[-1] * 1000, 2), "n": len(lat)},
+            "decision_to_release_ms": None
+            if not lat
+            else {
+                "p50": round(lat[len(lat) // 2] * 1000, 2),
+                "max": round(lat[-1] * 1000, 2),
+                "n": len(lat),
+            },
             "recent": list(self.recent),
         }

@@ -38,16 +38,27 @@ MAX_TENANTS = 256
 @dataclass
 class TierShares:
     shares: dict[str, KvShare] = field(default_factory=dict)  # tiers with a share (empty: none set)
-    revocable: dict[str, bool] = field(default_factory=dict)  # tiers whose answered requests may be ended
-    ttft_slos: dict[str, int] = field(default_factory=dict)  # each tier's ttft_p99_ms, where it sets one
+    revocable: dict[str, bool] = field(
+        default_factory=dict
+    )  # tiers whose answered requests may be ended
+    ttft_slos: dict[str, int] = field(
+        default_factory=dict
+    )  # each tier's ttft_p99_ms, where it sets one
     kv_by_tier: Counter[str] = field(default_factory=Counter)
-    last_seen: dict[str, float] = field(default_factory=dict)  # a request of the tier last asked or ended
-    demand: dict[str, dict[str, Demand]] = field(default_factory=dict)  # tier -> tenant -> its KV demand
+    last_seen: dict[str, float] = field(
+        default_factory=dict
+    )  # a request of the tier last asked or ended
+    demand: dict[str, dict[str, Demand]] = field(
+        default_factory=dict
+    )  # tier -> tenant -> its KV demand
     revocations: Revocations = field(default_factory=Revocations)
 
     def sync(self, policy: Policy) -> None:
-        self.shares = {name: KvShare(t.kv_guaranteed, t.kv_burst) for name, t in policy.tiers.items()
-                       if t.kv_guaranteed > 0 or t.kv_burst is not None}
+        self.shares = {
+            name: KvShare(t.kv_guaranteed, t.kv_burst)
+            for name, t in policy.tiers.items()
+            if t.kv_guaranteed > 0 or t.kv_burst is not None
+        }
         self.revocable = {name: t.revocable for name, t in policy.tiers.items()}
         self.ttft_slos = {name: t.ttft_p99_ms for name, t in policy.tiers.items() if t.ttft_p99_ms}
 
@@ -84,17 +95,28 @@ class TierShares:
         d = per.get(tenant)
         if d is None:
             if len(per) >= MAX_TENANTS:
-                for t in [t for t, x in per.items() if not x.held and not x.waiting and now - x.at >= DEMAND_HOLD_S]:
+                for t in [
+                    t
+                    for t, x in per.items()
+                    if not x.held and not x.waiting and now - x.at >= DEMAND_HOLD_S
+                ]:
                     del per[t]
             d = per[tenant] = Demand(at=now)
         return d
 
     # -- what the core reads ----------------------------------------------------------------
-    def kv_active(self, tiers: Mapping[str, int], queued: Callable[[str], int], now: float) -> dict[str, bool]:
+    def kv_active(
+        self, tiers: Mapping[str, int], queued: Callable[[str], int], now: float
+    ) -> dict[str, bool]:
         """Which tiers have demand: every tier, as revocation needs the victims' too."""
-        return {t: tier_active(self.kv_by_tier.get(t, 0), queued(t), self.last_seen.get(t), now) for t in tiers}
+        return {
+            t: tier_active(self.kv_by_tier.get(t, 0), queued(t), self.last_seen.get(t), now)
+            for t in tiers
+        }
 
-    def peer_headroom(self, queue: BackendQueue, tier: str, tenant: str, budget: float, now: float) -> int:
+    def peer_headroom(
+        self, queue: BackendQueue, tier: str, tenant: str, budget: float, now: float
+    ) -> int:
         demand = self.demand.get(tier)
         if not demand or len(demand) < 2:
             return 0
@@ -116,16 +138,30 @@ class TierShares:
             if got is None:
                 continue
             need, budget = got
-            risk = slo_at_risk(be.slo_at_risk(tier, now), now - head.queued_at, self.ttft_slos.get(tier))
+            risk = slo_at_risk(
+                be.slo_at_risk(tier, now), now - head.queued_at, self.ttft_slos.get(tier)
+            )
             if not should_revoke(self.shares, self.kv_by_tier, tier, head.kv, budget, risk):
                 continue
             freeing += self.revocations.reclaim(
-                need, now, time.time() if wall is None else wall, be.priorities, self.revocable, self.shares,
-                self.kv_by_tier, be.kv_active(now), budget,
-                lambda t: max(1.0, be.queue.retry_after_hint(t, now)) if t in be.queue.configs else 1.0)
+                need,
+                now,
+                time.time() if wall is None else wall,
+                be.priorities,
+                self.revocable,
+                self.shares,
+                self.kv_by_tier,
+                be.kv_active(now),
+                budget,
+                lambda t: (
+                    max(1.0, be.queue.retry_after_hint(t, now)) if t in be.queue.configs else 1.0
+                ),
+            )
         return freeing
 
-    def _need(self, be: BackendState, tier: str, head: Waiter, now: float) -> tuple[Need, float] | None:
+    def _need(
+        self, be: BackendState, tier: str, head: Waiter, now: float
+    ) -> tuple[Need, float] | None:
         """The room ``head`` lacks (on the pool endpoint it would fit soonest), and the budget it
         is judged on; None when KV is not what it waits for."""
         if be.endpoints is None:
@@ -153,10 +189,13 @@ class TierShares:
         tiers = {}
         for t in be.priorities:
             s = self.shares.get(t, none)
-            tiers[t] = {"guaranteed_tokens": int(s.guaranteed * budget) if finite else None,
-                        "burst_tokens": None if s.burst is None or not finite else int(s.burst * budget),
-                        "reserved_tokens": self.kv_by_tier.get(t, 0), "active": active.get(t, False),
-                        "revocable": self.revocable.get(t, False)}
+            tiers[t] = {
+                "guaranteed_tokens": int(s.guaranteed * budget) if finite else None,
+                "burst_tokens": None if s.burst is None or not finite else int(s.burst * budget),
+                "reserved_tokens": self.kv_by_tier.get(t, 0),
+                "active": active.get(t, False),
+                "revocable": self.revocable.get(t, False),
+            }
         return {"tiers": tiers, "revocation": self.revocations.status()}
 
     def fair_status(self, queue: BackendQueue, now: float) -> dict[str, Any]:
@@ -164,6 +203,9 @@ class TierShares:
         out = {}
         for t in queue.configs:
             diff, jain = queue.order.fairness(t, now)
-            out[t] = {"backlogged": queue.order.backlogged(t), "service_difference": round(diff, 1),
-                      "jain": round(jain, 4)}
+            out[t] = {
+                "backlogged": queue.order.backlogged(t),
+                "service_difference": round(diff, 1),
+                "jain": round(jain, 4),
+            }
         return out

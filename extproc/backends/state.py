@@ -200,7 +200,9 @@ class BackendState:
     def fits_somewhere(self, kv: int, now: float, tier: str | None = None) -> bool:
         if self.endpoints is None:
             return True
-        return self.endpoints.fits_somewhere(kv, now, self.queue.owed_endpoints(tier, now), self.shares_for(tier, now))
+        return self.endpoints.fits_somewhere(
+            kv, now, self.queue.owed_endpoints(tier, now), self.shares_for(tier, now)
+        )
 
     @property
     def kv_shares(self) -> Mapping[str, KvShare]:
@@ -278,8 +280,14 @@ class BackendState:
         grant = self.pool.grant(tier, tenant, d.pool)
         endpoint = affinity = second = None
         if self.endpoints is not None:
-            placed = self.endpoints.place(kv, now, prefix, self.queue.owed_endpoints(tier, now, behind_head),
-                                          self.shares_for(tier, now), tier)
+            placed = self.endpoints.place(
+                kv,
+                now,
+                prefix,
+                self.queue.owed_endpoints(tier, now, behind_head),
+                self.shares_for(tier, now),
+                tier,
+            )
             if placed is None:
                 self.pool.release(grant)
                 return Denied(Cause.KV_EXHAUSTED, f"a footprint of {kv} tokens fits on no endpoint of the pool now")

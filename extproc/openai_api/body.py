@@ -287,7 +287,9 @@ def upstream_body(req: ParsedRequest, max_tokens: int, model: str | None = None,
     if model is not None and model != req.model:
         body["model"] = model
         changed = True
-    if priority is not None and (body.get("priority") != priority or isinstance(body.get("priority"), bool)):
+    if priority is not None and (
+        body.get("priority") != priority or isinstance(body.get("priority"), bool)
+    ):
         body["priority"] = priority
         changed = True
     if req.kind == "embeddings":

@@ -129,12 +129,19 @@ class _Tier(Generic[K]):
     def others(self, first: K | None, n: int) -> list[K]:
         """Up to ``n`` items but ``first``: the other tenants' heads (in the counters' order),
         then the rest in arrival order (the queue's look-ahead looks at these)."""
-        heads = sorted((line[0] for line in self.lines.values() if line[0] != first),
-                       key=lambda k: (self.ledger.counter(self.meta[k][0]), self.meta[k][1], self.items[k]))
+        heads = sorted(
+            (line[0] for line in self.lines.values() if line[0] != first),
+            key=lambda k: (self.ledger.counter(self.meta[k][0]), self.meta[k][1], self.items[k]),
+        )
         out = heads[:n]
         if len(out) < n:
             taken = {first, *out}
-            out += [k for _, k in zip(range(n - len(out)), (k for k in self.items if k not in taken), strict=False)]
+            out += [
+                k
+                for _, k in zip(
+                    range(n - len(out)), (k for k in self.items if k not in taken), strict=False
+                )
+            ]
         return out
 
     def first(self) -> K | None:
@@ -143,7 +150,9 @@ class _Tier(Generic[K]):
             return None
         if len(self.lines) == 1:
             return next(iter(self.lines.values()))[0]
-        tenant = self.ledger.pick((t, self.meta[line[0]][1], self.items[line[0]]) for t, line in self.lines.items())
+        tenant = self.ledger.pick(
+            (t, self.meta[line[0]][1], self.items[line[0]]) for t, line in self.lines.items()
+        )
         assert tenant is not None
         return self.lines[tenant][0]
 
@@ -310,8 +319,15 @@ class AdmissionQueue(Generic[K]):
             if prev is not None:
                 t.ledger = prev.ledger
 
-    def headroom(self, tier: str, tenant: str, demand: Mapping[str, Demand], budget: float, now: float,
-                 hold_s: float) -> int:
+    def headroom(
+        self,
+        tier: str,
+        tenant: str,
+        demand: Mapping[str, Demand],
+        budget: float,
+        now: float,
+        hold_s: float,
+    ) -> int:
         """The KV a request of ``tenant`` leaves free for less-served tenants of ``tier``
         (``extproc.policy.fair_share.peer_headroom``)."""
         t = self._tiers.get(tier)

@@ -81,10 +81,13 @@ def refused(req: SlotRequest, why: Denied) -> Queue | Reject:
     return Queue(why.reason, why.detail)
 
 
-def can_admit(view: BackendView, tier: str, head_kv: int | None, now: float, tenant: str | None = None) -> bool:
+def can_admit(
+    view: BackendView, tier: str, head_kv: int | None, now: float, tenant: str | None = None
+) -> bool:
     """Whether the head of ``tier``'s queue (footprint ``head_kv``, of ``tenant``; None: no live
     head) could go now."""
-    if head_kv is not None and not (kv_fits(view, head_kv, now, tier, tenant)
-                                    and view.fits_somewhere(head_kv, now, tier)):
+    if head_kv is not None and not (
+        kv_fits(view, head_kv, now, tier, tenant) and view.fits_somewhere(head_kv, now, tier)
+    ):
         return False
     return not isinstance(view.slot_for(tier, PROBE_TENANT, None, view.slot_scale(now)), Denied)

@@ -43,8 +43,18 @@ import math
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["DEMAND_HALF_LIFE_S", "OUTPUT_WEIGHT", "PEER_HEADROOM_CAP", "RECENT_HALF_LIFE_S", "Demand",
-           "TenantLedger", "jain_index", "peer_headroom", "under_share", "work"]
+__all__ = [
+    "DEMAND_HALF_LIFE_S",
+    "OUTPUT_WEIGHT",
+    "PEER_HEADROOM_CAP",
+    "RECENT_HALF_LIFE_S",
+    "Demand",
+    "TenantLedger",
+    "jain_index",
+    "peer_headroom",
+    "under_share",
+    "work",
+]
 
 OUTPUT_WEIGHT = 2.0
 # At most this fraction of the KV budget is kept free for a tier's less-served tenants.
@@ -109,7 +119,9 @@ def _seen(demand: Mapping[str, Demand], now: float, hold_s: float) -> list[str]:
     return [t for t, d in demand.items() if now - d.at < hold_s or d.held or d.waiting]
 
 
-def under_share(demand: Mapping[str, Demand], tenant: str, budget: float, now: float, hold_s: float) -> bool:
+def under_share(
+    demand: Mapping[str, Demand], tenant: str, budget: float, now: float, hold_s: float
+) -> bool:
     """Whether ``tenant`` holds less than a fair share of ``budget`` among its tier's tenants seen
     within ``hold_s`` (one seen alone holds its share: the whole budget)."""
     d = demand.get(tenant)
@@ -117,8 +129,14 @@ def under_share(demand: Mapping[str, Demand], tenant: str, budget: float, now: f
     return d is None or d.held < budget / max(1, len(seen))
 
 
-def peer_headroom(ledger: TenantLedger, tenant: str, demand: Mapping[str, Demand], budget: float, now: float,
-                  hold_s: float) -> int:
+def peer_headroom(
+    ledger: TenantLedger,
+    tenant: str,
+    demand: Mapping[str, Demand],
+    budget: float,
+    now: float,
+    hold_s: float,
+) -> int:
     """The KV a request of ``tenant`` leaves free: for each other tenant of its tier that was
     given less work and was seen within ``hold_s``, its decayed peak demand up to a fair share
     of ``budget`` (among those seen), less what it holds."""
@@ -182,13 +200,19 @@ class TenantLedger:
                 best = key
         return None if best is None else best[3]
 
-    def leads(self, tenant: str, amount: float, backlogged: Collection[str], heads: dict[str, float]) -> bool:
+    def leads(
+        self, tenant: str, amount: float, backlogged: Collection[str], heads: dict[str, float]
+    ) -> bool:
         """Whether a request of ``amount`` from ``tenant`` (not backlogged) would be picked before
         every backlogged tenant's head (``heads``: tenant -> head work), after its lift."""
         if not backlogged:
             return True
-        mine = max(self._counter.get(tenant, 0.0), min(self._counter.get(t, 0.0) for t in backlogged))
-        return all((mine, amount) < (self._counter.get(t, 0.0), heads.get(t, 0.0)) for t in backlogged)
+        mine = max(
+            self._counter.get(tenant, 0.0), min(self._counter.get(t, 0.0) for t in backlogged)
+        )
+        return all(
+            (mine, amount) < (self._counter.get(t, 0.0), heads.get(t, 0.0)) for t in backlogged
+        )
 
     def difference(self, backlogged: Collection[str]) -> float:
         """The largest gap between the counters of tenants backlogged together (0 for fewer than two)."""
@@ -211,5 +235,10 @@ class TenantLedger:
             self._last = None
 
     def snapshot(self, now: float) -> dict[str, dict[str, float]]:
-        return {t: {"counter": round(c, 1), "recent": round(self._recent[t].read(now), 1) if t in self._recent else 0.0}
-                for t, c in sorted(self._counter.items())}
+        return {
+            t: {
+                "counter": round(c, 1),
+                "recent": round(self._recent[t].read(now), 1) if t in self._recent else 0.0,
+            }
+            for t, c in sorted(self._counter.items())
+        }

@@ -69,12 +69,18 @@ def _owed(view: BackendView, waiting: Sequence[tuple[str, int]], tier: str, in_u
     return best_kv
 
 
-def kv_fits(view: BackendView, kv: int, now: float, tier: str | None = None, tenant: str | None = None) -> bool:
+def kv_fits(
+    view: BackendView, kv: int, now: float, tier: str | None = None, tenant: str | None = None
+) -> bool:
     """Whether ``kv`` more tokens fit, leaving the room a more important waiter is owed,
     the other tiers' guarantees, and (with ``tenant``) its tier's less-served tenants' headroom."""
     in_use = view.kv_in_use
     budget = kv_budget(view, now)
-    if tier is not None and view.kv_shares and not _shares_allow(view, kv, now, tier, in_use, budget):
+    if (
+        tier is not None
+        and view.kv_shares
+        and not _shares_allow(view, kv, now, tier, in_use, budget)
+    ):
         return False
     owed = 0
     if tenant is not None and tier is not None and in_use and budget != float("inf"):
@@ -92,13 +98,18 @@ def kv_fits(view: BackendView, kv: int, now: float, tier: str | None = None, ten
     return kv <= (cap if lease is None else min(cap, lease))
 
 
-def _shares_allow(view: BackendView, kv: int, now: float, tier: str, in_use: int, budget: float) -> bool:
+def _shares_allow(
+    view: BackendView, kv: int, now: float, tier: str, in_use: int, budget: float
+) -> bool:
     limit = budget
     cap = view.kv_capacity
     if in_use == 0 and cap is not None:  # the lone-request rule: the whole cache (or lease)
         lease = view.kv_lease
         limit = max(budget, cap if lease is None else min(cap, lease))
-    return share_denial(view.kv_shares, view.kv_by_tier, view.kv_active(now), limit, in_use, tier, kv) is None
+    return (
+        share_denial(view.kv_shares, view.kv_by_tier, view.kv_active(now), limit, in_use, tier, kv)
+        is None
+    )
 
 
 def pressure_scale(view: BackendView, tier: str, now: float) -> float:

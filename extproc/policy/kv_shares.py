@@ -28,8 +28,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["DEMAND_HOLD_S", "KvShare", "borrowed", "burst_room", "guaranteed_tokens", "reserved_for_others",
-           "share_denial", "tier_active"]
+__all__ = [
+    "DEMAND_HOLD_S",
+    "KvShare",
+    "borrowed",
+    "burst_room",
+    "guaranteed_tokens",
+    "reserved_for_others",
+    "share_denial",
+    "tier_active",
+]
 
 # A tier keeps its guarantee this long after its last request was seen: steady chat has
 # gaps between requests, and a document slipping into a gap would take the room back.
@@ -59,8 +67,13 @@ def tier_active(held: int, waiting: int, last_seen: float | None, now: float) ->
     return held > 0 or waiting > 0 or (last_seen is not None and now - last_seen < DEMAND_HOLD_S)
 
 
-def reserved_for_others(shares: Mapping[str, KvShare], held: Mapping[str, int], active: Mapping[str, bool],
-                        budget: float, tier: str) -> float:
+def reserved_for_others(
+    shares: Mapping[str, KvShare],
+    held: Mapping[str, int],
+    active: Mapping[str, bool],
+    budget: float,
+    tier: str,
+) -> float:
     """The unused guaranteed room of every other active tier: what ``tier`` may not reserve."""
     if budget == float("inf"):
         return 0.0
@@ -83,8 +96,15 @@ def burst_room(share: KvShare | None, held: int, budget: float) -> float:
     return share.guaranteed * budget + share.burst * budget - held
 
 
-def share_denial(shares: Mapping[str, KvShare], held: Mapping[str, int], active: Mapping[str, bool],
-                 budget: float, in_use: int, tier: str, kv: int) -> str | None:
+def share_denial(
+    shares: Mapping[str, KvShare],
+    held: Mapping[str, int],
+    active: Mapping[str, bool],
+    budget: float,
+    in_use: int,
+    tier: str,
+    kv: int,
+) -> str | None:
     """Why ``kv`` more tokens of ``tier`` may not be reserved under the shares, or None.
 
     ``in_use`` is every tier's reservations together; the budget itself (and the owed-KV

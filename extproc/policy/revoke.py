@@ -68,11 +68,19 @@ class Need:
 def slo_at_risk(controller_says: bool, waited_s: float, ttft_slo_ms: int | None) -> bool:
     """Whether a waiter's latency SLO is at risk: the adaptive limit says so, or its wait has
     used ``WAIT_AT_RISK`` of the tier's ``ttft_p99_ms``."""
-    return controller_says or (ttft_slo_ms is not None and waited_s * 1000 >= WAIT_AT_RISK * ttft_slo_ms)
+    return controller_says or (
+        ttft_slo_ms is not None and waited_s * 1000 >= WAIT_AT_RISK * ttft_slo_ms
+    )
 
 
-def should_revoke(shares: Mapping[str, KvShare], held: Mapping[str, int], tier: str, kv: int,
-                  budget: float, slo_at_risk: bool) -> bool:
+def should_revoke(
+    shares: Mapping[str, KvShare],
+    held: Mapping[str, int],
+    tier: str,
+    kv: int,
+    budget: float,
+    slo_at_risk: bool,
+) -> bool:
     """Whether a waiter of ``tier`` with footprint ``kv`` may take room back."""
     share = shares.get(tier)
     if share is None or share.guaranteed <= 0 or kv > burst_room(share, held.get(tier, 0), budget):
@@ -88,8 +96,11 @@ def shortfall(view: BackendView, tier: str, kv: int, now: float) -> int:
     budget = kv_budget(view, now)
     if budget == float("inf"):
         return 0
-    reserved = reserved_for_others(view.kv_shares, view.kv_by_tier, view.kv_active(now), budget, tier) \
-        if view.kv_shares else 0.0
+    reserved = (
+        reserved_for_others(view.kv_shares, view.kv_by_tier, view.kv_active(now), budget, tier)
+        if view.kv_shares
+        else 0.0
+    )
     owed = kv_owed_above(view, tier, now)
     return max(0, math.ceil(view.kv_in_use + kv + reserved + owed - budget))
 
@@ -98,22 +109,37 @@ def _order(r: Running, priorities: Mapping[str, int]) -> tuple[bool, int, int, f
     return (r.producing, priorities.get(r.tier, 0), r.waste, -r.admitted_at, r.id)
 
 
-def plan(candidates: Iterable[Running], need: Need, priorities: Mapping[str, int], revocable: Mapping[str, bool],
-         shares: Mapping[str, KvShare], held: Mapping[str, int], active: Mapping[str, bool],
-         budget: float) -> tuple[Running, ...]:
+def plan(
+    candidates: Iterable[Running],
+    need: Need,
+    priorities: Mapping[str, int],
+    revocable: Mapping[str, bool],
+    shares: Mapping[str, KvShare],
+    held: Mapping[str, int],
+    active: Mapping[str, bool],
+    budget: float,
+) -> tuple[Running, ...]:
     """The requests to revoke so that ``need`` is met, least harmful first; () if it cannot be."""
     if need.kv <= 0:
         return ()
     mine = priorities.get(need.tier, 0)
-    eligible = sorted((r for r in candidates
-                       if priorities.get(r.tier, 0) < mine and (not r.producing or revocable.get(r.tier, False))
-                       and (need.endpoint is None or r.endpoint == need.endpoint)),
-                      key=lambda r: _order(r, priorities))
+    eligible = sorted(
+        (
+            r
+            for r in candidates
+            if priorities.get(r.tier, 0) < mine
+            and (not r.producing or revocable.get(r.tier, False))
+            and (need.endpoint is None or r.endpoint == need.endpoint)
+        ),
+        key=lambda r: _order(r, priorities),
+    )
     chosen: list[Running] = []
     for r in eligible:
         if _freed(chosen, shares, held, active, budget) >= need.kv:
             break
-        if _freed([*chosen, r], shares, held, active, budget) > _freed(chosen, shares, held, active, budget):
+        if _freed([*chosen, r], shares, held, active, budget) > _freed(
+            chosen, shares, held, active, budget
+        ):
             chosen.append(r)
     if _freed(chosen, shares, held, active, budget) < need.kv:
         return ()
@@ -124,8 +150,13 @@ def plan(candidates: Iterable[Running], need: Need, priorities: Mapping[str, int
     return tuple(chosen)
 
 
-def _freed(victims: Sequence[Running], shares: Mapping[str, KvShare], held: Mapping[str, int],
-           active: Mapping[str, bool], budget: float) -> int:
+def _freed(
+    victims: Sequence[Running],
+    shares: Mapping[str, KvShare],
+    held: Mapping[str, int],
+    active: Mapping[str, bool],
+    budget: float,
+) -> int:
     """Room the waiter gains when ``victims`` end: per tier, what they hold above the part of
     the tier's guarantee it keeps (an active tier keeps it)."""
     taken: dict[str, int] = {}

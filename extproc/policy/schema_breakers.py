@@ -12,8 +12,12 @@ from extproc.policy.reader import Path, Reader
 __all__ = ["breakers", "check_endpoint"]
 
 
-def breakers(r: Reader, doc: Any, backends: Mapping[str, set[str]],
-              endpoints: Mapping[str, list[str]] | None = None) -> tuple[BreakerOverride, ...]:
+def breakers(
+    r: Reader,
+    doc: Any,
+    backends: Mapping[str, set[str]],
+    endpoints: Mapping[str, list[str]] | None = None,
+) -> tuple[BreakerOverride, ...]:
     """Manual overrides; ``backends`` maps each backend to the models it serves,
     ``endpoints`` each pool to its endpoints' ``host:port``."""
     if doc is None:
@@ -39,16 +43,30 @@ def breakers(r: Reader, doc: Any, backends: Mapping[str, set[str]],
         endpoint = r.get(m, path, "endpoint", str, None)
         if endpoint is not None:
             check_endpoint(r, path, backend, endpoint, model, backends, endpoints or {})
-        out.append(BreakerOverride(backend=backend or "", state=state or "open", reason=reason or "",
-                                   until=float(until) if until is not None else None,
-                                   by=r.get(m, path, "by", str, ""),
-                                   at=r.get(m, path, "at", (int, float), None), model=model,
-                                   endpoint=endpoint))
+        out.append(
+            BreakerOverride(
+                backend=backend or "",
+                state=state or "open",
+                reason=reason or "",
+                until=float(until) if until is not None else None,
+                by=r.get(m, path, "by", str, ""),
+                at=r.get(m, path, "at", (int, float), None),
+                model=model,
+                endpoint=endpoint,
+            )
+        )
     return tuple(out)
 
 
-def check_endpoint(r: Reader, path: Path, backend: str | None, endpoint: str, model: str | None,
-                    backends: Mapping[str, set[str]], endpoints: Mapping[str, list[str]]) -> None:
+def check_endpoint(
+    r: Reader,
+    path: Path,
+    backend: str | None,
+    endpoint: str,
+    model: str | None,
+    backends: Mapping[str, set[str]],
+    endpoints: Mapping[str, list[str]],
+) -> None:
     """An endpoint override names one endpoint of a pool; a model route has no endpoints of its own."""
     if model is not None:
         r.fail((*path, "endpoint"), "an override names a model route or a pool endpoint, not both")
@@ -58,5 +76,7 @@ def check_endpoint(r: Reader, path: Path, backend: str | None, endpoint: str, mo
     if not known:
         r.fail((*path, "endpoint"), f"backend {backend!r} is not a pool (it has no endpoints)")
     elif endpoint not in known:
-        r.fail((*path, "endpoint"), f"backend {backend!r} has no endpoint {endpoint!r} "
-                                    f"(its endpoints: {', '.join(known)})")
+        r.fail(
+            (*path, "endpoint"),
+            f"backend {backend!r} has no endpoint {endpoint!r} (its endpoints: {', '.join(known)})",
+        )

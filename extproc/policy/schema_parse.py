@@ -254,7 +254,9 @@ def _queue_wait(r: Reader, t: Mapping[str, Any], path: Path) -> int:
     return v
 
 
-def _fraction(r: Reader, t: Mapping[str, Any], path: Path, name: str, default: float | None) -> float | None:
+def _fraction(
+    r: Reader, t: Mapping[str, Any], path: Path, name: str, default: float | None
+) -> float | None:
     v = r.get(t, path, name, (int, float), default)
     if v is None:
         return None

@@ -153,10 +153,15 @@ class BackendSnapshot:
     kv_by_tier: Mapping[str, int] = field(default_factory=dict)
     active: frozenset[str] = frozenset()
     leaders: frozenset[str] = frozenset()  # tenants whose newcomers go before their tier's waiters
-    headroom: Mapping[str, int] = field(default_factory=dict)  # tenant -> KV it leaves for less-served peers
+    headroom: Mapping[str, int] = field(
+        default_factory=dict
+    )  # tenant -> KV it leaves for less-served peers
 
     def kv_active(self, now: float) -> Mapping[str, bool]:
-        return {t: t in self.active or self.kv_by_tier.get(t, 0) > 0 or self.queued(t) > 0 for t in self.kv_shares}
+        return {
+            t: t in self.active or self.kv_by_tier.get(t, 0) > 0 or self.queued(t) > 0
+            for t in self.kv_shares
+        }
 
     def leads(self, tier: str, tenant: str, work: float) -> bool:
         return tenant in self.leaders

@@ -39,12 +39,21 @@ CHUNK_WAIT_S = 0.5
 class Revoker:
     """Implements ``extproc.backends.revocation.Revocable`` for one stream's settlement."""
 
-    def __init__(self, rt: Runtime, settlement: Settlement, request_id: str, reads_body: bool) -> None:
-        self.rt, self.settlement, self.request_id, self.reads_body = rt, settlement, request_id, reads_body
+    def __init__(
+        self, rt: Runtime, settlement: Settlement, request_id: str, reads_body: bool
+    ) -> None:
+        self.rt, self.settlement, self.request_id, self.reads_body = (
+            rt,
+            settlement,
+            request_id,
+            reads_body,
+        )
         self.order: tuple[str, float] | None = None  # (message, retry-after s) once revoked
         self.wake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.done = False  # the ending was sent
-        self.pending: pb.ProcessingResponse | None = None  # what ends the stream after its last chunk
+        self.pending: pb.ProcessingResponse | None = (
+            None  # what ends the stream after its last chunk
+        )
 
     @property
     def due(self) -> bool:
@@ -55,7 +64,12 @@ class Revoker:
     def progress(self, now: float) -> Progress:
         s = self.settlement
         generated = len(s.tracker.texts) if isinstance(s.tracker, SSETracker) else 0
-        if not generated and s.first_byte_s is not None and s.ticket is not None and s.req is not None:
+        if (
+            not generated
+            and s.first_byte_s is not None
+            and s.ticket is not None
+            and s.req is not None
+        ):
             rate = self.rt.decode_rates.rate(s.ticket.model.name)
             generated = int(rate * max(0.0, now - s.first_byte_s) * s.req.n)
         return Progress(s.status != 0, s.prompt_tokens + generated, generated)
@@ -76,7 +90,8 @@ class Revoker:
         if s.status == 0:  # no answer yet: a 503 replaces it, unbilled
             return self._end(self._refusal())
         streams = isinstance(s.tracker, SSETracker) or (
-            s.tracker is None and self.reads_body and s.req is not None and s.req.stream)
+            s.tracker is None and self.reads_body and s.req is not None and s.req.stream
+        )
         if not streams:  # nothing passes through Sluice to carry an error event: end it
             return self._end(self._reset())
         return None
@@ -103,8 +118,12 @@ class Revoker:
         message, retry = self.order
         r = Reason.REVOKED
         headers = {"x-sluice-reason": str(r), **retry_after_headers(retry)}
-        self.rt.metrics.rejected(r, r.status, None)  # counted as a refusal; the request was admitted
-        return msg.immediate(r.status, error_body(message, r.error_type, str(r)), headers, f"sluice_{r}")
+        self.rt.metrics.rejected(
+            r, r.status, None
+        )  # counted as a refusal; the request was admitted
+        return msg.immediate(
+            r.status, error_body(message, r.error_type, str(r)), headers, f"sluice_{r}"
+        )
 
     def _error_event(self) -> bytes:
         assert self.order is not None
@@ -116,4 +135,6 @@ class Revoker:
     @staticmethod
     def _reset() -> pb.ProcessingResponse:
         """What ends an answered stream: Envoy cannot send a new status, so it resets it (and the upstream)."""
-        return msg.immediate(Reason.REVOKED.status, b"", {"x-sluice-reason": str(Reason.REVOKED)}, "sluice_revoked")
+        return msg.immediate(
+            Reason.REVOKED.status, b"", {"x-sluice-reason": str(Reason.REVOKED)}, "sluice_revoked"
+        )

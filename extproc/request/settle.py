@@ -112,7 +112,9 @@ class Settlement:
             if went and how is not Ending.REVOKED:
                 self._observe_latency(t, how, now)
             if t.work:  # the fair share counts what it used, not what it reserved
-                used = work(self.prompt_tokens, got.tokens - self.prompt_tokens) if got.tokens else 0.0
+                used = (
+                    work(self.prompt_tokens, got.tokens - self.prompt_tokens) if got.tokens else 0.0
+                )
                 t.backend_state.queue.order.charge(self.tier.name, self.tenant.name, used - t.work, now)
         self.rt.metrics.settled(how, self.tenant.name, got.tokens, self.reserved, got.basis)
         self.rt.settle_log.add(self.request_id, self.tenant.name, how, self.status, got.basis,

@@ -62,7 +62,9 @@ class StreamProcessor:
         self.admission: Admission | None = None
         self.settlement: Settlement | None = None  # once the tenant is known
         self.finished = False  # an immediate response ended the exchange
-        self.reads_body = False  # the response body passes through Sluice (streamed, or this request's mode)
+        self.reads_body = (
+            False  # the response body passes through Sluice (streamed, or this request's mode)
+        )
         self.revoker: Revoker | None = None  # while the request could be revoked (extproc.request.revoking)
 
     @property
@@ -205,8 +207,9 @@ class StreamProcessor:
         if hold is None or not be.kv_shares or s is None:
             return
         self.revoker = Revoker(self.rt, s, s.request_id, self.reads_body)
-        be.shares.revocations.track(hold.grant.id, hold.grant.tier, hold.kv, hold.endpoint, ticket.admitted_at,
-                                    self.revoker)
+        be.shares.revocations.track(
+            hold.grant.id, hold.grant.tier, hold.kv, hold.endpoint, ticket.admitted_at, self.revoker
+        )
 
     # -- response side ------------------------------------------------------
     def _start_response(self, request: pb.ProcessingRequest, s: Settlement) -> None:

@@ -19,12 +19,26 @@ def sim_status(shares: bool) -> dict[str, Any]:
     premium: dict[str, Any] = {"priority": 100, "tpm": 10**6, "rpm": 10**4}
     if shares:
         premium["kv_guaranteed"] = 0.25
-    p = build_policy({
-        "backends": [{"name": "sim", "address": "127.0.0.1:1", "max_concurrency": 8, "kv_capacity_tokens": 8000,
-                      "models": [{"name": "m", "context_window": 4096}]}],
-        "tiers": {"premium": premium, "batch": {"priority": 0, "tpm": 10**6, "rpm": 10**4, "revocable": True}},
-        "tenants": [{"name": n, "tier": n, "keys": [hash_key(n)]} for n in ("premium", "batch")],
-    })
+    p = build_policy(
+        {
+            "backends": [
+                {
+                    "name": "sim",
+                    "address": "127.0.0.1:1",
+                    "max_concurrency": 8,
+                    "kv_capacity_tokens": 8000,
+                    "models": [{"name": "m", "context_window": 4096}],
+                }
+            ],
+            "tiers": {
+                "premium": premium,
+                "batch": {"priority": 0, "tpm": 10**6, "rpm": 10**4, "revocable": True},
+            },
+            "tenants": [
+                {"name": n, "tier": n, "keys": [hash_key(n)]} for n in ("premium", "batch")
+            ],
+        }
+    )
     be = BackendState.create(p.backends[0], p, 0.0)
     be.has_metrics = False
     h = be.acquire(SlotRequest("batch", "batch", None, 3000), 0.0)

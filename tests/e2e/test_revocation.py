@@ -32,11 +32,23 @@ def policy(port: int) -> dict[str, Any]:
     queue = {"max_queue_depth": 8, "max_queue_wait_ms": 10_000}
     return {
         "gateway": {"default_max_tokens": 128, "message_timeout_ms": 5000},
-        "backends": [{"name": "sim", "address": f"127.0.0.1:{port}", "metrics_url": f"http://127.0.0.1:{port}/metrics",
-                      "max_concurrency": 8, "kv_capacity_tokens": 2048, "engine_priority": "vllm",
-                      "models": [{"name": "sim-llama-8b", "context_window": 4096, "encoding": "cl100k_base"}]}],
-        "tiers": {"premium": {"priority": 100, "tpm": 10**7, "rpm": 10**5, "kv_guaranteed": 0.5, **queue},
-                  "batch": {"priority": 0, "tpm": 10**7, "rpm": 10**5, "revocable": True, **queue}},
+        "backends": [
+            {
+                "name": "sim",
+                "address": f"127.0.0.1:{port}",
+                "metrics_url": f"http://127.0.0.1:{port}/metrics",
+                "max_concurrency": 8,
+                "kv_capacity_tokens": 2048,
+                "engine_priority": "vllm",
+                "models": [
+                    {"name": "sim-llama-8b", "context_window": 4096, "encoding": "cl100k_base"}
+                ],
+            }
+        ],
+        "tiers": {
+            "premium": {"priority": 100, "tpm": 10**7, "rpm": 10**5, "kv_guaranteed": 0.5, **queue},
+            "batch": {"priority": 0, "tpm": 10**7, "rpm": 10**5, "revocable": True, **queue},
+        },
         "tenants": [{"name": f"t-{t}", "tier": t, "keys": [hash_key(k)]} for t, k in KEYS.items()],
     }
 
@@ -49,8 +61,11 @@ def rv(tmp_path: Any, request: pytest.FixtureRequest) -> Iterator[Stack]:
     s.policy_doc = policy(s.sim_port)
     with running(s) as started:
         # The budget is the whole cache once the engine's metrics are read (the watermark's floor before).
-        eventually(lambda: started.state()["backends"]["sim"]["scale"] == 1.0, 15,
-                   lambda: str(started.state()["backends"]["sim"]))
+        eventually(
+            lambda: started.state()["backends"]["sim"]["scale"] == 1.0,
+            15,
+            lambda: str(started.state()["backends"]["sim"]),
+        )
         yield started
         if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
             print(s.logs())
@@ -58,23 +73,42 @@ def rv(tmp_path: Any, request: pytest.FixtureRequest) -> Iterator[Stack]:
         st = s.wait_settled(5)
         ledger = st["ledger"]
         assert st["in_flight"] == 0 and ledger["outstanding"] == 0 and ledger["balanced"], ledger
-        assert ledger["precharged"] + ledger["excess"] == ledger["charged"] + ledger["refunded"], ledger
+        assert ledger["precharged"] + ledger["excess"] == ledger["charged"] + ledger["refunded"], (
+            ledger
+        )
 
 
 def body(max_tokens: int, stream: bool) -> bytes:
-    doc: dict[str, Any] = {"model": "sim-llama-8b", "messages": [{"role": "user", "content": "hello " * 40}],
-                           "max_tokens": max_tokens, "stream": stream}
+    doc: dict[str, Any] = {
+        "model": "sim-llama-8b",
+        "messages": [{"role": "user", "content": "hello " * 40}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
     if stream:
         doc["stream_options"] = {"include_usage": True}
     return json.dumps(doc).encode()
 
 
-def post(stack: Stack, tier: str, max_tokens: int, stream: bool, got: list[bytes] | None = None,
-         **headers: str) -> tuple[int, dict[str, str], bytes]:
+def post(
+    stack: Stack,
+    tier: str,
+    max_tokens: int,
+    stream: bool,
+    got: list[bytes] | None = None,
+    **headers: str,
+) -> tuple[int, dict[str, str], bytes]:
     """The answer; ``got`` collects a stream's chunks as they come."""
-    req = urllib.request.Request(stack.url + "/v1/chat/completions", data=body(max_tokens, stream), method="POST",
-                                 headers={"authorization": f"Bearer {KEYS[tier]}", "content-type": "application/json",
-                                          **headers})
+    req = urllib.request.Request(
+        stack.url + "/v1/chat/completions",
+        data=body(max_tokens, stream),
+        method="POST",
+        headers={
+            "authorization": f"Bearer {KEYS[tier]}",
+            "content-type": "application/json",
+            **headers,
+        },
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             data = b""
@@ -93,11 +127,14 @@ def post(stack: Stack, tier: str, max_tokens: int, stream: bool, got: list[bytes
 class Background:
     """A request sent in a thread, so the test can act while it runs."""
 
-    def __init__(self, stack: Stack, tier: str, max_tokens: int, stream: bool, **headers: str) -> None:
+    def __init__(
+        self, stack: Stack, tier: str, max_tokens: int, stream: bool, **headers: str
+    ) -> None:
         self.result: tuple[int, dict[str, str], bytes] | None = None
         self.chunks: list[bytes] = []  # a stream's chunks so far
-        self._t = threading.Thread(target=self._go, args=(stack, tier, max_tokens, stream), kwargs=headers,
-                                   daemon=True)
+        self._t = threading.Thread(
+            target=self._go, args=(stack, tier, max_tokens, stream), kwargs=headers, daemon=True
+        )
         self._t.start()
 
     def _go(self, stack: Stack, tier: str, max_tokens: int, stream: bool, **headers: str) -> None:
@@ -150,8 +187,11 @@ def test_a_premium_request_revokes_a_batch_request_queued_at_the_engine(rv: Stac
 
     status, _, data = running_doc.join()
     assert status == 200 and data.rstrip().endswith(b"data: [DONE]")  # the stream was left alone
-    usage = [json.loads(e[6:])["usage"] for e in data.decode().split("\n\n")
-             if e.startswith("data: {") and json.loads(e[6:]).get("usage")][-1]
+    usage = [
+        json.loads(e[6:])["usage"]
+        for e in data.decode().split("\n\n")
+        if e.startswith("data: {") and json.loads(e[6:]).get("usage")
+    ][-1]
 
     # The revoked request was not billed: what was charged is the two that were served.
     after = stack.wait_settled()["ledger"]
@@ -162,13 +202,21 @@ def test_a_premium_request_revokes_a_batch_request_queued_at_the_engine(rv: Stac
     assert revoked.work is not None and revoked.work["finished_reason"] == "abort"
 
 
-def test_a_revocable_stream_ends_with_an_error_event_and_is_billed_what_it_produced(rv: Stack) -> None:
+def test_a_revocable_stream_ends_with_an_error_event_and_is_billed_what_it_produced(
+    rv: Stack,
+) -> None:
     stack = rv
     before = stack.state()["ledger"]
     billing = Billing.of(stack)
     doc = Background(stack, "batch", 1800, True, **{"x-sim-tps": "20", "x-sim-tokens": "1500"})
-    eventually(lambda: engine(stack)["running"] == 1 and kv_state(stack)["tiers"]["batch"]["reserved_tokens"] > 0,
-               5, lambda: str(engine(stack)))
+    eventually(
+        lambda: (
+            engine(stack)["running"] == 1
+            and kv_state(stack)["tiers"]["batch"]["reserved_tokens"] > 0
+        ),
+        5,
+        lambda: str(engine(stack)),
+    )
     # let it stream some tokens (the engine paces it at 20/s)
     eventually(lambda: b"".join(doc.chunks).count(b"data: ") >= 5, 10, lambda: str(doc.chunks))
     status, _, data = post(stack, "premium", 600, False, **{"x-sim-tokens": "5"})
@@ -177,15 +225,22 @@ def test_a_revocable_stream_ends_with_an_error_event_and_is_billed_what_it_produ
 
     status, _, raw = doc.join()
     assert status == 200
-    events = [e[len("data: "):] for e in raw.decode().split("\n\n") if e.startswith("data: ")]
+    events = [e[len("data: ") :] for e in raw.decode().split("\n\n") if e.startswith("data: ")]
     assert events and "[DONE]" not in events
     last = json.loads(events[-1])
     assert last["error"]["code"] == "revoked" and "higher tier" in last["error"]["message"]
-    streamed = sum(1 for e in events[:-1] if json.loads(e).get("choices") and
-                   json.loads(e)["choices"][0].get("delta", {}).get("content"))
+    streamed = sum(
+        1
+        for e in events[:-1]
+        if json.loads(e).get("choices")
+        and json.loads(e)["choices"][0].get("delta", {}).get("content")
+    )
     assert streamed > 0
-    eventually(lambda: engine(stack)["running"] == 0 and engine(stack)["aborted"] == 1, 5,
-               lambda: str(engine(stack)))
+    eventually(
+        lambda: engine(stack)["running"] == 0 and engine(stack)["aborted"] == 1,
+        5,
+        lambda: str(engine(stack)),
+    )
     st = kv_state(stack)["revocation"]
     assert st["revoked"] == {"batch/streaming": 1} and st["decision_to_release_ms"]["n"] == 1
     # Billed what it produced: its prompt (the same as premium's) plus the tokens it streamed.
@@ -204,5 +259,7 @@ def test_the_engine_sees_each_tiers_priority(rv: Stack) -> None:
     for tier in ("premium", "batch"):
         status, _, _ = post(stack, tier, 8, False, **{"x-sim-tokens": "2"})
         assert status == 200
-    got = {r["headers"].get("x-sluice-tier"): r["json"].get("priority") for r in stack.sim_requests()}
+    got = {
+        r["headers"].get("x-sluice-tier"): r["json"].get("priority") for r in stack.sim_requests()
+    }
     assert got == {"premium": -100, "batch": 0}
