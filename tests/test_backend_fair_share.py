@@ -62,7 +62,8 @@ def test_a_light_tenant_is_not_kept_waiting_by_a_heavy_one_filling_the_cache() -
             assert isinstance(ask(be, "heavy", 3000, 200, 0.2), Queue)
             be.queue.enqueue("free", "heavy", None, 3000, 0.2, work=work(2800, 200))
         be.release(light, 1.0)
-        # Heavy's next (3,000) would fit the 4,000 free now, but it is what light needs: it stays free.
+        # Heavy's next (3,000) would fit the 4,000 free now, but it is what light needs: it
+        # stays free.
         assert be.kv_in_use == 6000 and be.queue.depth("free") == 8
         assert isinstance(
             ask(be, "light", 3000, 100, 1.1), Hold

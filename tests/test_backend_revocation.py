@@ -1,4 +1,5 @@
-"""BackendState with KV shares: guarantees in placement and the queue, and revocation for a waiter."""
+"""BackendState with KV shares: guarantees in placement and the queue, and revocation for a
+waiter."""
 
 from __future__ import annotations
 

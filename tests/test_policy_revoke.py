@@ -1,4 +1,5 @@
-"""Revocation (extproc.policy.revoke): who gives room back, in order of least harm; when; how much."""
+"""Revocation (extproc.policy.revoke): who gives room back, in order of least harm; when;
+how much."""
 
 from __future__ import annotations
 

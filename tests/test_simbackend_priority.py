@@ -1,4 +1,5 @@
-"""The simulated engine's priority scheduling (vLLM's --scheduling-policy priority) and abort log."""
+"""The simulated engine's priority scheduling (vLLM's --scheduling-policy priority) and abort
+log."""
 
 from __future__ import annotations
 

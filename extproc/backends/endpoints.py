@@ -42,7 +42,8 @@ from extproc.policy.schema import (
 from extproc.policy.watermark import WatermarkController
 
 UNUSABLE_METRICS = ("no_data", "unreachable", "stale")
-# The tier being placed, every tier's KV share, and which tiers are active (BackendState._shares_for).
+# The tier being placed, every tier's KV share, and which tiers are active
+# (BackendState._shares_for).
 Shares = tuple[str, Mapping[str, KvShare], Mapping[str, bool]]
 
 
@@ -93,7 +94,8 @@ class EndpointState:
     # Requests Envoy re-picked away from this endpoint (it refused the connection) and onto it.
     repicked_away: int = 0
     repicked_here: int = 0
-    kv_by_tier: Counter[str] = field(default_factory=Counter)  # this replica's reservations here, per tier
+    # this replica's reservations here, per tier
+    kv_by_tier: Counter[str] = field(default_factory=Counter)
 
     @property
     def key(self) -> str:
@@ -261,7 +263,8 @@ class EndpointSet:
         return owed_endpoints(self.candidates(now), heads, priorities, tier, behind_head)
 
     def place(self, kv: int, now: float, prefix: tuple[int, ...] = (),
-              exclude: Collection[str] = (), shares: Shares | None = None, tier: str = "") -> Placement | None:
+              exclude: Collection[str] = (), shares: Shares | None = None,
+              tier: str = "") -> Placement | None:
         """Pick an endpoint and reserve on it; ``prefix`` (extproc.openai_api.prefix_key) steers the
         pick to the endpoint that last served the longest known part of it, and records
         where it went; ``exclude`` (owed endpoints) is not picked. The placement names a

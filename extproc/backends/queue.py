@@ -124,7 +124,8 @@ class BackendQueue:
         return self._head(tier)
 
     def _head(self, tier: str) -> Waiter | None:
-        """The next waiter of ``tier``'s queue (the least-served tenant's first), if it still waits."""
+        """The next waiter of ``tier``'s queue (the least-served tenant's first), if it still
+        waits."""
         wid = self.order.head(tier)
         w = None if wid is None else self.waiters.get(wid)
         return w if w is not None and not w.future.done() else None
@@ -132,13 +133,15 @@ class BackendQueue:
     def _behind_head(self, tier: str, ids: list[int], now: float) -> int | None:
         """Look-ahead: a request behind ``tier``'s head that may go first because the head fits
         no endpoint now and it fits one not owed to the head (extproc.policy.owed), or because
-        the head's tenant is over its fair share and the request's is not (extproc.policy.fair_share)."""
+        the head's tenant is over its fair share and the request's is not
+        (extproc.policy.fair_share)."""
         head = self._head(tier)
         if head is None:
             return None
         be, eps = self.backend, self.backend.endpoints
         if eps is None or not kvmath.kv_fits(be, head.kv, now, tier):
-            return self._under_share_past(tier, head, ids, now)  # no pool, or the head waits for the budget
+            # no pool, or the head waits for the budget
+            return self._under_share_past(tier, head, ids, now)
         if eps.fits_somewhere(head.kv, now, self.owed_endpoints(tier, now)):
             return None  # it fits: it waits for a slot, and so would the others
         exclude = self.owed_endpoints(tier, now, behind_head=True)
@@ -192,7 +195,8 @@ class BackendQueue:
         prefix: tuple[int, ...] = (),
         work: float = 0.0,
     ) -> Waiter | str:
-        """Queue a request; ``work`` (extproc.policy.fair_share.work) orders it among its tier's tenants."""
+        """Queue a request; ``work`` (extproc.policy.fair_share.work) orders it among its tier's
+        tenants."""
         wid = next(_ids)
         res = self.order.enqueue(wid, tier, now, tenant, work)
         if not isinstance(res, Enqueued):
@@ -228,7 +232,9 @@ class BackendQueue:
             return wid
 
         while self.order.depth():
-            wid = self.order.next_eligible(lambda tier: self.can_admit(tier, now), now, behind, LOOK_AHEAD)
+            wid = self.order.next_eligible(
+                lambda tier: self.can_admit(tier, now), now, behind, LOOK_AHEAD
+            )
             if wid is None:
                 break
             past = wid in passed  # the head keeps its owed endpoint against it

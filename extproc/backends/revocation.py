@@ -47,7 +47,8 @@ class Revocable(Protocol):
     def progress(self, now: float) -> Progress: ...
 
     def revoke(self, message: str, retry_after_s: float) -> None:
-        """End the request: a 503 ``revoked`` if unanswered, else an error event; it then settles."""
+        """End the request: a 503 ``revoked`` if unanswered, else an error event; it then
+        settles."""
         ...
 
 

@@ -68,7 +68,8 @@ class BackendState:
     # Done when the lease check that on_short asked for has ended (a shared store; None: no
     # leases). Called at the refusal, not when awaited (SlotLeases.next_check).
     lease_wait: Callable[[], Awaitable[None]] | None = None
-    shares: TierShares = field(default_factory=TierShares)  # KV shares, tenants' demand, revocations
+    # KV shares, tenants' demand, revocations
+    shares: TierShares = field(default_factory=TierShares)
 
     @classmethod
     def create(cls, spec: Backend, policy: Policy, now: float) -> BackendState:
@@ -306,7 +307,8 @@ class BackendState:
 
     def release(self, hold: Hold, now: float) -> None:
         self.give_back(hold)
-        self.shares.ended(hold.grant.tier, now)  # its tier's demand is held from its last request's end
+        # its tier's demand is held from its last request's end
+        self.shares.ended(hold.grant.tier, now)
         self.queue.pump(now)
 
     def status(self, now: float) -> dict[str, Any]:

@@ -279,7 +279,8 @@ def upstream_body(req: ParsedRequest, max_tokens: int, model: str | None = None,
     reserved, so a missing or larger ``max_tokens`` is written into the body; a
     stream must end with a usage chunk for an exact settle, so it is asked for.
     ``model`` names a fallback model the request is degraded to; ``priority`` is the
-    engine's scheduling priority (``extproc.request.upstream.engine_priority``), written over whatever
+    engine's scheduling priority (``extproc.request.upstream.engine_priority``), written over
+    whatever
     the client sent: a client does not choose its own place in the engine's queue.
     """
     body = req.body

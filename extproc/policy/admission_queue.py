@@ -279,7 +279,8 @@ class AdmissionQueue(Generic[K]):
         return item_id
 
     def head(self, tier: str) -> K | None:
-        """The next item of ``tier`` (the least-served tenant's first), or None if its line is empty."""
+        """The next item of ``tier`` (the least-served tenant's first), or None if its line is
+        empty."""
         t = self._tiers.get(tier)
         return t.first() if t is not None else None
 
@@ -293,7 +294,8 @@ class AdmissionQueue(Generic[K]):
 
     def leads(self, tier: str, tenant: str, work: float) -> bool:
         """Whether a newcomer of ``tenant`` with ``work`` would go before every waiting item of
-        ``tier`` (its tenant has nothing queued and was given less): it need not wait behind them."""
+        ``tier`` (its tenant has nothing queued and was given less): it need not wait behind
+        them."""
         t = self._tiers.get(tier)
         if t is None or not t.lines:
             return True

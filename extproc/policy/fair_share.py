@@ -215,7 +215,8 @@ class TenantLedger:
         )
 
     def difference(self, backlogged: Collection[str]) -> float:
-        """The largest gap between the counters of tenants backlogged together (0 for fewer than two)."""
+        """The largest gap between the counters of tenants backlogged together (0 for fewer
+        than two)."""
         if len(backlogged) < 2:
             return 0.0
         vals = [self._counter.get(t, 0.0) for t in backlogged]

@@ -5,7 +5,8 @@ Admission (the pool's slot pool and KV budget) decides *whether*; this decides
 neither unreachable nor stale: silence counts as full), has a free slot of its own,
 and the request's KV footprint fits in its budget (``kv_capacity_tokens`` scaled by
 that endpoint's watermark), leaving the other active tiers' unused KV guarantees there
-free and within the tier's burst cap there (``extproc.policy.kv_shares``). A lone request fits an empty endpoint whose whole cache
+free and within the tier's burst cap there (``extproc.policy.kv_shares``). A lone request
+fits an empty endpoint whose whole cache
 holds it, as on a single backend, so a large prompt cannot starve while the scale is
 low. Among candidates the score, lowest first, is:
 

@@ -51,7 +51,8 @@ class Reason(StrEnum):
     OVERLOADED = "overloaded", 503, _SERVER
     STATE_STORE_DOWN = "state_store_down", 503, _SERVER
     NO_ENDPOINT = "no_endpoint", 503, _SERVER  # picker mode: nothing the gateway may route to is ready
-    # Admitted, then revoked before any answer to give a higher tier KV room (extproc.policy.revoke).
+    # Admitted, then revoked before any answer to give a higher tier KV room
+    # (extproc.policy.revoke).
     REVOKED = "revoked", 503, _SERVER
     # Answered by Envoy itself (extproc.envoy.replies), in the same shape.
     GATEWAY_UNAVAILABLE = "gateway_unavailable", 503, _SERVER  # extproc unreachable, failing or silent

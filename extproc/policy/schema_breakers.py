@@ -67,7 +67,8 @@ def check_endpoint(
     backends: Mapping[str, set[str]],
     endpoints: Mapping[str, list[str]],
 ) -> None:
-    """An endpoint override names one endpoint of a pool; a model route has no endpoints of its own."""
+    """An endpoint override names one endpoint of a pool; a model route has no endpoints of
+    its own."""
     if model is not None:
         r.fail((*path, "endpoint"), "an override names a model route or a pool endpoint, not both")
     if backend is None or backend not in backends:

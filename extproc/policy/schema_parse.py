@@ -217,7 +217,8 @@ def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
             adaptive_concurrency=_adaptive(r, m.get("adaptive_concurrency"), (*path, "adaptive_concurrency")),
             endpoints=endpoints,
             placement=read_flat(r, m.get("placement"), (*path, "placement"), PlacementSettings),
-            engine_priority=r.get(m, path, "engine_priority", str, "off", choices=ENGINE_PRIORITIES),
+            engine_priority=r.get(m, path, "engine_priority", str, "off",
+                                  choices=ENGINE_PRIORITIES),
         ))
     return tuple(out)
 
@@ -363,7 +364,8 @@ def _cross_checks(r: Reader, backends: tuple[Backend, ...], tiers: Mapping[str, 
     guaranteed = sum(t.guaranteed_slots for t in tiers.values())
     kv_guaranteed = sum(t.kv_guaranteed for t in tiers.values())
     if kv_guaranteed > 1 + 1e-9:
-        r.fail(("tiers",), f"the tiers' kv_guaranteed add up to {kv_guaranteed:g}, more than the whole KV budget (1)")
+        r.fail(("tiers",), f"the tiers' kv_guaranteed add up to {kv_guaranteed:g}, "
+                           "more than the whole KV budget (1)")
     for i, b in enumerate(backends):
         if b.name in seen_backends:
             r.fail(("backends", i, "name"), f"duplicate backend {b.name!r}")

@@ -82,7 +82,8 @@ class BackendView(Protocol):
         ...
 
     def kv_active(self, now: float) -> Mapping[str, bool]:
-        """Which tiers have demand (extproc.policy.kv_shares.tier_active) and keep their guarantee."""
+        """Which tiers have demand (extproc.policy.kv_shares.tier_active) and keep their
+        guarantee."""
         ...
 
     def leads(self, tier: str, tenant: str, work: float) -> bool:

@@ -269,7 +269,8 @@ class SlotWait:
         be = ticket.backend_state
         tier = self.tier
         req = SlotRequest(tier.name, self.tenant, self.cap, ticket.kv,
-                          may_queue=tier.max_queue_depth > 0 and tier.max_queue_wait_ms > 0, work=ticket.work)
+                          may_queue=tier.max_queue_depth > 0 and tier.max_queue_wait_ms > 0,
+                          work=ticket.work)
         got = be.acquire(req, now, ticket.prefix)
         if isinstance(got, Hold):
             ticket.hold = got
@@ -298,7 +299,8 @@ class SlotWait:
         # Queued at t0: the deadline counts from here, not from the stream's ``now`` (taken
         # before a shared store's round trip and the wait hint's send).
         t0 = self.rt.clock()
-        w = be.queue.enqueue(self.tier.name, self.tenant, self.cap, ticket.kv, t0, ticket.prefix, ticket.work)
+        w = be.queue.enqueue(self.tier.name, self.tenant, self.cap, ticket.kv, t0, ticket.prefix,
+                             ticket.work)
         if isinstance(w, str):
             if self.unless_shadowed(Reason.QUEUE_FULL):
                 return

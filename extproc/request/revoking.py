@@ -134,7 +134,8 @@ class Revoker:
 
     @staticmethod
     def _reset() -> pb.ProcessingResponse:
-        """What ends an answered stream: Envoy cannot send a new status, so it resets it (and the upstream)."""
+        """What ends an answered stream: Envoy cannot send a new status, so it resets it (and
+        the upstream)."""
         return msg.immediate(
             Reason.REVOKED.status, b"", {"x-sluice-reason": str(Reason.REVOKED)}, "sluice_revoked"
         )

@@ -115,7 +115,8 @@ class Settlement:
                 used = (
                     work(self.prompt_tokens, got.tokens - self.prompt_tokens) if got.tokens else 0.0
                 )
-                t.backend_state.queue.order.charge(self.tier.name, self.tenant.name, used - t.work, now)
+                t.backend_state.queue.order.charge(self.tier.name, self.tenant.name, used - t.work,
+                                                   now)
         self.rt.metrics.settled(how, self.tenant.name, got.tokens, self.reserved, got.basis)
         self.rt.settle_log.add(self.request_id, self.tenant.name, how, self.status, got.basis,
                                self.prompt_tokens, self.reserved, got.tokens)

@@ -65,7 +65,8 @@ class StreamProcessor:
         self.reads_body = (
             False  # the response body passes through Sluice (streamed, or this request's mode)
         )
-        self.revoker: Revoker | None = None  # while the request could be revoked (extproc.request.revoking)
+        # while the request could be revoked (extproc.request.revoking)
+        self.revoker: Revoker | None = None
 
     @property
     def ticket(self) -> Ticket | None:

@@ -60,7 +60,8 @@ def rv(tmp_path: Any, request: pytest.FixtureRequest) -> Iterator[Stack]:
     s = Stack(tmp_path, sim_args=["--max-num-seqs", "1", "--scheduling-policy", "priority"])
     s.policy_doc = policy(s.sim_port)
     with running(s) as started:
-        # The budget is the whole cache once the engine's metrics are read (the watermark's floor before).
+        # The budget is the whole cache once the engine's metrics are read (the watermark's
+        # floor before).
         eventually(
             lambda: started.state()["backends"]["sim"]["scale"] == 1.0,
             15,
@@ -117,7 +118,8 @@ def post(
                     data += chunk
                     if got is not None:
                         got.append(chunk)
-            except Exception:  # noqa: BLE001 - a revoked stream ends with a reset after its error event
+            # a revoked stream ends with a reset after its error event
+            except Exception:  # noqa: BLE001
                 pass
             return r.status, {k.lower(): v for k, v in r.headers.items()}, data
     except urllib.error.HTTPError as e:
