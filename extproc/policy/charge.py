@@ -3,6 +3,11 @@ reported the end (the ext_proc response phases, or Envoy's access log).
 
 From what Sluice knows best to what it must estimate (``Basis``):
 
+0. ``REVOKED``: Sluice itself ended the request before any answer, to give a higher tier
+   its KV room back (``extproc.policy.revoke``): nothing. The client asked for nothing it
+   got and is told to retry; the prefill the engine did is the operator's cost (counted as
+   revoked work). A revoked stream that had answered is charged by the rules below, for
+   what it produced.
 1. ``REPORTED``: the backend's usage (read by Sluice from the body, or Envoy's usage
    record): exactly that.
 2. ``FAILED``: the backend answered an error status (>= 400): nothing. A refusal generates
@@ -51,6 +56,7 @@ class Basis(StrEnum):
     FAILED = "failed"
     COUNTED = "counted"
     ESTIMATED = "estimated"
+    REVOKED = "revoked"
     NOT_SENT = "not_sent"
     REFUSED_COUNTED = "refused_counted"
 
@@ -70,6 +76,7 @@ class SettleFacts:
     reported_total: int | None = None  # the backend's usage, prompt + completion
     counted_completion: int | None = None  # completion tokens Sluice counted from the body it read
     rate: float | None = None  # the model's learned decode rate per choice, tokens/s
+    revoked: bool = False  # Sluice ended it to give a higher tier KV room
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +87,8 @@ class Charge:
 
 def charge(e: SettleFacts) -> Charge:
     """What the tenant pays for a request that went to the backend (see the module docstring)."""
+    if e.revoked and e.status == 0:
+        return Charge(0, Basis.REVOKED)
     if e.reported_total is not None:
         return Charge(e.reported_total, Basis.REPORTED)
     if e.status >= 400:

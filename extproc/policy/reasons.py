@@ -53,6 +53,9 @@ class Reason(StrEnum):
     OVERLOADED = "overloaded", 503, _SERVER
     STATE_STORE_DOWN = "state_store_down", 503, _SERVER
     NO_ENDPOINT = "no_endpoint", 503, _SERVER  # picker mode: nothing the gateway may route to is ready
+    # Admitted, then revoked before any answer to give a higher tier KV room
+    # (extproc.policy.revoke).
+    REVOKED = "revoked", 503, _SERVER
     # Answered by Envoy itself (extproc.envoy.replies), in the same shape.
     GATEWAY_UNAVAILABLE = "gateway_unavailable", 503, _SERVER  # extproc unreachable, failing or silent
     REQUEST_TIMEOUT = "request_timeout", 408, _INVALID  # a client too slow to send its request
@@ -85,3 +88,4 @@ class Ending(StrEnum):
     REJECTED = "rejected"  # Sluice answered the request itself; nothing reached a backend
     DISCONNECT = "disconnect"  # the ext_proc stream ended before the response did: the client left
     ERROR = "error"  # Sluice's own handling of the stream failed
+    REVOKED = "revoked"  # ended by Sluice to give a higher tier KV room: billed what it produced

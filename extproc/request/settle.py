@@ -22,6 +22,7 @@ from extproc.policy.breaker_outcome import outcome_at_settle
 from extproc.policy.budget import ZERO, spend
 from extproc.policy.budget_ledger import BudgetHold
 from extproc.policy.charge import Basis, Charge, SettleFacts, charge
+from extproc.policy.fair_share import work
 from extproc.policy.reasons import CHARGED, Ending, Reason
 from extproc.policy.schema import Limits, Tenant, Tier
 from extproc.request import observe
@@ -112,14 +113,20 @@ class Settlement:
             return
         # A request that never left Sluice (refused, or abandoned while queued) used nothing.
         went = self.sent_upstream and how is not Ending.REJECTED
-        got = self._charge(now) if went else Charge(0, Basis.NOT_SENT)
+        got = self._charge(how, now) if went else Charge(0, Basis.NOT_SENT)
         self.rt.state.settle(self.tenant.name, self.reserved, got.tokens, now)
         self._settle_budget(self._used(got) if went else None)
         t = self.ticket
         if t is not None:
             self._release(t, how, now)
-            if went:
+            if went and how is not Ending.REVOKED:
                 self._observe_latency(t, how, now)
+            if t.work:  # the fair share counts what it used, not what it reserved
+                used = (
+                    work(self.prompt_tokens, got.tokens - self.prompt_tokens) if got.tokens else 0.0
+                )
+                t.backend_state.queue.order.charge(self.tier.name, self.tenant.name, used - t.work,
+                                                   now)
         self.rt.metrics.settled(how, self.tenant.name, got.tokens, self.reserved, got.basis)
         self.rt.settle_log.add(self.request_id, self.tenant.name, how, self.status, got.basis,
                                self.prompt_tokens, self.reserved, got.tokens)
@@ -167,7 +174,7 @@ class Settlement:
         t.report_outcome(outcome_at_settle(how, self.status), latency, now)
         t.give_back(now)
 
-    def _charge(self, now: float) -> Charge:
+    def _charge(self, how: Ending, now: float) -> Charge:
         """What the request is charged (``extproc.policy.charge``), from what reached Sluice."""
         t, req = self.ticket, self.req
         assert t is not None and req is not None
@@ -184,7 +191,8 @@ class Settlement:
             prompt=self.prompt_tokens, completion_budget=max(0, self.reserved - self.prompt_tokens),
             n=req.n, admitted_at=t.admitted_at, ended_at=now, status=self.status,
             first_byte_at=self.first_byte_s, streamed=self.sse or req.stream, reported_total=total,
-            counted_completion=counted, rate=self.rt.decode_rates.rate(t.model.name)))
+            counted_completion=counted, rate=self.rt.decode_rates.rate(t.model.name),
+            revoked=how is Ending.REVOKED))
 
     def _used(self, got: Charge) -> Usage:
         """The charge split into prompt and completion tokens to price it, with the same total

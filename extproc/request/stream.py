@@ -27,6 +27,7 @@ from extproc.request import intake, upstream
 from extproc.request.admission import Admission, Wait
 from extproc.request.refusal import Refusal
 from extproc.request.repick import served_elsewhere
+from extproc.request.revoking import Revoker
 from extproc.request.settle import Settlement
 from extproc.request.ticket import Ticket
 from extproc.runtime.metrics import NO_TENANT
@@ -42,6 +43,9 @@ __all__ = ["StreamProcessor"]
 REQUEST_ID = "x-request-id"  # Envoy's, on every request it forwards: the engine sees the same id
 REQUEST_HEADERS = frozenset({":path", ":method", "content-length", "content-encoding", REQUEST_ID,
                              *intake.KEY_HEADERS})
+# Kinds whose response a revocable tier's request streams through Sluice (to end it with an
+# error event).
+REVOCABLE_KINDS = frozenset({"chat", "completions", "responses"})
 RESPONSE_HEADERS = frozenset({":status", "content-type"})
 _HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 _TRAILERS_CONTINUE = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
@@ -59,6 +63,11 @@ class StreamProcessor:
         self.admission: Admission | None = None
         self.settlement: Settlement | None = None  # once the tenant is known
         self.finished = False  # an immediate response ended the exchange
+        self.reads_body = (
+            False  # the response body passes through Sluice (streamed, or this request's mode)
+        )
+        # while the request could be revoked (extproc.request.revoking)
+        self.revoker: Revoker | None = None
 
     @property
     def ticket(self) -> Ticket | None:
@@ -184,7 +193,12 @@ class StreamProcessor:
         self.admission.precheck(self.rt.clock())
         gw = self.policy.gateway
         # Envoy's usage filter reads neither the Responses API's usage nor an embeddings body's.
-        read_body = got.kind in ("responses", "embeddings") and gw.response_processing != "streamed"
+        # A revocable tier's response is read chunk by chunk too, so a revoked stream can end with
+        # an error event (extproc.request.revoking): what that costs is one message per chunk.
+        revocable = got.kind in REVOCABLE_KINDS and self.policy.tiers[tenant.tier].revocable
+        read_body = (got.kind in ("responses", "embeddings") or revocable) \
+            and gw.response_processing != "streamed"
+        self.reads_body = read_body or gw.response_processing == "streamed"
         # The response side is off in the filter's static mode: turned on here, for this request.
         mode = msg.READ_RESPONSE_BODY if read_body else msg.RESPONSE_MODES[gw.response_processing]
         new_path = {":path": got.clean_path} if got.clean_path else {}
@@ -201,11 +215,22 @@ class StreamProcessor:
             else:
                 ticket = step
         assert ticket is not None
+        self._track(ticket)
         fwd = upstream.forward(self.rt, self.policy, self.tenant, req, ticket)
         self.settlement.forwarded()
         # Response headers decided now travel as dynamic metadata (see extproc.envoy.routes).
         yield msg.body_response("request_body", fwd.body, fwd.set_headers, fwd.remove_headers,
                                 clear_route_cache=True, metadata={msg.METADATA_NAMESPACE: fwd.response_headers})
+
+    def _track(self, ticket: Ticket) -> None:
+        """A request on a backend where a tier may take KV room back can be revoked: say so."""
+        hold, be, s = ticket.hold, ticket.backend_state, self.settlement
+        if hold is None or not be.kv_shares or s is None:
+            return
+        self.revoker = Revoker(self.rt, s, s.request_id, self.reads_body)
+        be.shares.revocations.track(
+            hold.grant.id, hold.grant.tier, hold.kv, hold.endpoint, ticket.admitted_at, self.revoker
+        )
 
     # -- response side ------------------------------------------------------
     def _start_response(self, request: pb.ProcessingRequest, s: Settlement) -> None:
@@ -265,6 +290,13 @@ class StreamProcessor:
         replacement = None
         if s is not None and s.tracker is not None and not s.settled:
             replacement = s.tracker.feed(b.body, b.end_of_stream)
+        rv = self.revoker
+        if rv is not None and not b.end_of_stream:
+            # Revoked mid-stream: this chunk goes on with the error event after it, then the end.
+            ended = rv.end_chunk(b.body if replacement is None else replacement)
+            if ended is not None:
+                self.finished = True
+                return msg.body_response("response_body", ended)
         if b.end_of_stream:
             self.settle(Ending.END_OF_STREAM)
         if replacement is None:
