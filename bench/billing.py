@@ -15,6 +15,8 @@ generated, finished_reason). The bound of each basis (extproc/policy/charge.py s
   ``estimate_over``, if set, bounds charged - processed as well.
 - ``failed``: charged 0; the engine did nothing, unless ``failed_work`` (a failure
   after generating is not billed: the operator's loss).
+- ``revoked``: charged 0 (Sluice ended it before any answer, for a higher tier); the
+  engine either never saw it or aborted it (finished_reason ``abort``).
 - ``not_sent``: charged 0 and no engine record; ``refused_counted``: charged the counted
   prompt and no engine record.
 
@@ -29,7 +31,7 @@ from typing import Any
 
 from bench.procs import get_json
 
-BASES = ("reported", "counted", "estimated", "failed", "not_sent", "refused_counted")
+BASES = ("reported", "counted", "estimated", "failed", "revoked", "not_sent", "refused_counted")
 SENT = frozenset({"reported", "counted", "estimated"})  # the engine must have a record of these
 
 
@@ -115,6 +117,9 @@ def problem(p: Pair, b: Bounds) -> str | None:
     if basis == "failed":
         ok = charged == 0 and (done == 0 or b.failed_work)
         return None if ok else f"a failed request charged {charged}, engine {done}: {p}"
+    if basis == "revoked":
+        ok = charged == 0 and (w is None or w["finished_reason"] == "abort")
+        return None if ok else f"a revoked request charged {charged}, engine record {w}: {p}"
     if basis in ("not_sent", "refused_counted"):
         want = 0 if basis == "not_sent" else s["prompt"]
         return (

@@ -7,6 +7,12 @@
     (e) as (d), with ``kv_reservation: learned`` on the main backend
     (f) as (e), plus latency SLOs (premium ``ttft_p99_ms``) driving the adaptive
         concurrency limit
+    (g) as (f), plus KV guarantees (premium keeps half of the cache while it has demand),
+        revocation (premium may take room back; batch is revocable in the example policy)
+        and engine priority (the backend schedules by priority, Sluice writes each tier's);
+        the batch tier queues documents instead of shedding them, for up to 110 s
+    (h) as (g) with premium keeping a quarter of the cache, not half (the long-prompt
+        benchmark only: documents start during chat, and revocation takes room back)
 
 Each configuration gets a fresh simulated backend with the same settings (the example
 policy's: 2048 KV blocks of 16 tokens = 32k tokens, 64 sequences, a 32k context for the
@@ -54,9 +60,26 @@ from bench.trace import (
 )
 from extproc.envoy.bootstrap import BackendRoute
 
-NAMES = {"a": "(a) Envoy, no limiter", "b": "(b) Envoy local_ratelimit", "c": "(c) LiteLLM proxy",
-         "d": "(d) Envoy + Sluice", "e": "(e) Sluice, learned KV", "f": "(f) Sluice, learned KV + SLO"}
-SLUICE = "def"  # the configurations that run Sluice
+NAMES = {
+    "a": "(a) Envoy, no limiter",
+    "b": "(b) Envoy local_ratelimit",
+    "c": "(c) LiteLLM proxy",
+    "d": "(d) Envoy + Sluice",
+    "e": "(e) Sluice, learned KV",
+    "f": "(f) Sluice, learned KV + SLO",
+    "g": "(g) (f) + KV guarantees, revocation, engine priority",
+    "h": "(h) as (g), premium guaranteed a quarter",
+}
+SLUICE = "defgh"  # the configurations that run Sluice
+# (g)'s KV shares: premium keeps half of each cache while it has demand (room for its chat at
+# the trace's load: ~9 requests of ~1.6k-token learned footprints in flight); the batch tier
+# waits for the cache (queued, not shed) as long as Envoy lets a request wait.
+G_TIERS: dict[str, dict[str, Any]] = {
+    "premium": {"kv_guaranteed": 0.5},
+    "batch": {"degrade": {}, "max_queue_wait_ms": 110_000, "revocable": True},
+}
+H_PREMIUM_SHARE = 0.25  # (h): premium's guarantee, for documents to start during chat
+PRIORITY_SIM = ("--scheduling-policy", "priority")  # (g)'s and (h)'s backend: vLLM's priority scheduling
 # (f)'s latency SLOs for premium. Time to first token after admission: premium p99 TTFT
 # is ~1 s on an unloaded backend in this mix (a 16k-token batch prefill stalls decoding
 # for ~0.4 s), so the target leaves room for that and no more. Inter-token latency: a
@@ -98,6 +121,7 @@ class ConfigRun:
     cpu: dict[str, float] = field(default_factory=dict)  # process -> mean cores over the run
     rss_mb: dict[str, float] = field(default_factory=dict)
     sluice_end: dict[str, Any] | None = None
+    aborts: list[dict[str, Any]] = field(default_factory=list)  # the backend's abort log (x-request-id, when freed)
     error: str | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -184,7 +208,7 @@ def _start(key: str, gw: Gateway, cap: Capacity, mode: str, run: ConfigRun,
            sim_extra: tuple[str, ...] = ()) -> dict[str, int]:
     """Start configuration ``key``'s processes; returns the pids whose CPU to follow."""
     ports = gw.ports
-    gw.start_sim("sim", ports.sim, [*sim_args(mode), *sim_extra])
+    gw.start_sim("sim", ports.sim, [*sim_args(mode), *sim_extra, *(PRIORITY_SIM if key in "gh" else ())])
     pids = {"backend": gw.procs["sim"].pid}
     policy_dir = example_policy(gw.workdir / "policies", {"sim": ports.sim, "sim-small": ports.small})
     doc = load_policy_doc(policy_dir)
@@ -215,8 +239,8 @@ def _start(key: str, gw: Gateway, cap: Capacity, mode: str, run: ConfigRun,
 
 
 def variant_policy(policy_dir: Path, key: str) -> None:
-    """(e) and (f): the example policy with learned reservations (and SLOs) on top."""
-    if key not in "ef":
+    """(e)-(h): the example policy with learned reservations (SLOs, KV shares) on top."""
+    if key not in "efgh":
         return
     import yaml
 
@@ -227,10 +251,19 @@ def variant_policy(policy_dir: Path, key: str) -> None:
         for b in doc.get("backends") or []:
             if b["name"] == "sim":
                 b["kv_reservation"] = "learned"
-        if key == "f":
+                if key in "gh":
+                    b["engine_priority"] = "vllm"
+        tiers = doc.get("tiers") or {}
+        if key in "fgh":
             for tier, slo in SLOS.items():
-                if tier in (doc.get("tiers") or {}):
-                    doc["tiers"][tier].update(slo)
+                if tier in tiers:
+                    tiers[tier].update(slo)
+        if key in "gh":
+            for tier, extra in G_TIERS.items():
+                if tier in tiers:
+                    tiers[tier].update(extra)
+            if key == "h" and "premium" in tiers:
+                tiers["premium"]["kv_guaranteed"] = H_PREMIUM_SHARE
         f.write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
@@ -239,7 +272,7 @@ def learning_notes(run: ConfigRun) -> list[str]:
     end = run.sluice_end or {}
     notes = []
     learned = [e for e in (end.get("completions") or {}).get("estimates", []) if e["kind"] == "tenant"]
-    if learned and run.key in "ef":
+    if learned and run.key in "efgh":
         notes.append("learned completion lengths at the end (p95, tokens): " + ", ".join(
             f"{e['name']}/{e['model']} {e['tokens']} ({e['samples']} samples)" for e in learned))
     adaptive = (end.get("backends") or {}).get("sim", {}).get("adaptive")
@@ -258,9 +291,11 @@ def sim_admin(port: int, cfg: dict[str, Any]) -> None:
 
 def run_config(key: str, workdir: Path, sched: Schedule, cap: Capacity, mode: str, drain_s: float,
                log: Any, events: list[tuple[float, dict[str, Any]]] | None = None,
-               sim_extra: tuple[str, ...] = ()) -> tuple[ConfigRun, dict[str, float] | None]:
+               sim_extra: tuple[str, ...] = (), clients: dict[str, ClientPolicy] | None = None
+               ) -> tuple[ConfigRun, dict[str, float] | None]:
     """``events``: (seconds after the start, /admin/config body) sent to the backend mid-run;
-    ``sim_extra``: more simulated-backend flags (``--chunked-prefill``)."""
+    ``sim_extra``: more simulated-backend flags (``--chunked-prefill``); ``clients``: each
+    tier's patience (default ``CLIENTS``). Batch clients send a revoked request again."""
     run = ConfigRun(key, NAMES[key])
     latency = None
     gw = Gateway(workdir / key, Ports())
@@ -271,7 +306,7 @@ def run_config(key: str, workdir: Path, sched: Schedule, cap: Capacity, mode: st
             latency = litellm_latency(gw)
         admin = f"http://127.0.0.1:{gw.ports.admin}/debug/state" if key in SLUICE else None
         sampler = Sampler(f"http://127.0.0.1:{gw.ports.sim}/admin/engine", admin, pids=pids)
-        loop = OpenLoop(gw.url, KEYS, CLIENTS, drain_s=drain_s)
+        loop = OpenLoop(gw.url, KEYS, clients or CLIENTS, drain_s=drain_s, retry_revoked=frozenset({"batch"}))
 
         async def at(t0: float, offset: float, cfg: dict[str, Any]) -> None:
             await asyncio.sleep(max(0.0, t0 + offset - time.monotonic()))
@@ -301,6 +336,7 @@ def run_config(key: str, workdir: Path, sched: Schedule, cap: Capacity, mode: st
             run.rss_mb[n] = rss / 2**20
         run.samples = sampler.samples
         run.engine = get_json(f"http://127.0.0.1:{gw.ports.sim}/admin/engine")
+        run.aborts = get_json(f"http://127.0.0.1:{gw.ports.sim}/admin/aborts")
         if key in SLUICE:
             run.sluice_end = wait_idle(admin or "", 5)  # clients cut at the end settle within moments
             led = run.sluice_end["ledger"]
@@ -315,7 +351,7 @@ def run_config(key: str, workdir: Path, sched: Schedule, cap: Capacity, mode: st
     return run, latency
 
 
-def run(workdir: Path, *, quick: bool = False, configs: str = "abcdef", mode: str = "preempt",
+def run(workdir: Path, *, quick: bool = False, configs: str = "abcdefg", mode: str = "preempt",
         log: Any = print) -> Headline:
     mix = Mix()
     cap = measure_capacity(workdir, mix, mode, 12.0 if quick else 20.0, 4.0 if quick else 5.0, log)

@@ -77,6 +77,7 @@ class Result:
     error: str = ""
     model: str = ""  # the model that answered (fallbacks show here)
     retry_after_s: float | None = None  # from retry-after-ms / retry-after on a refusal
+    revoked: int = 0  # times the gateway revoked it (503 or an error event, reason "revoked") and it was sent again
 
     @property
     def ok(self) -> bool:
@@ -110,6 +111,12 @@ def _read_event(res: Result, payload: bytes, t0: float, on_first: Callable[[], N
         res.error = "bad_sse_json"
         return
     if not isinstance(obj, dict):
+        return
+    err = obj.get("error")
+    if isinstance(err, dict):  # an error event ends the stream (a gateway revoking it, say)
+        res.error = f"event:{err.get('code') or err.get('type') or 'error'}"
+        if err.get("code") == "revoked":
+            res.reason = "revoked"
         return
     if obj.get("model"):
         res.model = obj["model"]
@@ -219,6 +226,46 @@ class OpenLoop:
     drain_s: float = 10.0
     headers: Callable[[Request], Mapping[str, str]] | None = None
     body: Callable[[Request], bytes] | None = None  # the request's JSON body; default chat_body
+    # Tiers whose clients send a revoked request again after its Retry-After (batch jobs do),
+    # within their patience (total_s from the first send).
+    retry_revoked: frozenset[str] = frozenset()
+
+    async def _send(
+        self,
+        session: aiohttp.ClientSession,
+        req: Request,
+        t0: float,
+        policy: ClientPolicy,
+        extra: Mapping[str, str] | None,
+        live: dict[int, Result],
+    ) -> Result:
+        first = time.monotonic()
+        revoked = 0
+        while True:
+            res = await send(
+                session,
+                self.base_url,
+                self.keys[req.tier],
+                req,
+                t0,
+                policy,
+                extra,
+                track=live,
+                body=self.body(req) if self.body else None,
+            )
+            if res.reason != "revoked":
+                break
+            revoked += 1
+            wait = res.retry_after_s if res.retry_after_s is not None else 1.0
+            if (
+                req.tier not in self.retry_revoked
+                or time.monotonic() + wait - first > policy.total_s
+            ):
+                break
+            await asyncio.sleep(wait)
+        res.revoked = revoked
+        res.sent = first - t0  # the client's wait counts from its first try
+        return res
 
     async def run(self, requests: Sequence[Request], t0: float | None = None) -> list[Result]:
         t0 = time.monotonic() if t0 is None else t0
@@ -232,9 +279,7 @@ class OpenLoop:
                     await asyncio.sleep(delay)
                 extra = self.headers(req) if self.headers else None
                 policy = self.client.get(req.tier, ClientPolicy())
-                tasks.append(asyncio.create_task(
-                    send(session, self.base_url, self.keys[req.tier], req, t0, policy, extra, track=live,
-                         body=self.body(req) if self.body else None)))
+                tasks.append(asyncio.create_task(self._send(session, req, t0, policy, extra, live)))
             if tasks:
                 await asyncio.wait(tasks, timeout=self.drain_s)
             for t in tasks:

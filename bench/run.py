@@ -7,6 +7,7 @@
     python -m bench.run --only headline --configs ad
     python -m bench.run --only slowdown          # decode speed halved for 20 s: (e) vs (f)
     python -m bench.run --only longprompt        # 12 documents of 16k-24k tokens on steady chat
+    python -m bench.run --only fairness          # a heavy and a light tenant in one tier: fair share by work
     python -m bench.run --only pool              # 3 engines, the trace's burst at 3x: Envoy RR / LR / Sluice picking (+ prefix affinity)
     python -m bench.run --only state_store       # TPM/RPM state in Redis vs in-process; accuracy, 1 and 3 replicas
 
@@ -31,8 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-PARTS = ("headline", "longprompt", "slowdown", "pool", "tpm", "state_store", "soak", "floods",
-         "overhead", "tokenizer")
+PARTS = ("headline", "longprompt", "fairness", "slowdown", "pool", "tpm", "state_store", "soak",
+         "floods", "overhead", "tokenizer")
 
 
 def log(msg: str) -> None:
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=PARTS, action="append", help="run only this part (repeatable)")
     ap.add_argument("--quick", action="store_true", help="shorter phases and runs (a smoke test, not results)")
-    ap.add_argument("--configs", default="abcdef", help="headline configurations to run (default abcdef)")
+    ap.add_argument("--configs", default="abcdefg", help="headline configurations to run (default abcdefg)")
     ap.add_argument("--mode", choices=("preempt", "oom"), default="preempt",
                     help="the simulated backend's behaviour when its KV cache runs out")
     ap.add_argument("--out", type=Path, default=RESULTS, help="where report.md and the PNGs go")
@@ -132,9 +133,17 @@ def main(argv: list[str] | None = None) -> int:
     if "longprompt" in parts:
         def longprompt_part() -> str:
             from bench import longprompt
-            return longprompt.markdown(longprompt.run(workdir, quick=args.quick, configs=args.configs.replace(
-                "b", "").replace("c", ""), log=log))
+
+            configs = args.configs.replace("b", "").replace("c", "")
+            if configs == "adefg":  # the default: the long-prompt run also shows (h)
+                configs += "h"
+            return longprompt.markdown(longprompt.run(workdir, quick=args.quick, configs=configs, log=log))
         timed("longprompt", longprompt_part)
+    if "fairness" in parts:
+        def fairness_part() -> str:
+            from bench import fairness
+            return fairness.markdown(fairness.run(workdir, quick=args.quick, log=log))
+        timed("fairness", fairness_part)
     if "slowdown" in parts:
         def slowdown_part() -> str:
             from bench import slowdown

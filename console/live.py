@@ -126,6 +126,36 @@ def replicas(store: Store, now: float, stale_after: float, hide_after: float = H
 
 
 @dataclass
+class TierKvView:
+    """One tier's KV share on a backend (docs/long-context.md): kept for it while it has demand,
+    what it reserves now, and whether its demand holds the guarantee."""
+
+    tier: str
+    guaranteed_tokens: float | None = None
+    burst_tokens: float | None = None
+    reserved_tokens: float | None = None
+    active: bool = False
+    revocable: bool = False
+
+
+def kv_tier_views(value: Any) -> list[TierKvView]:
+    out = []
+    for tier, t in as_map(as_map(value).get("tiers")).items():
+        t = as_map(t)
+        out.append(
+            TierKvView(
+                str(tier),
+                num(t.get("guaranteed_tokens")),
+                num(t.get("burst_tokens")),
+                num(t.get("reserved_tokens")),
+                t.get("active") is True,
+                t.get("revocable") is True,
+            )
+        )
+    return out
+
+
+@dataclass
 class BackendView:
     name: str
     kv_usage: float | None = None
@@ -141,7 +171,12 @@ class BackendView:
     queue: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # replica -> queue
     endpoints: list[EndpointView] = field(default_factory=list)  # a pool's, from the freshest report
     pool: PoolView | None = None  # a pool's own line: its endpoints' sums, from the freshest report
-    affinity: AffinityView | None = None  # a pool's prefix affinity; None while no replica has it on
+    affinity: AffinityView | None = None
+    kv_tiers: list[TierKvView] = field(
+        default_factory=list
+    )  # KV shares per tier, from the freshest report
+    revoked: int = 0  # requests revoked for a higher tier, summed over the fresh reports
+    revoked_work: int = 0  # the work those threw away (tokens)
 
     @property
     def breaker_states(self) -> list[str]:
@@ -171,6 +206,16 @@ def backend_views(names: list[str], reps: list[Replica]) -> list[BackendView]:
             v.queue[r.id] = as_map(b.get("queue"))
             v.endpoints = endpoint_views(b.get("endpoints"))
             v.pool = pool_view(b.get("pool"))
+            shares = as_map(b.get("kv_shares"))
+            if shares:
+                v.kv_tiers = kv_tier_views(shares)
+                rev = as_map(shares.get("revocation"))
+                v.revoked += int(
+                    sum(n for n in (num(x) for x in as_map(rev.get("revoked")).values()) if n)
+                )
+                v.revoked_work += int(
+                    sum(n for n in (num(x) for x in as_map(rev.get("wasted_tokens")).values()) if n)
+                )
             if isinstance(b.get("prefix_affinity"), Mapping):
                 v.affinity = v.affinity or AffinityView()
                 v.affinity.add(b["prefix_affinity"])

@@ -464,3 +464,17 @@ def test_embeddings_inputs_keep_their_places_for_the_per_input_window_check() ->
     assert emb.id_inputs == [(1, 3), (3, 1)] and emb.fixed_tokens == 4
     one = parse_request("embeddings", raw({"model": "m", "input": [9, 9]}))
     assert one.id_inputs == [(0, 2)] and one.text_inputs == []
+
+
+def test_upstream_writes_the_engine_priority_over_the_clients() -> None:
+    plain = parse_request("chat", raw(chat(max_tokens=100)))
+    out = upstream_body(plain, 100, priority=-100)
+    assert out is not None and json.loads(out)["priority"] == -100
+    cheeky = parse_request("chat", raw(chat(max_tokens=100, priority=-(10**6))))
+    out = upstream_body(cheeky, 100, priority=0)
+    assert (
+        out is not None and json.loads(out)["priority"] == 0
+    )  # the client's own value never reaches the engine
+    same = parse_request("chat", raw(chat(max_tokens=100, priority=-100)))
+    assert upstream_body(same, 100, priority=-100) is None
+    assert upstream_body(cheeky, 100) is None  # engine_priority off: the body goes as sent

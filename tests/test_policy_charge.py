@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -59,6 +61,20 @@ def test_a_client_that_left_before_any_answer_pays_for_the_time_the_engine_may_h
     assert charge(ending(rate=None, ended_at=10.5)).tokens == 1100
     # Embeddings have no completion: the prompt.
     assert charge(ending(n=0, completion_budget=0)).tokens == 100
+
+
+def test_a_request_sluice_revoked_before_any_answer_is_not_billed() -> None:
+    """Sluice ended it for a higher tier's room and told the client to retry: it pays nothing,
+    even after long in the engine's queue (the estimate would charge it the time)."""
+    assert charge(ending(revoked=True)) == Charge(0, Basis.REVOKED)
+    assert charge(ending(revoked=True, ended_at=100.0, rate=None)) == Charge(0, Basis.REVOKED)
+
+
+def test_a_revoked_stream_that_had_answered_pays_what_it_produced() -> None:
+    answered = ending(revoked=True, status=200, first_byte_at=10.1, streamed=True)
+    assert charge(replace(answered, counted_completion=42)) == Charge(142, Basis.COUNTED)
+    assert charge(replace(answered, reported_total=150)) == Charge(150, Basis.REPORTED)
+    assert charge(answered).basis is Basis.ESTIMATED  # nothing read: the time it streamed
 
 
 def test_the_generating_time_depends_on_what_arrived() -> None:

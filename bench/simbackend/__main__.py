@@ -10,7 +10,7 @@ from dataclasses import fields
 from typing import Any
 
 from .app import create_app
-from .config import MODES, SimConfig
+from .config import MODES, SCHEDULING_POLICIES, SimConfig
 from .server import start_site
 
 
@@ -43,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
                    default=False, help="vLLM's automatic prefix caching: cached prompt blocks skip prefill "
                    "(--no-enable-prefix-caching: off, the default here)")
     setting("--watermark", "fraction of blocks kept free at admission")
+    setting(
+        "--scheduling-policy",
+        "vLLM's: fcfs, or priority (the request's priority field, lower first, "
+        "orders the waiting queue and picks whom to preempt)",
+        choices=SCHEDULING_POLICIES,
+    )
     setting(
         "--mode", "out of KV: preempt the newest sequence, or fail everything (oom)", choices=MODES
     )

@@ -18,10 +18,11 @@ from extproc.tokens import encodings
 from . import openai_fmt as fmt
 from .config import LiveConfig, SimConfig, parse_live_update
 from .engine import Engine, Sequence
-from .metrics import CONTENT_TYPE, SimCollector, make_registry, render
+from .metrics import CONTENT_TYPE, SimCollector, engine_report, make_registry, render
 from .parse import (
     BadRequest,
     GenRequest,
+    check_priority,
     count_items,
     parse_chat,
     parse_completion,
@@ -218,6 +219,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         count, ids = prompt_token_ids(r, enc)
         return count, block_hashes(ids, block) if caching and ids is not None else ()
 
+    check_priority(req, st.config.scheduling_policy)
     prompt, hashes = await _count(st, req, count_and_hash)  # off the loop for large prompts
     target, natural = _plan_length(st, req, prompt, sim.tokens)
     seq = Sequence(
@@ -227,6 +229,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         delay=sim.delay_ms / 1000.0,
         tps=sim.tps,
         natural_stop=natural,
+        priority=req.priority,
         **_who(request),
     )
     seq.block_hashes = hashes
@@ -258,6 +261,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
 async def embeddings(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     req = parse_embedding(await _json_body(request))
+    check_priority(req, st.config.scheduling_policy)
     sim = parse_sim_headers(request.headers)
     counts: list[int] = await _count(st, req, count_items)
     mml = st.config.max_model_len
@@ -271,7 +275,8 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
                 "input",
             )
     prompt = sum(counts)
-    seq = Sequence(prompt_tokens=prompt, max_tokens=0, delay=sim.delay_ms / 1000.0, **_who(request))
+    seq = Sequence(prompt_tokens=prompt, max_tokens=0, delay=sim.delay_ms / 1000.0,
+                   priority=req.priority, **_who(request))
     handle = st.scheduler.submit(seq)
     model = req.model or st.config.model
     job = Job(request, handle, "embedding", model, req, sim, prompt, st.config.embedding_dim)
@@ -346,32 +351,15 @@ async def get_work(request: web.Request) -> web.Response:
     return web.json_response(request.app[STATE].engine.work.report(after))
 
 
+async def get_aborts(request: web.Request) -> web.Response:
+    """The last aborted requests: x-request-id, wall time (time.time()) the blocks were freed,
+    how many, and whether the sequence was waiting or running."""
+    return web.json_response(list(request.app[STATE].scheduler.aborts))
+
+
 async def get_engine(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    e = st.engine
-    return web.json_response(
-        {
-            "kv_blocks_total": e.total_blocks,
-            "kv_blocks_used": e.used_blocks,
-            "kv_usage": e.kv_usage,
-            "running": len(e.running),
-            "waiting": len(e.waiting),
-            "preemptions_total": e.preemptions_total,
-            "prompt_tokens_total": e.prompt_tokens_total,
-            "generation_tokens_total": e.generation_tokens_total,
-            "finished_total": dict(e.finished_total),
-            "kv_blocks_peak": e.peak_used_blocks,
-            "oom_failures_total": e.oom_failures_total,
-            "paused": e.paused(st.clock.now()),
-            "mode": e.mode,
-            "steps": st.scheduler.steps,
-            "prefix_cache": None if e.prefix is None else {
-                "queries_tokens": e.prefix.queries, "hits_tokens": e.prefix.hits,
-                "shared_blocks": len(e.prefix.refs), "evictable_blocks": len(e.prefix.evictable),
-                "evictions": e.prefix.evictions,
-            },
-        }
-    )
+    return web.json_response(engine_report(st.engine, st.scheduler.steps, st.clock.now()))
 
 
 # ---- assembly ---------------------------------------------------------------------------
@@ -403,6 +391,7 @@ def create_app(config: SimConfig | None = None) -> web.Application:
     app.router.add_post("/admin/config", post_config)
     app.router.add_get("/admin/engine", get_engine)
     app.router.add_get("/admin/work", get_work)
+    app.router.add_get("/admin/aborts", get_aborts)
     app.on_startup.append(_on_startup)
     app.on_shutdown.append(_on_shutdown)
     return app

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MODES = ("preempt", "oom")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -28,6 +29,9 @@ class SimConfig:
     prefix_caching: bool = False
     # vLLM keeps 1 % of the blocks free when admitting, so running sequences can grow.
     watermark: float = 0.01
+    # vLLM's --scheduling-policy: "fcfs", or "priority" (the request's ``priority`` orders the
+    # waiting queue, lower first, and picks who is preempted; see engine.py).
+    scheduling_policy: str = "fcfs"
     mode: str = "preempt"
     time_scale: float = 1.0
     # A prefill step costs ttft_ms plus prefill_ms_per_1k_tokens per 1000 prompt tokens.
@@ -50,6 +54,8 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {self.mode!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, not {self.scheduling_policy!r}")
         if self.kv_blocks < 1 or self.block_size < 1 or self.max_num_seqs < 1:
             raise ValueError("kv_blocks, block_size and max_num_seqs must be >= 1")
         if self.time_scale <= 0 or self.tokens_per_s <= 0:

@@ -26,17 +26,27 @@ What is modelled, because the gateway's behaviour depends on it:
 - Running out of blocks either preempts the newest sequence (recompute: it returns to the
   front of the queue and redoes its prefill) or, in "oom" mode, kills every running
   request and pauses admission, the way a crashing server would.
+- ``scheduling_policy="priority"`` (vLLM's ``--scheduling-policy priority``): the waiting
+  queue is ordered by the request's ``priority`` (lower first), then arrival
+  (``waitqueue.py``); the sequence preempted for room is the running one of the lowest
+  priority, latest arrival (not the newest); and, as vLLM V0's
+  ``_schedule_priority_preemption`` does, a waiting head that does not fit preempts
+  running sequences of lower priority, lowest first, until it does (the whole-prompt
+  path; vLLM V1's chunked scheduler preempts only for a running sequence's growth).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections import Counter, deque
+from collections import Counter
 
+from .chunked import step_chunked
 from .config import SimConfig
 from .prefix_cache import PrefixCache
 from .sequence import Sequence, StepOutcome
 from .step_cost import decode_step_ms, prefill_step_s
+from .waitqueue import WaitQueue, order_key
 from .work import WorkLog
 
 __all__ = ["OOM_MESSAGE", "Engine", "Sequence", "StepOutcome"]
@@ -51,7 +61,8 @@ class Engine:
         self.total_blocks = cfg.kv_blocks
         self.free_blocks = cfg.kv_blocks
         self.watermark_blocks = int(cfg.watermark * cfg.kv_blocks)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitQueue(cfg.scheduling_policy)
+        self._arrivals = itertools.count(1)
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.paused_until = -math.inf
         self._admitted = 0
@@ -93,26 +104,32 @@ class Engine:
     def add(self, seq: Sequence, now: float) -> None:
         seq.state = "waiting"
         seq.ready_at = now + seq.delay
+        seq.arrival = next(self._arrivals)
         self.waiting.append(seq)
 
-    def abort(self, seq: Sequence) -> None:
-        """The client went away: forget the sequence and free its blocks at once."""
+    def abort(self, seq: Sequence) -> int:
+        """The client went away: forget the sequence and free its blocks at once. Returns the
+        blocks freed (-1: it had already ended)."""
+        freed = 0
         if seq.state == "waiting":
             self.waiting.remove(seq)
         elif seq.state == "running":
             self.running.remove(seq)
+            before = self.free_blocks
             self._free(seq)
+            freed = self.free_blocks - before
         else:
-            return
+            return -1
         seq.state = "aborted"
         self.finished_total["abort"] += 1
         self.work.finished(seq, "abort")
+        return freed
 
     # ---- one scheduler iteration ----------------------------------------------------
     def step(self, now: float) -> StepOutcome:
         out = StepOutcome()
         if self.cfg.chunked_prefill:
-            self._step_chunked(now, out)
+            step_chunked(self, now, out)
             return out
         admitted = [] if self.paused(now) else self._admit(out)
         if admitted:
@@ -142,6 +159,8 @@ class Engine:
         self.free_blocks -= blocks
 
     def _admit(self, out: StepOutcome) -> list[Sequence]:
+        if self.waiting.by_priority:
+            self._priority_preempt(out)
         admitted: list[Sequence] = []
         budget = self.cfg.batched_tokens_budget
         batched = 0
@@ -157,12 +176,36 @@ class Engine:
             batched += prefill
         return admitted
 
+    def _priority_preempt(self, out: StepOutcome) -> None:
+        """vLLM V0's priority preemption: the waiting head preempts running sequences of lower
+        priority (lowest, latest first) until it fits (blocks and a batch place)."""
+        if not self.waiting:
+            return
+        head = self.waiting.head()
+        need = self._admission_blocks(head, self._hit(head))
+        if need > self.total_blocks - self.watermark_blocks:
+            return  # it never fits; _fitting_head fails it
+        while self.running:
+            if (
+                self.free_blocks - need >= self.watermark_blocks
+                and len(self.running) < self.cfg.max_num_seqs
+            ):
+                return
+            victim = max(self.running, key=order_key)
+            if order_key(victim) <= order_key(head):
+                return
+            self._preempt(victim, out)
+
+    def _victim(self) -> Sequence:
+        """Whom to preempt for room: the newest (fcfs), or the lowest priority, latest arrival."""
+        return max(self.running, key=order_key) if self.waiting.by_priority else self.running[-1]
+
     def _fitting_head(self, out: StepOutcome) -> tuple[Sequence, int, list[int]] | None:
         """The queue's head, the free blocks it needs to start and its cached leading blocks;
         heads that would never fit, even alone, are failed on the way (waiting would
         block the queue forever)."""
         while self.waiting:
-            seq = self.waiting[0]
+            seq = self.waiting.head()
             hit = self._hit(seq)
             need = self._admission_blocks(seq, hit)
             if need <= self.total_blocks - self.watermark_blocks:
@@ -260,7 +303,7 @@ class Engine:
             if self.mode == "oom":
                 self._oom(now, out)
                 return False
-            victim = self.running[-1]
+            victim = self._victim()
             if victim is seq and len(self.running) == 1:
                 # Alone and still out of room: preempting itself would loop forever.
                 self._finish(seq, "length", out)
@@ -281,71 +324,6 @@ class Engine:
         out.emitted[seq] = seq.generated
         if not seq.wants_tokens:
             self._finish(seq, "stop" if seq.natural_stop else "length", out)
-
-    # ---- chunked prefill (vLLM V1) ----------------------------------------------------
-    def _step_chunked(self, now: float, out: StepOutcome) -> None:
-        budget = self.cfg.batched_tokens_budget
-        prefill = 0
-        decode: list[tuple[Sequence, int]] = []
-        completed: list[Sequence] = []  # their prompt's last chunk ran in this step
-        for seq in list(self.running):
-            if seq.state != "running" or budget <= 0:
-                continue  # preempted earlier in this step, or no budget left
-            if seq.prefill_left > 0:
-                chunk = min(seq.prefill_left, budget)
-                last = chunk == seq.prefill_left
-                done = seq.kv_tokens() - seq.prefill_left + chunk
-                if not self._reserve(seq, done + (seq.n if last and seq.wants_tokens else 0), now, out):
-                    continue
-                seq.prefill_left -= chunk
-                budget -= chunk
-                prefill += chunk
-                if last:
-                    completed.append(seq)
-                    self._register(seq)
-            elif not seq.wants_tokens and now >= seq.ready_at:
-                self._finish(seq, "stop", out)
-            elif (k := self._due(seq, now)) > 0 and self._grow(seq, k, now, out):
-                decode.append((seq, k))
-                budget -= 1
-        if not out.preempted and not self.paused(now):
-            while budget > 0 and len(self.running) < self.cfg.max_num_seqs \
-                    and (head := self._fitting_head(out)) is not None:
-                seq, _, hit = head
-                cached = len(hit) * self.cfg.block_size
-                total = seq.kv_tokens() - cached  # to compute: a hit is never the whole prompt
-                chunk = min(total, budget)
-                last = chunk == total
-                first = self._blocks_for(cached + chunk + (seq.n if last and seq.wants_tokens else 0))
-                first -= self.prefix.shared_among(hit) if self.prefix is not None else 0
-                if self.free_blocks - first < self.watermark_blocks:
-                    break
-                self._start(seq, first, hit)
-                seq.prefill_left = total - chunk
-                budget -= chunk
-                prefill += chunk
-                if last:
-                    completed.append(seq)
-                    self._register(seq)
-        decode = [(s, k) for s, k in decode if s.state == "running"]
-        if not prefill and not decode:
-            out.wake_at = self._next_wake(now) if not out.finished and not out.failed else now
-            return
-        out.kind = "prefill" if prefill else "decode"
-        if prefill:
-            out.duration += prefill_step_s(self.cfg, prefill)
-        if decode:
-            out.duration += self.decode_ms(len(decode), sum(s.kv_tokens() for s, _ in decode), now) / 1000.0
-        end = now + out.duration
-        for seq, k in decode:
-            self._emit(seq, k, end, out)
-        for seq in completed:
-            if seq.state != "running" or now < seq.ready_at:
-                continue  # preempted later in the step, or a programmed delay
-            if not seq.wants_tokens:
-                self._finish(seq, "stop", out)
-            else:
-                self._emit(seq, 1, end, out)
 
     # ---- endings ----------------------------------------------------------------------
     def _register(self, seq: Sequence) -> None:
@@ -399,7 +377,7 @@ class Engine:
         self._free(victim)
         victim.state = "waiting"
         victim.num_preemptions += 1
-        self.waiting.appendleft(victim)
+        self.waiting.prepend(victim)
         self.preemptions_total += 1
         out.emitted.pop(victim, None)
         out.preempted.append(victim)

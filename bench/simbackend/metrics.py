@@ -8,6 +8,7 @@ numbers, and families built per scrape expose counters as ``<name>_total`` witho
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -106,3 +107,30 @@ def make_registry(collector: SimCollector) -> CollectorRegistry:
 
 def render(registry: CollectorRegistry) -> bytes:
     return generate_latest(registry)
+
+
+def engine_report(e: Engine, steps: int, now: float) -> dict[str, Any]:
+    """What GET /admin/engine returns: the engine's state and totals, for tests and benches."""
+    return {
+        "kv_blocks_total": e.total_blocks,
+        "kv_blocks_used": e.used_blocks,
+        "kv_usage": e.kv_usage,
+        "running": len(e.running),
+        "waiting": len(e.waiting),
+        "preemptions_total": e.preemptions_total,
+        "prompt_tokens_total": e.prompt_tokens_total,
+        "generation_tokens_total": e.generation_tokens_total,
+        "finished_total": dict(e.finished_total),
+        "kv_blocks_peak": e.peak_used_blocks,
+        "oom_failures_total": e.oom_failures_total,
+        "paused": e.paused(now),
+        "mode": e.mode,
+        "scheduling_policy": e.waiting.policy,
+        "aborted": e.finished_total["abort"],
+        "steps": steps,
+        "prefix_cache": None if e.prefix is None else {
+            "queries_tokens": e.prefix.queries, "hits_tokens": e.prefix.hits,
+            "shared_blocks": len(e.prefix.refs), "evictable_blocks": len(e.prefix.evictable),
+            "evictions": e.prefix.evictions,
+        },
+    }

@@ -35,6 +35,7 @@ class GenRequest:
     include_usage: bool = False
     items: list[Any] = field(default_factory=list)  # embedding inputs, one vector each
     instructions: str | None = None  # Responses API: echoed in the response object
+    priority: int = 0  # vLLM's scheduling priority (lower first; only with --scheduling-policy priority)
     starts: list[int] = field(default_factory=list)  # chat: index in texts where each message begins
 
     @property
@@ -57,6 +58,7 @@ def _common(body: Any, kind: str) -> GenRequest:
     if model is not None and not isinstance(model, str):
         raise BadRequest("model must be a string", "model")
     req = GenRequest(kind=kind, model=model)
+    req.priority = _priority(body)
     if kind == "embedding":
         return req
     n = body.get("n", 1)
@@ -85,6 +87,22 @@ def _common(body: Any, kind: str) -> GenRequest:
             raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
         req.include_usage = bool(opts.get("include_usage"))
     return req
+
+
+def check_priority(req: GenRequest, scheduling_policy: str) -> None:
+    """vLLM refuses a priority it cannot honour rather than ignore it (its engine's add_request)."""
+    if req.priority != 0 and scheduling_policy != "priority":
+        raise BadRequest(f"Got priority {req.priority} but Priority scheduling is not enabled.",
+                         "priority", "invalid_request_error")
+
+
+def _priority(body: dict[str, Any]) -> int:
+    v = body.get("priority", 0)
+    if v is None:
+        return 0
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequest("priority must be an integer", "priority")
+    return v
 
 
 def parse_chat(body: Any) -> GenRequest:
@@ -127,6 +145,7 @@ def parse_responses(body: Any) -> GenRequest:
     if model is not None and not isinstance(model, str):
         raise BadRequest("model must be a string", "model")
     req = GenRequest(kind="responses", model=model)
+    req.priority = _priority(body)
     v = body.get("max_output_tokens")
     if v is not None:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -10,7 +10,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 from .engine import Engine, Sequence, StepOutcome
 
@@ -71,6 +73,9 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.steps = 0
+        # Aborted requests (the client went away): when their blocks came free, for measuring
+        # how long a gateway's cancellation takes to reach the engine.
+        self.aborts: deque[dict[str, Any]] = deque(maxlen=1000)
 
     def submit(self, seq: Sequence) -> Handle:
         if self._task is not None and self._task.done():
@@ -83,7 +88,18 @@ class Scheduler:
 
     def abort(self, handle: Handle) -> None:
         if self._handles.pop(handle.seq, None) is not None:
-            self.engine.abort(handle.seq)
+            state = handle.seq.state
+            freed = self.engine.abort(handle.seq)
+            if freed >= 0:
+                self.aborts.append(
+                    {
+                        "request_id": handle.seq.request_id,
+                        "at": time.time(),
+                        "blocks": freed,
+                        "was": state,
+                        "generated": handle.seq.generated,
+                    }
+                )
             self._wake.set()
 
     def slow_down(self, factor: float, seconds: float) -> None:

@@ -21,7 +21,10 @@ class Sequence:
     # x-request-id and the gateway's x-sluice-tenant ("" when absent).
     request_id: str = ""
     tenant: str = ""
+    # vLLM's request field ``priority`` (lower runs first under --scheduling-policy priority).
+    priority: int = 0
     # Set by the engine:
+    arrival: int = 0  # arrival order, the tie-break after priority (vLLM's arrival_time)
     state: str = "new"  # waiting | running | finished | failed | aborted
     ready_at: float = 0.0
     generated: int = 0  # tokens per choice so far

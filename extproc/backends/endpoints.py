@@ -18,20 +18,21 @@ last request has finished.
 
 Placement reads the endpoints through an index of their candidates, renewed as they
 change (``extproc.backends.endpoint_index``), so a pick costs per group of like endpoints,
-not per endpoint.
+not per endpoint. While some tier has a KV share, a candidate depends on the tier placed,
+which the index cannot hold: placement then scans (``extproc.backends.shared_kv_placement``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import ipaddress
-import socket
+from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 
 from extproc.backends import build
 from extproc.backends.endpoint_index import COUNTS, STANDING, EndpointIndex, Standing, through
+from extproc.backends.resolve import resolve
+from extproc.backends.shared_kv_placement import Shares, count, shared_candidates, shared_pick
 from extproc.policy.affinity import PrefixAffinity
 from extproc.policy.breaker import Breaker, BreakerState
 from extproc.policy.breaker_outcome import Outcome
@@ -49,32 +50,6 @@ from extproc.policy.watermark import WatermarkController
 
 UNUSABLE_METRICS = ("no_data", "unreachable", "stale")
 _UNSET = object()
-
-
-def resolve(host: str) -> str | None:
-    """The IP Envoy's pool cluster knows the endpoint by (its EDS set takes no names).
-
-    None while the name does not resolve: the endpoint is not picked, and the monitor
-    tries again at every scrape (``resolve_later``)."""
-    try:
-        ipaddress.ip_address(host)
-        return host
-    except ValueError:
-        pass
-    try:
-        return socket.gethostbyname(host)
-    except OSError:
-        return None
-
-
-async def resolve_later(st: EndpointState) -> None:
-    loop = asyncio.get_running_loop()
-    try:
-        infos = await loop.getaddrinfo(st.spec.host, st.spec.port, family=socket.AF_INET, type=socket.SOCK_STREAM)
-    except OSError:
-        return
-    if infos:
-        st.ip = str(infos[0][4][0])
 
 
 @dataclass
@@ -98,6 +73,9 @@ class EndpointState:
     # Requests Envoy re-picked away from this endpoint (it refused the connection) and onto it.
     repicked_away: int = 0
     repicked_here: int = 0
+    # This replica's reservations here per tier (KV shares). Kept with ``kv_in_use`` whether
+    # or not a share is set (a reload may set one); the index does not read it, the scan does.
+    kv_by_tier: Counter[str] = field(default_factory=Counter)
     # Told when something placement reads changes (watch; extproc.backends.endpoint_index).
     on_change: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
 
@@ -262,7 +240,10 @@ class EndpointSet:
                     continue
                 st.breaker.set_manual(ov.state, ov.reason, until, now)
 
-    def candidates(self, now: float, kv: int = 0) -> list[Candidate]:
+    def candidates(self, now: float, kv: int = 0, shares: Shares | None = None) -> list[Candidate]:
+        """Each endpoint for footprint ``kv``; with ``shares``, for the tier they name."""
+        if shares is not None:
+            return shared_candidates(self.by_key.values(), now, kv, shares)
         index = self.index.fresh(self.by_key, now)
         return [c for k in self.by_key if (c := index.candidate(k, kv)) is not None]
 
@@ -286,8 +267,8 @@ class EndpointSet:
             return ()
         return owed_endpoints(self.candidates(now), heads, priorities, tier, behind_head)
 
-    def place(self, kv: int, now: float, prefix: tuple[int, ...] = (),
-              exclude: Collection[str] = ()) -> Placement | None:
+    def place(self, kv: int, now: float, prefix: tuple[int, ...] = (), exclude: Collection[str] = (),
+              shares: Shares | None = None, tier: str = "") -> Placement | None:
         """Pick an endpoint and reserve on it; ``prefix`` (extproc.openai_api.prefix_key) steers the
         pick to the endpoint that last served the longest known part of it, and records
         where it went; ``exclude`` (owed endpoints) is not picked. The placement names a
@@ -295,12 +276,16 @@ class EndpointSet:
         aff = self.affinity if prefix else None
         known = aff.lookup(prefix, now) if aff is not None else None
         preferred = known[0] if known is not None else None
-        index = self.index.fresh(self.by_key, now)
-        got, second = index.pick(kv, preferred, self.placement.affinity_min_headroom, exclude)
+        headroom = self.placement.affinity_min_headroom
+        if shares is None:
+            got, second = self.index.fresh(self.by_key, now).pick(kv, preferred, headroom, exclude)
+        else:
+            got, second = shared_pick(self.by_key.values(), kv, now, shares, preferred, headroom, exclude)
         if got is not None:
             st = self.by_key[got.key]
             st.kv_in_use += kv
             st.in_flight += 1
+            count(st.kv_by_tier, tier, kv)
             if second is not None:
                 got = replace(got, second=second)
             if aff is not None:
@@ -310,7 +295,10 @@ class EndpointSet:
                 got = replace(got, affinity=result)
         return got
 
-    def fits_somewhere(self, kv: int, now: float, exclude: Collection[str] = ()) -> bool:
+    def fits_somewhere(self, kv: int, now: float, exclude: Collection[str] = (),
+                       shares: Shares | None = None) -> bool:
+        if shares is not None:
+            return shared_pick(self.by_key.values(), kv, now, shares, exclude=exclude)[0] is not None
         return self.index.fresh(self.by_key, now).fits(kv, exclude)
 
     def plan(self, kvs: list[int], now: float) -> dict[str, tuple[int, int]]:
@@ -325,16 +313,17 @@ class EndpointSet:
                 extra[got.key] = (s + 1, k + kv)
         return extra
 
-    def release(self, key: str, kv: int) -> None:
+    def release(self, key: str, kv: int, tier: str = "") -> None:
         st = self.by_key.get(key)
         if st is None:
             return
         st.kv_in_use -= kv
         st.in_flight -= 1
+        count(st.kv_by_tier, tier, -kv)
         if st.draining and st.in_flight <= 0:
             self._forget(key)
 
-    def move(self, src: str, dst: str, kv: int, repick: bool = True) -> bool:
+    def move(self, src: str, dst: str, kv: int, repick: bool = True, tier: str = "") -> bool:
         """A request placed on ``src`` runs on ``dst`` (Envoy re-picked after a connect
         failure; or, ``repick=False``, a gateway's subset hint ruled ``src`` out): its slot
         and KV follow it, over ``dst``'s budget if need be (it is already running there).
@@ -344,12 +333,13 @@ class EndpointSet:
             return False
         to.kv_in_use += kv
         to.in_flight += 1
+        count(to.kv_by_tier, tier, kv)
         frm = self.by_key.get(src)
         if repick:
             to.repicked_here += 1
             if frm is not None:
                 frm.repicked_away += 1
-        self.release(src, kv)
+        self.release(src, kv, tier)
         return True
 
     def key_of(self, destination: str) -> str | None:

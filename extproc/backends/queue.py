@@ -47,6 +47,7 @@ class Waiter:
     future: asyncio.Future[Hold | Denied | Expired]
     prefix: tuple[int, ...] = ()  # prompt prefix keys for placement (extproc.openai_api.prefix_key)
     queued_at: float = 0.0  # on the runtime's clock; the deadline is this + the tier's max wait
+    work: float = 0.0  # its fair-share work (extproc.policy.fair_share.work)
 
 
 def queue_configs(policy: Policy) -> dict[str, TierQueueConfig]:
@@ -71,6 +72,18 @@ class Backend(BackendView, Protocol):
         ...
 
     def give_back(self, hold: Hold) -> None: ...
+
+    def under_share(self, tier: str, tenant: str, now: float) -> bool:
+        """Whether ``tenant`` holds less than its fair share of the budget in ``tier``."""
+        ...
+
+    def waiting_changed(self, tier: str, tenant: str, kv: int, now: float) -> None:
+        """``kv`` more (or, negative, fewer) tokens of ``tenant`` wait: its demand changed."""
+        ...
+
+    def reclaim(self, now: float) -> int:
+        """Take KV room back for waiters that may (extproc.backends.state); the tokens freeing."""
+        ...
 
 
 class BackendQueue:
@@ -107,19 +120,28 @@ class BackendQueue:
         heads = {t: w.kv for t in self.configs if (w := self._head(t)) is not None}
         return eps.owed(heads, self.backend.priorities, tier, now, behind_head)
 
+    def head(self, tier: str) -> Waiter | None:
+        return self._head(tier)
+
     def _head(self, tier: str) -> Waiter | None:
-        """The first waiter of ``tier``'s queue (FIFO: its head), if it still waits."""
+        """The next waiter of ``tier``'s queue (the least-served tenant's first), if it still
+        waits."""
         wid = self.order.head(tier)
         w = None if wid is None else self.waiters.get(wid)
         return w if w is not None and not w.future.done() else None
 
     def _behind_head(self, tier: str, ids: list[int], now: float) -> int | None:
-        """Look-ahead (extproc.policy.owed): a request behind ``tier``'s head that may go
-        first because the head fits no endpoint now, and it fits one not owed to the head."""
+        """Look-ahead: a request behind ``tier``'s head that may go first because the head fits
+        no endpoint now and it fits one not owed to the head (extproc.policy.owed), or because
+        the head's tenant is over its fair share and the request's is not
+        (extproc.policy.fair_share)."""
         head = self._head(tier)
+        if head is None:
+            return None
         be, eps = self.backend, self.backend.endpoints
-        if eps is None or head is None or not kvmath.kv_fits(be, head.kv, now, tier):
-            return None  # no pool, or the head waits for the pool's budget: FIFO
+        if eps is None or not kvmath.kv_fits(be, head.kv, now, tier):
+            # no pool, or the head waits for the budget
+            return self._under_share_past(tier, head, ids, now)
         if eps.fits_somewhere(head.kv, now, self.owed_endpoints(tier, now)):
             return None  # it fits: it waits for a slot, and so would the others
         exclude = self.owed_endpoints(tier, now, behind_head=True)
@@ -133,19 +155,55 @@ class BackendQueue:
                 return wid
         return None
 
+    def _under_share_past(self, tier: str, head: Waiter, ids: list[int], now: float) -> int | None:
+        """A request of a tenant under its fair share that fits now, past the head of a tenant over
+        its share that does not."""
+        be = self.backend
+        if be.under_share(tier, head.tenant, now):
+            return None
+        scale = be.slot_scale(now)
+        for wid in ids:
+            w = self.waiters.get(wid)
+            if (
+                w is None
+                or w.future.done()
+                or w.tenant == head.tenant
+                or not be.under_share(tier, w.tenant, now)
+            ):
+                continue
+            if (
+                kvmath.kv_fits(be, w.kv, now, tier, w.tenant)
+                and be.fits_somewhere(w.kv, now, tier)
+                and not isinstance(be.slot_for(tier, w.tenant, w.tenant_cap, scale), Denied)
+            ):
+                return wid
+        return None
+
     # -- waiting --------------------------------------------------------------------------
     def can_admit(self, tier: str, now: float) -> bool:
-        head = next((w for w in self.waiters.values() if w.tier == tier and not w.future.done()), None)
-        return admit.can_admit(self.backend, tier, None if head is None else head.kv, now)
+        head = self._head(tier)
+        return admit.can_admit(self.backend, tier, None if head is None else head.kv, now,
+                               None if head is None else head.tenant)
 
-    def enqueue(self, tier: str, tenant: str, cap: int | None, kv: int, now: float,
-                prefix: tuple[int, ...] = ()) -> Waiter | str:
+    def enqueue(
+        self,
+        tier: str,
+        tenant: str,
+        cap: int | None,
+        kv: int,
+        now: float,
+        prefix: tuple[int, ...] = (),
+        work: float = 0.0,
+    ) -> Waiter | str:
+        """Queue a request; ``work`` (extproc.policy.fair_share.work) orders it among its tier's
+        tenants."""
         wid = next(_ids)
-        res = self.order.enqueue(wid, tier, now)
+        res = self.order.enqueue(wid, tier, now, tenant, work)
         if not isinstance(res, Enqueued):
             return res.reason
         fut: asyncio.Future[Hold | Denied | Expired] = asyncio.get_running_loop().create_future()
-        w = self.waiters[wid] = Waiter(wid, tier, tenant, cap, kv, fut, prefix, now)
+        w = self.waiters[wid] = Waiter(wid, tier, tenant, cap, kv, fut, prefix, now, work)
+        self.backend.waiting_changed(tier, tenant, kv, now)
         if self.on_enqueue is not None:
             self.on_enqueue()
         return w
@@ -153,7 +211,8 @@ class BackendQueue:
     def leave(self, w: Waiter) -> None:
         """A waiter gives up (expired or disconnected); a grant already handed over goes back."""
         self.order.remove(w.id)
-        self.waiters.pop(w.id, None)
+        if self.waiters.pop(w.id, None) is not None:
+            self.backend.waiting_changed(w.tier, w.tenant, -w.kv, 0.0)
         if w.future.done() and not w.future.cancelled():
             got = w.future.result()
             if _held(got):
@@ -172,10 +231,10 @@ class BackendQueue:
                 passed.append(wid)
             return wid
 
-        pool = self.backend.endpoints is not None
         while self.order.depth():
-            wid = self.order.next_eligible(lambda tier: self.can_admit(tier, now), now,
-                                           behind if pool else None, LOOK_AHEAD)
+            wid = self.order.next_eligible(
+                lambda tier: self.can_admit(tier, now), now, behind, LOOK_AHEAD
+            )
             if wid is None:
                 break
             past = wid in passed  # the head keeps its owed endpoint against it
@@ -183,7 +242,10 @@ class BackendQueue:
             w = self.waiters.get(wid)
             if w is None or w.future.done():
                 continue
-            self._resolve(w, self.backend.take(w.tier, w.tenant, w.tenant_cap, w.kv, now, w.prefix, past))
+            got = self.backend.take(w.tier, w.tenant, w.tenant_cap, w.kv, now, w.prefix, past)
+            if _held(got):
+                self.order.charge(w.tier, w.tenant, w.work, now)
+            self._resolve(w, got)
             handed += 1
         return handed
 
@@ -204,10 +266,14 @@ class BackendQueue:
         if not self.order.depth():
             return 0
         self.expire(now)
-        return self.pump(now)
+        handed = self.pump(now)
+        if self.waiters:
+            self.backend.reclaim(now)
+        return handed
 
     def _resolve(self, w: Waiter, got: Hold | Denied | Expired) -> None:
-        self.waiters.pop(w.id, None)
+        if self.waiters.pop(w.id, None) is not None:
+            self.backend.waiting_changed(w.tier, w.tenant, -w.kv, 0.0)
         self.order.remove(w.id)
         if w.future.done():
             if _held(got):
@@ -224,7 +290,10 @@ class BackendQueue:
         # Each keeps the time it was queued at (its deadline moves only by the new max wait).
         self.configs = configs
         new: AdmissionQueue[int] = AdmissionQueue(configs)
+        new.keep_counters(self.order)
         for w in sorted(self.waiters.values(), key=lambda w: w.id):
-            if w.tier not in policy.tiers or not isinstance(new.enqueue(w.id, w.tier, w.queued_at), Enqueued):
+            if w.tier not in policy.tiers or not isinstance(
+                new.enqueue(w.id, w.tier, w.queued_at, w.tenant, w.work), Enqueued
+            ):
                 self._resolve(w, Denied(Cause.QUEUE_REMOVED, "tier removed or queue shrank"))
         self.order = new

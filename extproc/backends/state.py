@@ -4,7 +4,8 @@ The pure pieces live in ``extproc.policy``: ``BackendState`` is the ``BackendVie
 that ``extproc.policy.admit.decide`` reads, and applies what it decides. This module
 owns the acquisition, the ``status`` report, and keeps the pieces in step with the
 policy; it holds its wait queue (``extproc.backends.queue``: a future per waiting
-request, the pump, the deadlines, the periodic ``tick``).
+request, the pump, the deadlines, the periodic ``tick``) and its KV shares per tier, its
+tenants' demand and its revocations (``extproc.backends.shares``).
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from extproc.backends.hold import Hold
 from extproc.backends.pool_report import affinity_status, pool_status, pool_status_fields
 from extproc.backends.queue import BackendQueue, Waiter
 from extproc.backends.scrape import scrape_status
+from extproc.backends.shared_kv_placement import Shares
+from extproc.backends.shares import TierShares
 from extproc.policy import admit
 from extproc.policy import kv as kvmath
 from extproc.policy.breaker import Breaker
 from extproc.policy.concurrency import AdaptiveLimit
 from extproc.policy.decision import ROOM_CAUSES, Admit, Queue, Reject
+from extproc.policy.kv_shares import KvShare
 from extproc.policy.reasons import Cause
 from extproc.policy.schema import Backend, BreakerOverride, BreakerSettings, Policy
 from extproc.policy.slots import Denied, PoolName, SlotPool
@@ -65,6 +69,8 @@ class BackendState:
     # Done when the lease check that on_short asked for has ended (a shared store; None: no
     # leases). Called at the refusal, not when awaited (SlotLeases.next_check).
     lease_wait: Callable[[], Awaitable[None]] | None = None
+    # KV shares, tenants' demand, revocations
+    shares: TierShares = field(default_factory=TierShares)
 
     @classmethod
     def create(cls, spec: Backend, policy: Policy, now: float) -> BackendState:
@@ -76,6 +82,7 @@ class BackendState:
                  tenant_breakers=build.tenant_breakers(spec.breaker, now), has_metrics=spec.metrics_url is not None)
         rt.queue = BackendQueue(rt, policy)
         rt.priorities = {name: t.priority for name, t in policy.tiers.items()}
+        rt.shares.sync(policy)
         rt.endpoints = EndpointSet.create(spec, now) if spec.is_pool else None
         rt._sync_view(spec)
         rt._sync_latency(spec, policy, now)
@@ -130,6 +137,7 @@ class BackendState:
         self.spec = spec
         self._sync_view(spec)
         self.priorities = {name: t.priority for name, t in policy.tiers.items()}
+        self.shares.sync(policy)
         self.has_metrics = spec.metrics_url is not None
         self._sync_endpoints(spec, now)
         self.apply_override(policy, now)
@@ -194,7 +202,45 @@ class BackendState:
     def fits_somewhere(self, kv: int, now: float, tier: str | None = None) -> bool:
         if self.endpoints is None:
             return True
-        return self.endpoints.fits_somewhere(kv, now, self.queue.owed_endpoints(tier, now))
+        return self.endpoints.fits_somewhere(
+            kv, now, self.queue.owed_endpoints(tier, now), self.shares_for(tier, now)
+        )
+
+    @property
+    def kv_shares(self) -> Mapping[str, KvShare]:
+        return self.shares.shares
+
+    @property
+    def kv_by_tier(self) -> Mapping[str, int]:
+        return self.shares.kv_by_tier
+
+    def kv_active(self, now: float) -> dict[str, bool]:
+        return self.shares.kv_active(self.priorities, self.queue.queued, now)
+
+    def leads(self, tier: str, tenant: str, work: float) -> bool:
+        return self.queue.order.leads(tier, tenant, work)
+
+    def peer_headroom(self, tier: str, tenant: str, now: float) -> int:
+        return self.shares.peer_headroom(self.queue, tier, tenant, kvmath.kv_budget(self, now), now)
+
+    def under_share(self, tier: str, tenant: str, now: float) -> bool:
+        return self.shares.under_share(tier, tenant, kvmath.kv_budget(self, now), now)
+
+    def shares_for(self, tier: str | None, now: float) -> Shares | None:
+        """What a pool endpoint's placement needs to keep the tiers' guarantees there."""
+        if tier is None or not self.shares.shares:
+            return None
+        return tier, self.shares.shares, self.kv_active(now)
+
+    # -- the queue's callbacks (extproc.backends.queue.Backend) -------------------------------
+    def waiting_changed(self, tier: str, tenant: str, kv: int, now: float) -> None:
+        self.shares.waiting_changed(tier, tenant, kv, now)
+        if kv > 0 and self.shares.shares:
+            self.reclaim(now)
+
+    def reclaim(self, now: float) -> int:
+        """Revocations for the waiters of tiers with a KV guarantee (extproc.backends.shares)."""
+        return self.shares.reclaim(self, now) if self.shares.shares else 0
 
     @property
     def waiters(self) -> Mapping[int, Waiter]:
@@ -211,6 +257,7 @@ class BackendState:
         """What ``extproc.policy.admit.decide`` says, applied: a ``Hold``, or wait, or refuse.
 
         ``prefix`` (the prompt's prefix keys) only steers where a pool places it."""
+        self.shares.asked(req.tier, now)
         # Waiting requests get free capacity first (see decide for who may overtake them).
         if self.queue.waiters:  # every queued item has a waiter
             self.queue.pump(now)
@@ -218,6 +265,7 @@ class BackendState:
         if isinstance(d, Admit):
             got = self._apply(req.tier, req.tenant, d, req.kv, now, prefix)
             if isinstance(got, Hold):
+                self.queue.order.charge(req.tier, req.tenant, req.work, now)
                 return got
             d = admit.refused(req, got)
         if self.on_short is not None and d.cause in ROOM_CAUSES:
@@ -234,22 +282,34 @@ class BackendState:
         grant = self.pool.grant(tier, tenant, d.pool)
         endpoint = affinity = second = None
         if self.endpoints is not None:
-            placed = self.endpoints.place(kv, now, prefix, self.queue.owed_endpoints(tier, now, behind_head))
+            placed = self.endpoints.place(
+                kv,
+                now,
+                prefix,
+                self.queue.owed_endpoints(tier, now, behind_head),
+                self.shares_for(tier, now),
+                tier,
+            )
             if placed is None:
                 self.pool.release(grant)
                 return Denied(Cause.KV_EXHAUSTED, f"a footprint of {kv} tokens fits on no endpoint of the pool now")
             endpoint, affinity, second = placed.key, placed.affinity, placed.second
         self.kv_in_use += kv
+        self.shares.held(tier, tenant, kv, now)
         return Hold(grant, kv, endpoint, affinity, second)
 
     def give_back(self, hold: Hold) -> None:
+        self.shares.revocations.untrack(hold.grant.id, time.time())
         self.pool.release(hold.grant)
         self.kv_in_use -= hold.kv
+        self.shares.freed(hold.grant.tier, hold.grant.tenant, hold.kv)
         if hold.endpoint is not None and self.endpoints is not None:
-            self.endpoints.release(hold.endpoint, hold.kv)
+            self.endpoints.release(hold.endpoint, hold.kv, hold.grant.tier)
 
     def release(self, hold: Hold, now: float) -> None:
         self.give_back(hold)
+        # its tier's demand is held from its last request's end
+        self.shares.ended(hold.grant.tier, now)
         self.queue.pump(now)
 
     def status(self, now: float) -> dict[str, Any]:
@@ -278,6 +338,8 @@ class BackendState:
                    "budget_tokens": None if self.spec.kv_capacity_tokens is None else int(kvmath.kv_budget(self, now)),
                    "reservation": self.spec.kv_reservation},
             "adaptive": None if self.adaptive_limit is None else self.adaptive_limit.snapshot(now),
+            "kv_shares": self.shares.status(self, now),
+            "fair_share": self.shares.fair_status(self.queue, now),
             "endpoints": pool_status(self.endpoints, now),  # a pool's replicas; None for one address
             "prefix_affinity": affinity_status(self.endpoints),  # None unless the pool's placement has it on
         }

@@ -38,7 +38,8 @@ from envoy_data_plane.envoy.config.endpoint.v3 import (
 from envoy_data_plane.envoy.service.discovery.v3 import DiscoveryResponse
 from envoy_data_plane.google.protobuf import Any
 
-from extproc.backends.endpoints import EndpointSet, resolve
+from extproc.backends.endpoints import EndpointSet
+from extproc.backends.resolve import resolve
 from extproc.envoy.clusters import eds_path, socket_address
 from extproc.policy.schema import Backend, Policy
 

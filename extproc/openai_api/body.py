@@ -271,18 +271,27 @@ def parse_request(kind: str, raw: bytes, image_tokens: int = 765) -> ParsedReque
     return req
 
 
-def upstream_body(req: ParsedRequest, max_tokens: int, model: str | None = None) -> bytes | None:
+def upstream_body(req: ParsedRequest, max_tokens: int, model: str | None = None,
+                  priority: int | None = None) -> bytes | None:
     """The body to send upstream, or None when the client's bytes can go unchanged.
 
     The reservation is only honest if the backend generates no more than was
     reserved, so a missing or larger ``max_tokens`` is written into the body; a
     stream must end with a usage chunk for an exact settle, so it is asked for.
-    ``model`` names a fallback model the request is degraded to.
+    ``model`` names a fallback model the request is degraded to; ``priority`` is the
+    engine's scheduling priority (``extproc.request.upstream.engine_priority``), written over
+    whatever
+    the client sent: a client does not choose its own place in the engine's queue.
     """
     body = req.body
     changed = False
     if model is not None and model != req.model:
         body["model"] = model
+        changed = True
+    if priority is not None and (
+        body.get("priority") != priority or isinstance(body.get("priority"), bool)
+    ):
+        body["priority"] = priority
         changed = True
     if req.kind == "embeddings":
         pass

@@ -4,7 +4,8 @@ The queue only orders and bounds; the async adapter parks a waiter per item, cal
 ``next_eligible`` when capacity frees up, ``expire`` on a tick (expired items get a
 503), and ``remove`` when a waiting client disconnects.
 
-Algorithm: start-time fair queuing over tiers with unit cost per request. Each
+Algorithm: start-time fair queuing over tiers with unit cost per request, and fair
+share by work among the tenants of a tier (``extproc.policy.fair_share``). Each
 backlogged tier carries a virtual start tag for its head item; ``next_eligible``
 admits the head of the tier with the smallest tag (ties: higher ``priority``, then
 configuration order) and advances that tier's tag by ``1 / weight``. The queue's
@@ -14,7 +15,11 @@ cannot burst, and a tier that has just been served waits its turn. Under sustain
 backlog each tier therefore gets ``weight / sum(weights)`` of admissions, exactly up
 to one item per tier, whatever the others' arrival rates: a flood of premium
 requests cannot starve free ones (strict priority does; see
-gateway-api-inference-extension #1861). Within a tier the order is FIFO.
+gateway-api-inference-extension #1861). Within a tier the next item is the head of the
+backlogged tenant that was given the least work (virtual token counters, charged by the
+caller with ``charge``: a tenant sending 16k-token prompts does not get the same turn as
+one sending 200-token chats); each tenant's own items are FIFO. An item enqueued without
+a tenant is its own FIFO line under the tenant "".
 
 Skipped tiers: ``can_admit(tier)`` lets the caller veto a tier (no slot it may use).
 A vetoed tier keeps its place: its tag is lifted to ``V`` at most, so when it can
@@ -37,10 +42,11 @@ Pure: no I/O, no clock (``now`` is monotonic seconds, passed in), no threads.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from extproc.policy.fair_share import Demand, TenantLedger, peer_headroom
 from extproc.policy.reasons import Reason
 
 __all__ = [
@@ -87,15 +93,68 @@ class Rejected(Generic[K]):
 
 
 class _Tier(Generic[K]):
-    __slots__ = ("cfg", "items", "order", "tag", "recent", "counts")
+    __slots__ = ("cfg", "items", "order", "tag", "recent", "counts", "lines", "meta", "ledger")
 
     def __init__(self, cfg: TierQueueConfig, order: int) -> None:
         self.cfg = cfg
         self.order = order
-        self.items: OrderedDict[K, float] = OrderedDict()  # item -> enqueued at
+        self.items: OrderedDict[K, float] = OrderedDict()  # item -> enqueued at (arrival order)
+        self.lines: dict[str, deque[K]] = {}  # tenant -> its items, FIFO (only backlogged tenants)
+        self.meta: dict[K, tuple[str, float]] = {}  # item -> (tenant, work)
+        self.ledger = TenantLedger()
         self.tag = 0.0  # virtual start of the head item (or last finish, when empty)
         self.recent: deque[float] = deque(maxlen=_RATE_SAMPLES)  # admission times
         self.counts = dict.fromkeys(("enqueued", "admitted", "expired", "removed", "rejected"), 0)
+
+    def add(self, item_id: K, tenant: str, work: float, now: float) -> None:
+        line = self.lines.get(tenant)
+        if line is None:
+            self.ledger.lift(tenant, self.lines)
+            line = self.lines[tenant] = deque()
+        line.append(item_id)
+        self.items[item_id] = now
+        self.meta[item_id] = (tenant, work)
+
+    def drop(self, item_id: K) -> None:
+        del self.items[item_id]
+        tenant, _ = self.meta.pop(item_id)
+        line = self.lines[tenant]
+        if line[0] == item_id:
+            line.popleft()
+        else:
+            line.remove(item_id)
+        if not line:
+            del self.lines[tenant]
+
+    def others(self, first: K | None, n: int) -> list[K]:
+        """Up to ``n`` items but ``first``: the other tenants' heads (in the counters' order),
+        then the rest in arrival order (the queue's look-ahead looks at these)."""
+        heads = sorted(
+            (line[0] for line in self.lines.values() if line[0] != first),
+            key=lambda k: (self.ledger.counter(self.meta[k][0]), self.meta[k][1], self.items[k]),
+        )
+        out = heads[:n]
+        if len(out) < n:
+            taken = {first, *out}
+            out += [
+                k
+                for _, k in zip(
+                    range(n - len(out)), (k for k in self.items if k not in taken), strict=False
+                )
+            ]
+        return out
+
+    def first(self) -> K | None:
+        """The item fair share by work picks next: the head of the least-served tenant."""
+        if not self.lines:
+            return None
+        if len(self.lines) == 1:
+            return next(iter(self.lines.values()))[0]
+        tenant = self.ledger.pick(
+            (t, self.meta[line[0]][1], self.items[line[0]]) for t, line in self.lines.items()
+        )
+        assert tenant is not None
+        return self.lines[tenant][0]
 
 
 class AdmissionQueue(Generic[K]):
@@ -132,7 +191,10 @@ class AdmissionQueue(Generic[K]):
         except KeyError:
             raise ValueError(f"unknown tier {tier!r}") from None
 
-    def enqueue(self, item_id: K, tier: str, now: float) -> Enqueued[K] | Rejected[K]:
+    def enqueue(self, item_id: K, tier: str, now: float, tenant: str = "", work: float = 0.0
+                ) -> Enqueued[K] | Rejected[K]:
+        """Queue ``item_id`` in ``tier``'s line; ``work`` (``fair_share.work``) orders it among
+        the tier's tenants."""
         now = self._clock(now)
         t = self._tier(tier)
         if item_id in self._where:
@@ -143,7 +205,7 @@ class AdmissionQueue(Generic[K]):
             return Rejected(item_id, tier, Reason.QUEUE_FULL, self.retry_after_hint(tier, now))
         if not t.items:
             t.tag = max(t.tag, self._vtime)  # idle time earns no credit
-        t.items[item_id] = now
+        t.add(item_id, tenant, work, now)
         t.counts["enqueued"] += 1
         self._where[item_id] = tier
         return Enqueued(item_id, tier, len(t.items), now + t.cfg.max_wait_s)
@@ -154,7 +216,7 @@ class AdmissionQueue(Generic[K]):
         if tier is None:
             return False
         t = self._tiers[tier]
-        del t.items[item_id]
+        t.drop(item_id)
         t.counts["removed"] += 1
         return True
 
@@ -168,7 +230,7 @@ class AdmissionQueue(Generic[K]):
                 deadline = since + t.cfg.max_wait_s
                 if now < deadline:
                     break
-                t.items.popitem(last=False)
+                t.drop(item_id)
                 del self._where[item_id]
                 t.counts["expired"] += 1
                 gone.append((deadline, item_id))
@@ -197,20 +259,16 @@ class AdmissionQueue(Generic[K]):
             if can_admit(name):
                 break
             if behind is not None and look_ahead > 0 and len(t.items) > 1:
-                it = iter(t.items)
-                next(it)
-                chosen = behind(name, [k for _, k in zip(range(look_ahead), it, strict=False)])
+                chosen = behind(name, t.others(t.first(), look_ahead))
                 if chosen is not None and chosen in t.items:
                     break
                 chosen = None
             skipped.append(t)
         else:
             return None
-        if chosen is None:
-            item_id, _ = t.items.popitem(last=False)
-        else:
-            item_id = chosen
-            del t.items[item_id]
+        item_id = t.first() if chosen is None else chosen
+        assert item_id is not None
+        t.drop(item_id)
         del self._where[item_id]
         self._vtime = max(self._vtime, t.tag)
         t.tag += 1.0 / t.cfg.weight
@@ -221,9 +279,65 @@ class AdmissionQueue(Generic[K]):
         return item_id
 
     def head(self, tier: str) -> K | None:
-        """The next item of ``tier`` in FIFO order, or None if its line is empty."""
+        """The next item of ``tier`` (the least-served tenant's first), or None if its line is
+        empty."""
         t = self._tiers.get(tier)
-        return next(iter(t.items), None) if t is not None else None
+        return t.first() if t is not None else None
+
+    # -- fair share by work among a tier's tenants (extproc.policy.fair_share) ---------------
+    def charge(self, tier: str, tenant: str, work: float, now: float) -> None:
+        """``tenant`` was given ``work`` in ``tier`` (at admission, queued or not; a negative
+        correction at settle)."""
+        t = self._tiers.get(tier)
+        if t is not None:
+            t.ledger.charge(tenant, work, now)
+
+    def leads(self, tier: str, tenant: str, work: float) -> bool:
+        """Whether a newcomer of ``tenant`` with ``work`` would go before every waiting item of
+        ``tier`` (its tenant has nothing queued and was given less): it need not wait behind
+        them."""
+        t = self._tiers.get(tier)
+        if t is None or not t.lines:
+            return True
+        if tenant in t.lines:
+            return False
+        heads = {n: t.meta[line[0]][1] for n, line in t.lines.items()}
+        return t.ledger.leads(tenant, work, t.lines, heads)
+
+    def fairness(self, tier: str, now: float) -> tuple[float, float]:
+        """(service difference, Jain's index) among ``tier``'s backlogged tenants."""
+        t = self._tier(tier)
+        return t.ledger.difference(t.lines), t.ledger.jain(t.lines, now)
+
+    def forget_tenants(self, keep: Collection[str]) -> None:
+        """Drop the counters of tenants gone from the policy (a queued tenant keeps its own)."""
+        for t in self._tiers.values():
+            t.ledger.forget({*keep, *t.lines})
+
+    def keep_counters(self, old: AdmissionQueue[Any]) -> None:
+        """Carry the fair-share counters over from the queue this one replaces (a reload)."""
+        for name, t in self._tiers.items():
+            prev = old._tiers.get(name)
+            if prev is not None:
+                t.ledger = prev.ledger
+
+    def headroom(
+        self,
+        tier: str,
+        tenant: str,
+        demand: Mapping[str, Demand],
+        budget: float,
+        now: float,
+        hold_s: float,
+    ) -> int:
+        """The KV a request of ``tenant`` leaves free for less-served tenants of ``tier``
+        (``extproc.policy.fair_share.peer_headroom``)."""
+        t = self._tiers.get(tier)
+        return 0 if t is None else peer_headroom(t.ledger, tenant, demand, budget, now, hold_s)
+
+    def backlogged(self, tier: str) -> int:
+        """How many tenants of ``tier`` have items waiting."""
+        return len(self._tier(tier).lines)
 
     def depth(self, tier: str | None = None) -> int:
         return len(self._where) if tier is None else len(self._tier(tier).items)

@@ -3,6 +3,11 @@ reported the end (the ext_proc response phases, or Envoy's access log).
 
 From what Sluice knows best to what it must estimate (``Basis``):
 
+0. ``REVOKED``: Sluice itself ended the request before any answer, to give a higher tier
+   its KV room back (``extproc.policy.revoke``): nothing. The client asked for nothing it
+   got and is told to retry; the prefill the engine did is the operator's cost (counted as
+   revoked work). A revoked stream that had answered is charged by the rules below, for
+   what it produced.
 1. ``REPORTED``: the backend's usage (read by Sluice from the body, or Envoy's usage
    record): exactly that.
 2. ``FAILED``: the backend answered an error status (>= 400): nothing. A refusal generates
@@ -56,6 +61,7 @@ class Basis(StrEnum):
     FAILED = "failed"
     COUNTED = "counted"
     ESTIMATED = "estimated"
+    REVOKED = "revoked"
     NOT_SENT = "not_sent"
     REFUSED_COUNTED = "refused_counted"
     LOST = "lost"
@@ -77,6 +83,7 @@ class SettleFacts:
     counted_completion: int | None = None  # completion tokens Sluice counted from the body it read
     rate: float | None = None  # the model's learned decode rate per choice, tokens/s
     lost: bool = False  # no report of the end ever came (an access-log entry that never did)
+    revoked: bool = False  # Sluice ended it to give a higher tier KV room
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +94,8 @@ class Charge:
 
 def charge(e: SettleFacts) -> Charge:
     """What the tenant pays for a request that went to the backend (see the module docstring)."""
+    if e.revoked and e.status == 0:
+        return Charge(0, Basis.REVOKED)
     if e.lost:
         return Charge(e.prompt + e.completion_budget, Basis.LOST)
     if e.reported_total is not None:

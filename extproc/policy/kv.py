@@ -12,6 +12,12 @@ pool), with two rules on top:
   accumulate on one endpoint, which ``extproc.policy.owed`` keeps.
 * A lone request always fits a scaled-down budget if it fits the whole cache (or
   the lease): otherwise a large prompt could starve forever while the scale is low.
+* KV shares (``extproc.policy.kv_shares``): a tier's reservation leaves the unused
+  guarantees of the other active tiers free and stays under its own burst cap; a lone
+  request is judged against the whole cache, as above.
+* Peer headroom (``extproc.policy.fair_share``): a tenant's reservation leaves the room
+  its tier's less-served tenants recently needed (at most half of the budget), so a light
+  tenant does not wait for a heavy one's requests to end.
 
 Pure: reads a ``BackendView``; ``now`` is passed in.
 """
@@ -20,6 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from extproc.policy.fair_share import PEER_HEADROOM_CAP
+from extproc.policy.kv_shares import share_denial
 from extproc.policy.view import BackendView
 
 __all__ = ["footprint", "kv_budget", "kv_fits", "kv_owed_above", "pressure_scale"]
@@ -61,15 +69,26 @@ def _owed(view: BackendView, waiting: Sequence[tuple[str, int]], tier: str, in_u
     return best_kv
 
 
-def kv_fits(view: BackendView, kv: int, now: float, tier: str | None = None) -> bool:
-    """Whether ``kv`` more tokens fit, leaving the room a more important waiter is owed."""
+def kv_fits(
+    view: BackendView, kv: int, now: float, tier: str | None = None, tenant: str | None = None
+) -> bool:
+    """Whether ``kv`` more tokens fit, leaving the room a more important waiter is owed,
+    the other tiers' guarantees, and (with ``tenant``) its tier's less-served tenants' headroom."""
     in_use = view.kv_in_use
     budget = kv_budget(view, now)
+    if (
+        tier is not None
+        and view.kv_shares
+        and not _shares_allow(view, kv, now, tier, in_use, budget)
+    ):
+        return False
     owed = 0
+    if tenant is not None and tier is not None and in_use and budget != float("inf"):
+        owed = min(view.peer_headroom(tier, tenant, now), int(PEER_HEADROOM_CAP * budget))
     if tier is not None and view.waiters:
         waiting = view.waiting()
         if waiting:
-            owed = _owed(view, waiting, tier, in_use, budget)
+            owed += _owed(view, waiting, tier, in_use, budget)
     if in_use + kv + owed <= budget:
         return True
     cap = view.kv_capacity
@@ -77,6 +96,20 @@ def kv_fits(view: BackendView, kv: int, now: float, tier: str | None = None) -> 
         return False
     lease = view.kv_lease
     return kv <= (cap if lease is None else min(cap, lease))
+
+
+def _shares_allow(
+    view: BackendView, kv: int, now: float, tier: str, in_use: int, budget: float
+) -> bool:
+    limit = budget
+    cap = view.kv_capacity
+    if in_use == 0 and cap is not None:  # the lone-request rule: the whole cache (or lease)
+        lease = view.kv_lease
+        limit = max(budget, cap if lease is None else min(cap, lease))
+    return (
+        share_denial(view.kv_shares, view.kv_by_tier, view.kv_active(now), limit, in_use, tier, kv)
+        is None
+    )
 
 
 def pressure_scale(view: BackendView, tier: str, now: float) -> float:

@@ -17,10 +17,11 @@ from extproc.policy.budget import Budget, Price
 __all__ = ["AdaptiveSettings", "Backend", "Budget", "Price", "Endpoint", "BreakerOverride",
            "BreakerSettings", "Degrade", "EdgeSettings", "Gateway", "Limits", "Model", "Policy",
            "Tenant", "Tier", "WatermarkSettings", "hash_key", "KV_RESERVATIONS", "PROBES",
-           "TPM_PRECHARGES"]
+           "TPM_PRECHARGES", "ENGINE_PRIORITIES"]
 
 KV_RESERVATIONS = ("worst_case", "learned")
 PROBES = ("completions", "chat", "embeddings", "health")
+ENGINE_PRIORITIES = ("off", "vllm", "sglang")
 TPM_PRECHARGES = ("max_tokens", "learned")
 _BREAKER = BreakerConfig()  # the defaults BreakerSettings takes
 _BREAKER_FIELDS = frozenset(f.name for f in fields(BreakerConfig)) - {"max_cooldown_s"}
@@ -293,6 +294,10 @@ class Backend:
     placement: PlacementSettings = field(default_factory=PlacementSettings)
     # What one engine endpoint costs per hour (nanos), for the cost per million tokens served.
     gpu_hour_cost_nanos: int | None = None
+    # Each request's tier priority written into the upstream body's ``priority`` field, in
+    # the engine's sign: "vllm" (lower runs first; needs --scheduling-policy priority, or
+    # vLLM answers 400), "sglang" (higher runs first), "off" (nothing written).
+    engine_priority: str = "off"
 
     @property
     def is_pool(self) -> bool:
@@ -319,6 +324,14 @@ class Tier:
     ttft_p99_ms: int | None = None
     itl_p99_ms: int | None = None
     budget: Budget | None = None  # every tenant's of this tier, unless it sets its own
+    # KV shares (extproc.policy.kv_shares), fractions of each backend's (pool endpoint's) KV
+    # budget: kept for this tier while it has demand, and the most it holds above that.
+    # A tier with a guarantee may take it back from lower tiers (extproc.policy.revoke).
+    kv_guaranteed: float = 0.0
+    kv_burst: float | None = None
+    # Its requests in flight may be ended to give room to a higher tier (a stream ends with
+    # an error event and is billed what it produced); off by default.
+    revocable: bool = False
 
 
 @dataclass(frozen=True)

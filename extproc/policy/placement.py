@@ -4,7 +4,9 @@ Admission (the pool's slot pool and KV budget) decides *whether*; this decides
 *where*. An endpoint is a candidate only if it is usable (breaker not open, metrics
 neither unreachable nor stale: silence counts as full), has a free slot of its own,
 and the request's KV footprint fits in its budget (``kv_capacity_tokens`` scaled by
-that endpoint's watermark). A lone request fits an empty endpoint whose whole cache
+that endpoint's watermark), leaving the other active tiers' unused KV guarantees there
+free and within the tier's burst cap there (``extproc.policy.kv_shares``). A lone request
+fits an empty endpoint whose whole cache
 holds it, as on a single backend, so a large prompt cannot starve while the scale is
 low. Among candidates the score, lowest first, is:
 
@@ -52,6 +54,10 @@ class Candidate:
     in_flight: int
     max_concurrency: int
     waiting: float = 0.0  # the engine's own queue, 0 when it does not export one
+    # KV shares (extproc.policy.kv_shares) for the tier being placed: the other active tiers'
+    # unused guarantees on this endpoint, and how much more the tier may hold here (burst cap).
+    kv_reserved: float = 0.0
+    kv_burst_room: float = float("inf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +75,11 @@ def fits(c: Candidate, kv: int) -> bool:
         return False
     if c.kv_capacity is None:
         return True
-    if c.kv_in_use + kv <= c.kv_capacity * c.kv_scale:
+    if kv > c.kv_burst_room:
+        return False
+    if c.kv_in_use + kv + c.kv_reserved <= c.kv_capacity * c.kv_scale:
         return True
-    return c.kv_in_use == 0 and kv <= c.kv_capacity
+    return c.kv_in_use == 0 and kv + c.kv_reserved <= c.kv_capacity
 
 
 def headroom(c: Candidate, kv: int) -> float:

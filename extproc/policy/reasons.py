@@ -53,6 +53,9 @@ class Reason(StrEnum):
     OVERLOADED = "overloaded", 503, _SERVER
     STATE_STORE_DOWN = "state_store_down", 503, _SERVER
     NO_ENDPOINT = "no_endpoint", 503, _SERVER  # picker mode: nothing the gateway may route to is ready
+    # Admitted, then revoked before any answer to give a higher tier KV room
+    # (extproc.policy.revoke).
+    REVOKED = "revoked", 503, _SERVER
     # Answered by Envoy itself (extproc.envoy.replies), in the same shape.
     GATEWAY_UNAVAILABLE = "gateway_unavailable", 503, _SERVER  # extproc unreachable, failing or silent
     REQUEST_TIMEOUT = "request_timeout", 408, _INVALID  # a client too slow to send its request
@@ -88,3 +91,4 @@ class Ending(StrEnum):
     # response_processing access_log: the request's access-log entry never came within the
     # route's timeout and a margin (extproc.request.log_settle); it keeps its pre-charge
     EXPIRED = "expired"
+    REVOKED = "revoked"  # ended by Sluice to give a higher tier KV room: billed what it produced

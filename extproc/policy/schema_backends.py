@@ -10,6 +10,7 @@ from typing import Any
 
 from extproc.policy.engine_metrics import KINDS, PRESETS, parse_selector
 from extproc.policy.model import (
+    ENGINE_PRIORITIES,
     KV_RESERVATIONS,
     TPM_PRECHARGES,
     AdaptiveSettings,
@@ -52,7 +53,7 @@ def _metric_names(r: Reader, m: Mapping[str, Any], path: Path) -> dict[str, tupl
 _BACKEND_FIELDS = ("name", "address", "max_concurrency", "models", "metrics_url", "engine", "metric_names",
                    "watermark", "breaker", "kv_capacity_tokens", "kv_block_size", "kv_overcommit",
                    "kv_reservation", "learned_quantile", "tpm_precharge", "adaptive_concurrency",
-                   "endpoints", "placement", "gpu_hour_cost")
+                   "endpoints", "placement", "gpu_hour_cost", "engine_priority")
 _ENDPOINT_FIELDS = ("address", "metrics_url", "kv_capacity_tokens", "max_concurrency")
 
 
@@ -159,6 +160,8 @@ def _backends(r: Reader, doc: Any) -> tuple[Backend, ...]:
             placement=read_flat(r, m.get("placement"), (*path, "placement"), PlacementSettings),
             gpu_hour_cost_nanos=read_money(r, m["gpu_hour_cost"], (*path, "gpu_hour_cost"))
             if m.get("gpu_hour_cost") is not None else None,
+            engine_priority=r.get(m, path, "engine_priority", str, "off",
+                                  choices=ENGINE_PRIORITIES),
         ))
     return tuple(out)
 

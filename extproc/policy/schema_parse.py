@@ -95,6 +95,18 @@ def _queue_wait(r: Reader, t: Mapping[str, Any], path: Path) -> int:
     return v
 
 
+def _fraction(
+    r: Reader, t: Mapping[str, Any], path: Path, name: str, default: float | None
+) -> float | None:
+    v = r.get(t, path, name, (int, float), default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not 0 <= v <= 1:
+        r.fail((*path, name), "a fraction of the KV budget, in [0, 1]")
+        return default
+    return float(v)
+
+
 def _tiers(r: Reader, doc: Any) -> dict[str, Tier]:
     fields = tuple(f for f in Tier.__dataclass_fields__ if f != "name")
     m = r.mapping(doc, ("tiers",), tuple(doc)) if isinstance(doc, dict) else r.mapping(doc, ("tiers",), ())
@@ -122,6 +134,9 @@ def _tiers(r: Reader, doc: Any) -> dict[str, Tier]:
             ttft_p99_ms=r.get(t, path, "ttft_p99_ms", int, None, minimum=1),
             itl_p99_ms=r.get(t, path, "itl_p99_ms", int, None, minimum=1),
             budget=read_budget(r, t.get("budget"), (*path, "budget"), may_disable=False),
+            kv_guaranteed=_fraction(r, t, path, "kv_guaranteed", 0.0) or 0.0,
+            kv_burst=_fraction(r, t, path, "kv_burst", None),
+            revocable=r.get(t, path, "revocable", bool, False),
         )
     if not out:
         r.fail(("tiers",), "at least one tier is required")
@@ -189,6 +204,10 @@ def _cross_checks(r: Reader, backends: tuple[Backend, ...], tiers: Mapping[str, 
                        f"{t.max_queue_wait_ms / 1000:g} s, and Envoy counts that wait in the request's time")
     seen_backends: set[str] = set()
     guaranteed = sum(t.guaranteed_slots for t in tiers.values())
+    kv_guaranteed = sum(t.kv_guaranteed for t in tiers.values())
+    if kv_guaranteed > 1 + 1e-9:
+        r.fail(("tiers",), f"the tiers' kv_guaranteed add up to {kv_guaranteed:g}, "
+                           "more than the whole KV budget (1)")
     for i, b in enumerate(backends):
         if b.name in seen_backends:
             r.fail(("backends", i, "name"), f"duplicate backend {b.name!r}")

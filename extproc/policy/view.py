@@ -12,6 +12,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from extproc.policy.kv_shares import KvShare
 from extproc.policy.reasons import Cause
 from extproc.policy.slots import (
     Denied,
@@ -70,6 +71,30 @@ class BackendView(Protocol):
         """Empty when nothing waits: a cheap test before ``waiting`` and ``queued``."""
         ...
 
+    @property
+    def kv_shares(self) -> Mapping[str, KvShare]:
+        """Each tier's KV guarantee and burst cap (extproc.policy.kv_shares); empty: none set."""
+        ...
+
+    @property
+    def kv_by_tier(self) -> Mapping[str, int]:
+        """KV tokens reserved per tier (only read when ``kv_shares`` is set)."""
+        ...
+
+    def kv_active(self, now: float) -> Mapping[str, bool]:
+        """Which tiers have demand (extproc.policy.kv_shares.tier_active) and keep their
+        guarantee."""
+        ...
+
+    def leads(self, tier: str, tenant: str, work: float) -> bool:
+        """Whether a newcomer of ``tenant`` goes before every waiting request of ``tier``
+        (fair share by work, extproc.policy.fair_share)."""
+        ...
+
+    def peer_headroom(self, tier: str, tenant: str, now: float) -> int:
+        """The KV a request of ``tenant`` leaves free for its tier's less-served tenants."""
+        ...
+
     def scale(self, now: float) -> float:
         """The watermark scale (1.0 for a backend without metrics)."""
         ...
@@ -104,7 +129,8 @@ class BackendSnapshot:
 
     Slots: ``slots_total`` scaled (half up) is the budget for all tiers, ``slots_in_use``
     are held, ``tenant_held`` counts per tenant. Endpoints: ``endpoint_room`` is the
-    largest footprint some endpoint takes now (None: a single address).
+    largest footprint some endpoint takes now (None: a single address). KV shares: a tier
+    is active if it reserves, waits, or is named in ``active``.
     """
 
     name: str = "b"
@@ -124,6 +150,25 @@ class BackendSnapshot:
     slots_in_use: int = 0
     tenant_held: Mapping[str, int] = field(default_factory=dict)
     endpoint_room: int | None = None
+    kv_shares: Mapping[str, KvShare] = field(default_factory=dict)
+    kv_by_tier: Mapping[str, int] = field(default_factory=dict)
+    active: frozenset[str] = frozenset()
+    leaders: frozenset[str] = frozenset()  # tenants whose newcomers go before their tier's waiters
+    headroom: Mapping[str, int] = field(
+        default_factory=dict
+    )  # tenant -> KV it leaves for less-served peers
+
+    def kv_active(self, now: float) -> Mapping[str, bool]:
+        return {
+            t: t in self.active or self.kv_by_tier.get(t, 0) > 0 or self.queued(t) > 0
+            for t in self.kv_shares
+        }
+
+    def leads(self, tier: str, tenant: str, work: float) -> bool:
+        return tenant in self.leaders
+
+    def peer_headroom(self, tier: str, tenant: str, now: float) -> int:
+        return self.headroom.get(tenant, 0)
 
     @property
     def largest_kv_capacity(self) -> int | None:

@@ -31,6 +31,7 @@ from extproc.policy import kv as kvmath
 from extproc.policy.admit import SlotRequest
 from extproc.policy.breaker_outcome import Outcome
 from extproc.policy.context import completion_budget, input_too_long
+from extproc.policy.fair_share import work
 from extproc.policy.gate import Verdict
 from extproc.policy.reasons import Reason
 from extproc.policy.schema import Backend, Limits, Model, Policy, Tenant, Tier
@@ -131,6 +132,7 @@ class Admission:
         self.settlement.precharged(cost)
         ticket.verdict = verdict
         ticket.kv = kvmath.footprint(prompt + req.n * reserve.kv_completion, ticket.backend_state.kv_block_size)
+        ticket.work = work(prompt, req.n * reserve.kv_completion)
         slot = SlotWait(self.rt, self.tier, self.tenant.name, self.limits.max_concurrency, self.peer,
                         self._unless_shadowed)
         wait_s = slot.acquire(ticket, now)
@@ -277,7 +279,8 @@ class SlotWait:
         be = ticket.backend_state
         tier = self.tier
         req = SlotRequest(tier.name, self.tenant, self.cap, ticket.kv,
-                          may_queue=tier.max_queue_depth > 0 and tier.max_queue_wait_ms > 0)
+                          may_queue=tier.max_queue_depth > 0 and tier.max_queue_wait_ms > 0,
+                          work=ticket.work)
         got = be.acquire(req, now, ticket.prefix)
         if isinstance(got, Hold):
             ticket.hold = got
@@ -306,7 +309,8 @@ class SlotWait:
         # Queued at t0: the deadline counts from here, not from the stream's ``now`` (taken
         # before a shared store's round trip and the wait hint's send).
         t0 = self.rt.clock()
-        w = be.queue.enqueue(self.tier.name, self.tenant, self.cap, ticket.kv, t0, ticket.prefix)
+        w = be.queue.enqueue(self.tier.name, self.tenant, self.cap, ticket.kv, t0, ticket.prefix,
+                             ticket.work)
         if isinstance(w, str):
             if self.unless_shadowed(Reason.QUEUE_FULL):
                 return

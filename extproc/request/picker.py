@@ -30,8 +30,8 @@ from dataclasses import dataclass, replace
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.backends.endpoints import resolve
 from extproc.backends.inference_pool import OBJECTIVE_HEADERS
+from extproc.backends.resolve import resolve
 from extproc.envoy import picker_protocol as pp
 from extproc.envoy import usage_record
 from extproc.openai_api.usage import JSONTracker, SSETracker, UsageOnlyTracker
@@ -289,7 +289,8 @@ class PickerStream(StreamProcessor):
         inside = [c for c in eps.candidates(self.rt.clock(), hold.kv) if c.key != hold.endpoint
                   and eps.by_key[c.key].ip is not None and eps.by_key[c.key].destination in self.subset]
         got = pick(inside, hold.kv)
-        if got is None or not eps.move(hold.endpoint, got.key, hold.kv, repick=False):
+        if got is None or not eps.move(hold.endpoint, got.key, hold.kv, repick=False,
+                                       tier=hold.grant.tier):
             raise Refusal(Reason.NO_ENDPOINT, "No endpoint in the gateway's subset has room.",
                           code="service_unavailable")
         ticket.moved(got.key)

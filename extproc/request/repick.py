@@ -44,7 +44,7 @@ def served_elsewhere(ticket: Ticket, served: str, metrics: Metrics, now: float) 
         log.warning("pool %s: request placed on %s was served by %s, not an endpoint of the pool; "
                     "its reservation stays on %s", backend, hold.endpoint, served, hold.endpoint)
         return UNKNOWN
-    if to == hold.endpoint or not eps.move(hold.endpoint, to, hold.kv):
+    if to == hold.endpoint or not eps.move(hold.endpoint, to, hold.kv, tier=hold.grant.tier):
         return None
     ticket.moved(to)
     # The pick refused the connection: that counts toward ejecting it. The pool's breakers

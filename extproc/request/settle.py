@@ -25,6 +25,7 @@ from extproc.policy.breaker_outcome import outcome_at_settle
 from extproc.policy.budget import ZERO, spend
 from extproc.policy.budget_ledger import BudgetHold
 from extproc.policy.charge import Basis, Charge, SettleFacts, charge
+from extproc.policy.fair_share import work
 from extproc.policy.reasons import CHARGED, Ending, Reason
 from extproc.policy.schema import Limits, Tenant, Tier
 from extproc.request import observe
@@ -147,8 +148,14 @@ class Settlement:
         t = self.ticket
         if t is not None:
             self._release(t, how, now)
-            if went:
+            if went and how is not Ending.REVOKED:
                 self._observe_latency(t, how, now)
+            if t.work:  # the fair share counts what it used, not what it reserved
+                used = (
+                    work(self.prompt_tokens, got.tokens - self.prompt_tokens) if got.tokens else 0.0
+                )
+                t.backend_state.queue.order.charge(self.tier.name, self.tenant.name, used - t.work,
+                                                   now)
         self.rt.metrics.settled(how, self.tenant.name, got.tokens, self.reserved, got.basis)
         self.rt.settle_log.add(self.request_id, self.tenant.name, how, self.status, got.basis,
                                self.prompt_tokens, self.reserved, got.tokens)
@@ -218,7 +225,8 @@ class Settlement:
             n=req.n, admitted_at=t.admitted_at, ended_at=self._ended(now), status=self.status,
             first_byte_at=self.first_byte_s, streamed=self.sse or req.stream, reported_total=total,
             counted_completion=counted, rate=self.rt.decode_rates.rate(t.model.name),
-            lost=how is Ending.EXPIRED))  # no access-log entry came: nothing says what it used
+            lost=how is Ending.EXPIRED,  # no access-log entry came: nothing says what it used
+            revoked=how is Ending.REVOKED))
 
     def _used(self, got: Charge) -> Usage:
         """The charge split into prompt and completion tokens to price it, with the same total

@@ -43,6 +43,8 @@ class Ticket:
     lease_short: SlotRequest | None = None  # refused for room in a shared lease: retried after one lease check
     lease_checked: Awaitable[None] | None = None  # done when that check has ended (SlotLeases.next_check)
     prefix: tuple[int, ...] = ()  # prompt prefix keys when the pool has prefix affinity (extproc.openai_api.prefix_key)
+    # its fair-share work as reserved (extproc.policy.fair_share), corrected at settle
+    work: float = 0.0
 
     def report_outcome(self, outcome: Outcome, latency_s: float | None, now: float) -> None:
         """Tell each breaker that let this request through how it ended; once. Admission gives

@@ -15,12 +15,12 @@ from extproc.envoy import usage_record
 from extproc.envoy.headers import ENDPOINT_HEADER, client_retry_removals, endpoint_headers
 from extproc.openai_api.body import ParsedRequest, upstream_body
 from extproc.openai_api.errors import budget_headers, ratelimit_headers
-from extproc.policy.schema import Policy, Tenant
+from extproc.policy.schema import Backend, Policy, Tenant
 from extproc.request.intake import KEY_HEADERS
 from extproc.request.ticket import Ticket
 from extproc.runtime.runtime import Runtime
 
-__all__ = ["Destination", "Forward", "forward", "passthrough"]
+__all__ = ["Destination", "Forward", "engine_priority", "forward", "passthrough"]
 
 # Where to connect (the pick, ``ip:port``) and where to retry once (None: nowhere).
 Destination = Callable[[str, str | None], dict[str, str]]
@@ -38,10 +38,21 @@ def identity_headers(tenant: Tenant) -> dict[str, str]:
     return {"x-sluice-tenant": tenant.name, "x-sluice-tier": tenant.tier}
 
 
+def engine_priority(backend: Backend, tier_priority: int) -> int | None:
+    """The upstream body's ``priority`` for a tier (None: not written). vLLM runs lower values
+    first, SGLang higher ones, so the tier's priority is negated for vLLM."""
+    if backend.engine_priority == "vllm":
+        return -tier_priority
+    if backend.engine_priority == "sglang":
+        return tier_priority
+    return None
+
+
 def forward(rt: Runtime, policy: Policy, tenant: Tenant, req: ParsedRequest, ticket: Ticket,
             destination: Destination = endpoint_headers) -> Forward:
     """The mutation for an admitted request."""
-    body = upstream_body(req, ticket.completion, ticket.model.name)
+    body = upstream_body(req, ticket.completion, ticket.model.name,
+                         engine_priority(ticket.backend, policy.tiers[tenant.tier].priority))
     set_headers = {**identity_headers(tenant), "x-sluice-backend": ticket.backend.name}
     dest = _destination(rt, ticket, destination)
     if dest is not None:

@@ -104,6 +104,49 @@ class Metrics:
                                             ["backend", "tenant"], registry=r)
         self.queue_depth = Gauge("sluice_queue_depth", "Requests waiting for a slot.", ["backend", "tier"],
                                  registry=r)
+        # KV shares, revocation and fair share (docs/long-context.md), set by the monitor's refresh.
+        self.kv_reserved = Gauge(
+            "sluice_kv_reserved_tokens",
+            "KV footprints reserved, by backend and tier.",
+            ["backend", "tier"],
+            registry=r,
+        )
+        self.kv_guaranteed = Gauge(
+            "sluice_kv_guaranteed_tokens",
+            "The KV tokens kept for a tier while it has "
+            "demand (its kv_guaranteed of the backend's budget now).",
+            ["backend", "tier"],
+            registry=r,
+        )
+        self.revocations = Counter(
+            "sluice_revocations",
+            "Admitted requests revoked to give a higher tier KV room, "
+            "by the victim's tier and kind (unanswered: a 503; streaming: an error event).",
+            ["backend", "tier", "kind"],
+            registry=r,
+        )
+        self.revoked_work = Counter(
+            "sluice_revoked_work_tokens",
+            "Work thrown away by revocations (prompt tokens "
+            "prefilled plus tokens generated), by the victim's tier.",
+            ["backend", "tier"],
+            registry=r,
+        )
+        self.fair_difference = Gauge(
+            "sluice_fair_share_service_difference",
+            "The largest gap between the "
+            "fair-share counters (input + 2 x output tokens) of a tier's tenants waiting "
+            "together.",
+            ["backend", "tier"],
+            registry=r,
+        )
+        self.fair_jain = Gauge(
+            "sluice_fair_share_jain",
+            "Jain's fairness index of the recent service of a tier's "
+            "tenants waiting together (1: equal).",
+            ["backend", "tier"],
+            registry=r,
+        )
         self.queue_wait = Histogram("sluice_queue_wait_seconds", "Time requests waited for a slot, by result.",
                                     ["tier", "result"], buckets=QUEUE_BUCKETS, registry=r)
         self.degraded = Counter("sluice_degraded", "Requests admitted in a degraded form.", ["tier", "kind"],

@@ -14,8 +14,9 @@ import logging
 
 import aiohttp
 
-from extproc.backends.endpoints import EndpointState, resolve_later
+from extproc.backends.endpoints import EndpointState
 from extproc.backends.pool_report import pool_summary
+from extproc.backends.resolve import resolve_later
 from extproc.backends.scrape import (
     Sample,
     engine_metrics,
@@ -24,6 +25,7 @@ from extproc.backends.scrape import (
     scrape_once,
 )
 from extproc.backends.state import BackendState
+from extproc.policy import kv as kvmath
 from extproc.policy.breaker import Breaker
 from extproc.policy.engine_metrics import EngineMetrics
 from extproc.policy.watermark import WatermarkController
@@ -156,6 +158,7 @@ def refresh(rt: Runtime) -> None:
             m.slots_in_use.labels(name, "guaranteed", tier).set(use.guaranteed.get(tier, 0))
             m.slots_in_use.labels(name, "shared", tier).set(use.shared_by_tier.get(tier, 0))
             m.queue_depth.labels(name, tier).set(be.queue.depth(tier))
+        refresh_shares(m, name, be, now)
         # A model route's breaker is labelled backend/model.
         breakers = {name: be.breaker, **{f"{name}/{model}": b for model, b in be.route_breakers.items()}}
         for label, breaker in breakers.items():
@@ -174,6 +177,27 @@ def refresh(rt: Runtime) -> None:
                 if ev.to_state == "open":
                     m.tenant_breaker_trips.labels(label, tenant).inc()
                     log.warning("tenant breaker %s %s: open (%s)", label, tenant, ev.cause)
+
+
+def refresh_shares(m: Metrics, name: str, be: BackendState, now: float) -> None:
+    """KV shares per tier, the revocations, and each tier's fair share (docs/long-context.md)."""
+    for tier in be.queue.configs:
+        diff, jain = be.queue.order.fairness(tier, now)
+        m.fair_difference.labels(name, tier).set(diff)
+        m.fair_jain.labels(name, tier).set(jain)
+    if not be.kv_shares:
+        return
+    budget = kvmath.kv_budget(be, now)
+    for tier in be.priorities:
+        share = be.kv_shares.get(tier)
+        m.kv_reserved.labels(name, tier).set(be.kv_by_tier.get(tier, 0))
+        guaranteed = 0.0 if share is None or budget == float("inf") else share.guaranteed * budget
+        m.kv_guaranteed.labels(name, tier).set(guaranteed)
+    counts, wasted = be.shares.revocations.drain()
+    for (tier, kind), n in counts.items():
+        m.revocations.labels(name, tier, kind).inc(n)
+    for tier, n in wasted.items():
+        m.revoked_work.labels(name, tier).inc(n)
 
 
 def refresh_endpoints(m: Metrics, name: str, be: BackendState, now: float) -> None:

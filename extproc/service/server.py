@@ -22,6 +22,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.policy.reasons import Ending
 from extproc.request.log_settle import LogSettles
+from extproc.request.revoking import CHUNK_WAIT_S
 from extproc.request.stream import StreamProcessor
 from extproc.runtime.runtime import Runtime
 from extproc.wire import access_log
@@ -29,6 +30,23 @@ from extproc.wire.health import Health
 from extproc.wire.peer import PeerStream
 
 log = logging.getLogger("sluice.server")
+
+# What _next returns instead of a message: the backend revoked the request, or a revoked
+# stream's next chunk did not come in time (extproc.request.revoking).
+WAKE, LATE = object(), object()
+
+
+async def _next(peer: PeerStream, stream: StreamProcessor) -> pb.ProcessingRequest | None | object:
+    """Envoy's next message; for a request that can be revoked, or the revocation first."""
+    rv = stream.revoker
+    if rv is None or rv.done or stream.settled:
+        return await peer.next()  # the usual path: no task, no timer
+    ahead = peer.closed_signal()  # reads the next message ahead
+    if rv.order is None:
+        done, _ = await asyncio.wait({ahead, rv.wake}, return_when=asyncio.FIRST_COMPLETED)
+        return await peer.next() if ahead in done else WAKE
+    done, _ = await asyncio.wait({ahead}, timeout=CHUNK_WAIT_S)
+    return await peer.next() if done else LATE
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
@@ -43,13 +61,25 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         stream = StreamProcessor(self.rt, peer, self.log_settles)
         how = Ending.DISCONNECT
         try:
-            while (request := await peer.next()) is not None:
+            while (request := await _next(peer, stream)) is not None:
+                if request is WAKE or request is LATE:
+                    rv = stream.revoker
+                    assert rv is not None
+                    revoked = rv.answer_now() if request is WAKE else rv.late()
+                    if revoked is not None:
+                        yield revoked
+                        return
+                    continue
+                assert isinstance(request, pb.ProcessingRequest)
                 phase = request.WhichOneof("request") or "unknown"
                 if phase == "request_body":
                     async for response in stream.handle_body(request):
                         yield response
                 elif (response := stream.handle(phase, request)) is not None:
                     yield response
+                if stream.revoker is not None and stream.revoker.pending is not None:
+                    yield stream.revoker.pending  # a revoked stream's end, after its last chunk
+                    return
                 if stream.finished:
                     how = Ending.REJECTED
                     return
