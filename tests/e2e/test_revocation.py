@@ -59,6 +59,9 @@ def rv(tmp_path: Any, request: pytest.FixtureRequest) -> Iterator[Stack]:
     settled_and_balanced does for module stacks, before it stops."""
     s = Stack(tmp_path, sim_args=["--max-num-seqs", "1", "--scheduling-policy", "priority"])
     s.policy_doc = policy(s.sim_port)
+    mode = request.node.get_closest_marker("response_processing")
+    if mode is not None:  # the response side the test needs (the default: usage_trailers)
+        s.policy_doc["gateway"]["response_processing"] = mode.args[0]
     with running(s) as started:
         # The budget is the whole cache once the engine's metrics are read (the watermark's
         # floor before).
@@ -204,6 +207,9 @@ def test_a_premium_request_revokes_a_batch_request_queued_at_the_engine(rv: Stac
     assert revoked.work is not None and revoked.work["finished_reason"] == "abort"
 
 
+# The error event needs the response body read chunk by chunk: Envoy 1.40 ignores a per-request
+# mode_override beside the one-round-trip request side, so that is response_processing: streamed.
+@pytest.mark.response_processing("streamed")
 def test_a_revocable_stream_ends_with_an_error_event_and_is_billed_what_it_produced(
     rv: Stack,
 ) -> None:
@@ -252,6 +258,30 @@ def test_a_revocable_stream_ends_with_an_error_event_and_is_billed_what_it_produ
     # and against the engine's record: counted from the stream, within what the engine did
     pairs = billing.check(expect={"counted": 1, "reported": 1})
     cut = next(p for p in pairs if p.basis == "counted")
+    assert cut.work is not None and cut.work["finished_reason"] == "abort"
+
+
+def test_under_usage_trailers_a_revoked_stream_is_cut_and_billed_within_its_bound(rv: Stack) -> None:
+    """Without the body read chunk by chunk, the out-of-turn ImmediateResponse ends the stream
+    (no error event: Envoy resets it), the engine aborts, and the bill is the estimate, held
+    against the engine's own record."""
+    stack = rv
+    billing = Billing.of(stack)
+    doc = Background(stack, "batch", 1800, True, **{"x-sim-tps": "20", "x-sim-tokens": "1500"})
+    eventually(lambda: b"".join(doc.chunks).count(b"data: ") >= 5, 15, lambda: str(doc.chunks))
+    status, _, data = post(stack, "premium", 600, False, **{"x-sim-tokens": "5"})
+    assert status == 200, data
+    try:
+        _, _, raw = doc.join()
+    except Exception:  # noqa: BLE001 - a reset stream may surface as a client error
+        raw = b"".join(doc.chunks)
+    assert b"[DONE]" not in raw
+    eventually(lambda: engine(stack)["running"] == 0 and engine(stack)["aborted"] == 1, 5,
+               lambda: str(engine(stack)))
+    assert kv_state(stack)["revocation"]["revoked"] == {"batch/streaming": 1}
+    stack.wait_settled()
+    pairs = billing.check(expect={"estimated": 1, "reported": 1})
+    cut = next(p for p in pairs if p.basis == "estimated")
     assert cut.work is not None and cut.work["finished_reason"] == "abort"
 
 
