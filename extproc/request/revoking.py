@@ -71,7 +71,8 @@ class Revoker:
             and s.req is not None
         ):
             rate = self.rt.decode_rates.rate(s.ticket.model.name)
-            generated = int(rate * max(0.0, now - s.first_byte_s) * s.req.n)
+            if rate is not None:  # no rate learned yet for the model: nothing known to be lost
+                generated = int(rate * max(0.0, now - s.first_byte_s) * s.req.n)
         return Progress(s.status != 0, s.prompt_tokens + generated, generated)
 
     def revoke(self, message: str, retry_after_s: float) -> None:
