@@ -232,7 +232,9 @@ def _start(key: str, gw: Gateway, cap: Capacity, mode: str, run: ConfigRun,
     else:
         cfg = envoy_config("ratelimit" if key == "b" else "none", [sim_route], opts, rps=cap.rps)
         if key == "b":
-            run.notes.append(f"local_ratelimit: {cap.rps:.2f} req/s (the measured capacity), burst {math.ceil(cap.rps)}")
+            run.notes.append(
+                f"local_ratelimit: {cap.rps:.2f} req/s (the measured capacity), burst {math.ceil(cap.rps)}"
+            )
     gw.start_envoy(cfg, key)
     pids["envoy"] = gw.procs["envoy"].pid
     return pids

@@ -154,7 +154,8 @@ def markdown(s: LongPromptRun) -> str:
 
     p = ", ".join(f"{ph.name} {ph.seconds:.0f} s" for ph in s.schedule.phases)
     lines = [
-        f"## Long prompts: a burst of {LONG_RANGE[0] // 1000}k-{LONG_RANGE[1] // 1000}k-token documents on top of steady chat",
+        f"## Long prompts: a burst of {LONG_RANGE[0] // 1000}k-{LONG_RANGE[1] // 1000}k-token documents "
+        "on top of steady chat",
         "",
         f"Chat (premium and free) at {CHAT_LOAD:g}x the capacity measured in this run ({s.capacity.rps:.2f} "
         f"req/s); phases {p}; at the start of `long`, {LONG_COUNT} documents of {LONG_RANGE[0]:,}-"

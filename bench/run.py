@@ -8,7 +8,8 @@
     python -m bench.run --only slowdown          # decode speed halved for 20 s: (e) vs (f)
     python -m bench.run --only longprompt        # 12 documents of 16k-24k tokens on steady chat
     python -m bench.run --only fairness          # a heavy and a light tenant in one tier: fair share by work
-    python -m bench.run --only pool              # 3 engines, the trace's burst at 3x: Envoy RR / LR / Sluice picking (+ prefix affinity)
+    python -m bench.run --only pool              # 3 engines, the trace's burst at 3x: Envoy RR / LR /
+                                                 # Sluice picking (+ prefix affinity)
     python -m bench.run --only state_store       # TPM/RPM state in Redis vs in-process; accuracy, 1 and 3 replicas
 
 Progress goes to stderr. The first run installs LiteLLM into ``bench/.litellm-venv``

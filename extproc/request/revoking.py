@@ -26,12 +26,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.backends.revocation import Progress
 from extproc.openai_api.errors import error_body, retry_after_headers
 from extproc.openai_api.usage import SSETracker
+from extproc.policy.decode_rate import completion_estimate
 from extproc.policy.reasons import Ending, Reason
 from extproc.request.settle import Settlement
+from extproc.request.ticket import Ticket
 from extproc.runtime.runtime import Runtime
 from extproc.wire import messages as msg
 
-__all__ = ["CHUNK_WAIT_S", "Revoker"]
+__all__ = ["CHUNK_WAIT_S", "Revoker", "track"]
 
 CHUNK_WAIT_S = 0.5
 
@@ -70,9 +72,12 @@ class Revoker:
             and s.ticket is not None
             and s.req is not None
         ):
-            rate = self.rt.decode_rates.rate(s.ticket.model.name)
-            if rate is not None:  # no rate learned yet for the model: nothing known to be lost
-                generated = int(rate * max(0.0, now - s.first_byte_s) * s.req.n)
+            # As settle would charge it if it ended now: with no rate learned yet, the whole
+            # completion budget (a stream is not taken for cheap to revoke for want of a rate).
+            generated = completion_estimate(
+                max(0, s.reserved - s.prompt_tokens), s.req.n,
+                self.rt.decode_rates.rate(s.ticket.model.name), now - s.first_byte_s,
+            )
         return Progress(s.status != 0, s.prompt_tokens + generated, generated)
 
     def revoke(self, message: str, retry_after_s: float) -> None:
@@ -140,3 +145,21 @@ class Revoker:
         return msg.immediate(
             Reason.REVOKED.status, b"", {"x-sluice-reason": str(Reason.REVOKED)}, "sluice_revoked"
         )
+
+
+def track(rt: Runtime, ticket: Ticket, s: Settlement | None, reads_body: bool,
+          mode: msg.PM | None) -> Revoker | None:
+    """A request on a backend where a tier may take KV room back can be revoked: its handle,
+    given to the backend; None where it cannot be."""
+    hold, be = ticket.hold, ticket.backend_state
+    if hold is None or not be.kv_shares or s is None:
+        return None
+    if mode == msg.REQUEST_ONLY:
+        # Nothing of the response comes here (access_log): the ext_proc stream ends once
+        # the request is forwarded, and there is nothing left to end it on.
+        return None
+    revoker = Revoker(rt, s, s.request_id, reads_body)
+    be.shares.revocations.track(
+        hold.grant.id, hold.grant.tier, hold.kv, hold.endpoint, ticket.admitted_at, revoker
+    )
+    return revoker

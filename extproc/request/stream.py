@@ -38,7 +38,7 @@ from extproc.request.admission import Admission, Wait
 from extproc.request.log_settle import LogSettles, expires_after_s
 from extproc.request.refusal import Refusal
 from extproc.request.repick import served_elsewhere
-from extproc.request.revoking import Revoker
+from extproc.request.revoking import Revoker, track
 from extproc.request.settle import Settlement
 from extproc.request.ticket import Ticket
 from extproc.runtime.metrics import NO_TENANT
@@ -54,6 +54,8 @@ __all__ = ["StreamProcessor"]
 REQUEST_ID = "x-request-id"  # Envoy's, on every request it forwards: the engine sees the same id
 REQUEST_HEADERS = frozenset({":path", ":method", "content-length", "content-encoding", REQUEST_ID,
                              *intake.KEY_HEADERS})
+# Kinds whose response a revocable tier's request streams through Sluice (to end it with an
+# error event).
 RESPONSE_HEADERS = frozenset({":status", "content-type"})
 _HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 _TRAILERS_CONTINUE = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
@@ -84,8 +86,9 @@ class StreamProcessor:
         # needs: a gateway's own config may still stream it, and then the stream settles.
         self.quiet_response = False
         self.saw_response = False
-        self.reads_body = False  # the response body passes through Sluice (its route's mode)
-        # while the request could be revoked (extproc.request.revoking)
+        # the response body passes through Sluice (its mode streams it), and the handle that
+        # revokes the request while it can be (extproc.request.revoking)
+        self.reads_body = False
         self.revoker: Revoker | None = None
 
     @property
@@ -264,10 +267,7 @@ class StreamProcessor:
         # route it matched says it to Envoy 1.40; the answer carries it too, for an Envoy
         # that takes a mode_override (one configured without the one-round-trip request side).
         self.mode = msg.response_mode(got.kind, self.policy.gateway.response_processing)
-        # A revocable tier's response is not read chunk by chunk any more: Envoy 1.40 ignores a
-        # mode_override beside the one-round-trip request side, so a revoked stream that has
-        # answered ends with the out-of-turn ImmediateResponse alone (extproc.request.revoking).
-        self.reads_body = self.mode.response_body_mode != msg.PM.NONE
+        self.reads_body = self.mode.response_body_mode == msg.PM.STREAMED
         new_path = {":path": got.clean_path} if got.clean_path else {}
         if can_defer:
             self.deferred, self.new_path = True, new_path
@@ -287,7 +287,7 @@ class StreamProcessor:
             else:
                 ticket = step
         assert ticket is not None
-        self._track(ticket)
+        self.revoker = track(self.rt, ticket, self.settlement, self.reads_body, self.mode)
         fwd = upstream.forward(self.rt, self.policy, self.tenant, req, ticket)
         for answer in self._forward(fwd, raw):
             yield answer
@@ -320,19 +320,6 @@ class StreamProcessor:
         return [msg.headers_response("request_headers", set_headers, fwd.remove_headers, clear_route_cache=True,
                                      metadata=metadata, mode_override=self.mode),
                 *msg.request_chunk_answers(chunks, fwd.body)]
-
-    def _track(self, ticket: Ticket) -> None:
-        """A request on a backend where a tier may take KV room back can be revoked: say so."""
-        hold, be, s = ticket.hold, ticket.backend_state, self.settlement
-        if hold is None or not be.kv_shares or s is None:
-            return
-        if (self.policy.gateway.response_processing == "access_log" and self.kind not in msg.READS_BODY
-                and self.quiet_response):
-            return  # the ext_proc stream closes before the response: nothing to end it on
-        self.revoker = Revoker(self.rt, s, s.request_id, self.reads_body)
-        be.shares.revocations.track(
-            hold.grant.id, hold.grant.tier, hold.kv, hold.endpoint, ticket.admitted_at, self.revoker
-        )
 
     # -- response side ------------------------------------------------------
     def _start_response(self, request: pb.ProcessingRequest, s: Settlement) -> None:

@@ -150,7 +150,9 @@ def refresh(rt: Runtime) -> None:
         if be.has_metrics and kv_source(be.sample, be.spec.kv_capacity_tokens is not None) == "reservations":
             m.kv_usage.labels(name).set(reserved_fraction(be.kv_in_use, be.spec.kv_capacity_tokens) or 0.0)
         m.slots_effective.labels(name).set(be.pool.effective_limits(be.slot_scale(now))["total"])
-        m.concurrency_limit.labels(name).set(be.adaptive_limit.limit(now) if be.adaptive_limit else be.spec.max_concurrency)
+        m.concurrency_limit.labels(name).set(
+            be.adaptive_limit.limit(now) if be.adaptive_limit else be.spec.max_concurrency
+        )
         if be.endpoints is not None:
             refresh_endpoints(m, name, be, now)
         use = be.pool.in_use()
