@@ -4,13 +4,14 @@ kept apart so engine.py stays one concern per screen."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from .sequence import Sequence, StepOutcome
 from .step_cost import prefill_step_s
 
-if TYPE_CHECKING:
-    from .engine import Engine
+# The engine calls this with itself; typed loosely so that this module need not import
+# engine.py, which imports it (imports run one way).
+Engine = Any
 
 __all__ = ["step_chunked"]
 

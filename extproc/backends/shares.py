@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from extproc.backends.revocation import Revocations
 from extproc.policy import kv as kvmath
@@ -27,7 +27,19 @@ from extproc.policy.schema import Policy
 
 if TYPE_CHECKING:
     from extproc.backends.queue import BackendQueue, Waiter
-    from extproc.backends.state import BackendState
+
+
+class SharedBackend(Protocol):
+    """What of ``extproc.backends.state.BackendState`` the shares read: named here, not
+    imported, because the backend holds its shares (imports run one way)."""
+
+    priorities: Mapping[str, int]
+    queue: BackendQueue
+    endpoints: Any
+
+    def slo_at_risk(self, tier: str, now: float) -> bool: ...
+    def kv_active(self, now: float) -> Mapping[str, bool]: ...
+    def shares_for(self, tier: str | None, now: float) -> Any: ...
 
 __all__ = ["TierShares"]
 
@@ -127,7 +139,7 @@ class TierShares:
         return not demand or under_share(demand, tenant, budget, now, DEMAND_HOLD_S)
 
     # -- revocation ---------------------------------------------------------------------------
-    def reclaim(self, be: BackendState, now: float, wall: float | None = None) -> int:
+    def reclaim(self, be: SharedBackend, now: float, wall: float | None = None) -> int:
         """Take KV room back from lower tiers for the head of each tier with a KV guarantee that
         waits for room, where ``should_revoke`` allows it. Returns the KV tokens now freeing."""
         freeing = 0
@@ -160,7 +172,7 @@ class TierShares:
         return freeing
 
     def _need(
-        self, be: BackendState, tier: str, head: Waiter, now: float
+        self, be: SharedBackend, tier: str, head: Waiter, now: float
     ) -> tuple[Need, float] | None:
         """The room ``head`` lacks (on the pool endpoint it would fit soonest), and the budget it
         is judged on; None when KV is not what it waits for."""
@@ -178,7 +190,7 @@ class TierShares:
         return (Need(tier, int(missing) + 1, key), budget) if missing > 0 else None
 
     # -- the status report ------------------------------------------------------------------
-    def status(self, be: BackendState, now: float) -> dict[str, Any] | None:
+    def status(self, be: SharedBackend, now: float) -> dict[str, Any] | None:
         """Each tier's KV guarantee, burst cap, reservations and demand, and the revocations."""
         if not self.shares:
             return None
