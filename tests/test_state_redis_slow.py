@@ -37,7 +37,7 @@ return 1
 
 def test_the_bound_follows_recent_answers_between_its_floor_and_ceiling() -> None:
     rt = RoundTrips(0.008, 0.1)
-    assert rt.bound() == 0.008  # nothing seen: the floor
+    assert rt.bound() == 0.1  # nothing seen: the ceiling, as long as the client waits anyway
     for _ in range(20):
         rt.observe(0.0005)
     assert rt.bound() == 0.008  # a quiet host keeps the quick failover

@@ -44,6 +44,10 @@ class RoundTrips:
     def bound(self) -> float:
         """How long to wait for an answer before taking the store for unreachable."""
         if self.srtt is None:
-            return self.floor_s
+            # Nothing measured yet: wait as long as the client would (RFC 6298 starts with a
+            # conservative timer too). A first exchange, which also loads the scripts, on a
+            # busy host can take longer than the floor, and a trip then refuses every request
+            # of a replica that has not registered yet.
+            return self.ceiling_s
         estimate = max(self.srtt + 4 * self.rttvar, PEAK_MARGIN * self.peak)
         return min(self.ceiling_s, max(self.floor_s, estimate))
