@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from extproc.openai_api.body import DuplicateKey, unique_keys
+
 MAX_BYTES = 256 * 1024
 MAX_DEPTH = 12  # a report is about 5 deep: backends.<name>.slots.by_tier.<tier>
 MAX_BACKENDS = 256
@@ -52,28 +54,10 @@ class _NotJson(ValueError):
     pass
 
 
-class _DuplicateKey(ValueError):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
 def _not_json(name: str) -> float:
     # Python reads NaN and Infinity, JSON has neither: a gauge of NaN would be stored and
     # shown as a number, and sort and sum as none.
     raise _NotJson(name)
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # Python keeps the last of repeated keys; which one the replica meant is unknowable.
-    d = dict(pairs)
-    if len(d) != len(pairs):
-        seen: set[str] = set()
-        for k, _ in pairs:
-            if k in seen:
-                raise _DuplicateKey(k)
-            seen.add(k)
-    return d
 
 
 def parse(raw: bytes) -> tuple[Any, Violation | None]:
@@ -84,8 +68,8 @@ def parse(raw: bytes) -> tuple[Any, Violation | None]:
     if depth > MAX_DEPTH:
         return None, Violation("report_too_deep", f"a status report nests at most {MAX_DEPTH} levels, got {depth}")
     try:
-        body = json.loads(raw, parse_constant=_not_json, object_pairs_hook=_unique_keys)
-    except _DuplicateKey as exc:
+        body = json.loads(raw, parse_constant=_not_json, object_pairs_hook=unique_keys)
+    except DuplicateKey as exc:
         return None, Violation("duplicate_key", f"a status report names the key {exc.key!r} more "
                                "than once in one object", exc.key[:MAX_STRING])
     except _NotJson as exc:

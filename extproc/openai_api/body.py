@@ -78,9 +78,11 @@ class DuplicateKey(ValueError):
         self.key = key
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # Python keeps the last of repeated keys, a backend may keep the first: the body
-    # Sluice accounts for must be the one the backend reads, so repeats are refused.
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` refusing a key repeated in one object (``DuplicateKey``).
+
+    Python keeps the last of repeated keys, a backend may keep the first: the body Sluice
+    accounts for must be the one the backend reads (and a replica's report the one it meant)."""
     d = dict(pairs)
     if len(d) != len(pairs):
         seen: set[str] = set()
@@ -98,7 +100,7 @@ def decode_json(raw: bytes) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_encoding") from None
     try:
         body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float,
-                          object_pairs_hook=_unique_keys)
+                          object_pairs_hook=unique_keys)
     except DuplicateKey as exc:
         raise BadRequest(f"request body has the key {exc.key!r} more than once in one object", exc.key,
                          "duplicate_key") from None
