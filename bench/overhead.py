@@ -14,6 +14,8 @@ constant backend (``bench.fastbackend``), each Envoy with ``--concurrency 1``:
     (d) with ``--host``: the whole host, Envoy with 2 workers in front of Sluice
         ``serve --workers 2`` (one gRPC port each, both in Envoy's ext_proc cluster) on a
         Redis store (Debian's ``redis-server``), the deployment that uses both cores
+    (f) with ``--grpcio``: Sluice as (c) with ``--grpc-stack grpcio``, its port served by
+        grpc.aio instead of ``extproc.wire.h2grpc``: the serving stack's share, same run
     (e) with ``--baseline-tree DIR``: Sluice run from another checkout (``git worktree add
         DIR main``) with the Envoy config that checkout renders, in its default
         ``response_processing``: a before/after measured in the same run
@@ -57,6 +59,7 @@ from bench.overhead_load import BODY, KEY, MODEL, Sample, _drive, pct
 from bench.overhead_report import (
     BASELINE,
     CONFIGS,
+    GRPCIO,
     HOST,
     NAMES,
     Hist,
@@ -126,12 +129,14 @@ class Stack(ProcGroup):
     ``host``, also Redis, Sluice's workers and a fourth Envoy (config (d))."""
 
     def __init__(self, workdir: Path, envoy_concurrency: int, response_processing: str = "usage_trailers",
-                 host: bool = False, baseline: Path | None = None) -> None:
+                 host: bool = False, baseline: Path | None = None, grpcio: bool = False) -> None:
         super().__init__(workdir)
         self.concurrency = envoy_concurrency
         self.response_processing = response_processing
         self.baseline = baseline
-        self.configs = (*CONFIGS, *((HOST,) if host else ()), *((BASELINE,) if baseline else ()))
+        self.configs = (*CONFIGS, *((GRPCIO,) if grpcio else ()), *((HOST,) if host else ()),
+                        *((BASELINE,) if baseline else ()))
+        self.grpcio_grpc, self.grpcio_admin = free_port(), free_port()
         self.base_grpc, self.base_admin = free_port(), free_port()
         self.backend_port, self.pt_port, self.grpc_port, self.admin_port = (free_port() for _ in range(4))
         self.workers_grpc, self.workers_admin = (free_ports(2), free_ports(2)) if host else (0, 0)
@@ -153,6 +158,12 @@ class Stack(ProcGroup):
         self.start_proc("sluice", [py, "-m", "extproc", "serve", "--policy", str(self._policy_dir("policies", doc)),
                                    "--grpc", f"127.0.0.1:{self.grpc_port}", "--admin", f"127.0.0.1:{self.admin_port}"],
                         lambda: http_ok(f"http://127.0.0.1:{self.admin_port}/healthz"))
+        if GRPCIO in self.configs:
+            self.start_proc("sluice-grpcio", [py, "-m", "extproc", "serve", "--grpc-stack", "grpcio",
+                                              "--policy", str(self._policy_dir("policies-grpcio", doc)),
+                                              "--grpc", f"127.0.0.1:{self.grpcio_grpc}",
+                                              "--admin", f"127.0.0.1:{self.grpcio_admin}"],
+                            lambda: http_ok(f"http://127.0.0.1:{self.grpcio_admin}/healthz"))
         if HOST in self.configs:
             self._start_workers(doc)
         gw = doc["gateway"]
@@ -160,7 +171,7 @@ class Stack(ProcGroup):
             if c == BASELINE:
                 self._start_baseline(doc)
                 continue
-            extproc = {"c": self.grpc_port, HOST: self.workers_grpc}.get(c, self.pt_port)
+            extproc = {"c": self.grpc_port, HOST: self.workers_grpc, GRPCIO: self.grpcio_grpc}.get(c, self.pt_port)
             opts = EnvoyOptions(listen_port=self.listen[c], admin_port=self.envoy_admin[c], extproc_port=extproc,
                                 extproc_more=(("127.0.0.1", extproc + 1),) if c == HOST else (),
                                 max_body_bytes=gw["max_body_bytes"], message_timeout_ms=gw["message_timeout_ms"],
@@ -318,19 +329,19 @@ BLOCKING = {"access_log": 1, "usage_trailers": 3, "streamed": 3}
 def _served_by(c: str) -> list[str]:
     """The processes config ``c``'s requests cost CPU in, besides this load generator."""
     return [f"envoy-{c}", "backend", *{"b": ["passthrough"], "c": ["sluice"], HOST: ["sluice-workers", "redis"],
-                                       BASELINE: ["sluice-baseline"]}.get(c, [])]
+                                       BASELINE: ["sluice-baseline"], GRPCIO: ["sluice-grpcio"]}.get(c, [])]
 
 
 def run(*, rounds: int = 3, requests: int = 1500, seconds: float = 4.0, connections: int = 16,
         envoy_concurrency: int = 1, warmup: float = 0.5, protobuf_seconds: float = 1.5,
         keep: bool = False, log: Callable[[str], None] | None = None,
         response_processing: str = "usage_trailers", host: bool = False,
-        baseline: Path | None = None) -> list[Row]:
+        baseline: Path | None = None, grpcio: bool = False) -> list[Row]:
     """Start the stack, measure, stop it; return the rows ``render_markdown`` turns into tables."""
     say = log or (lambda s: print(s, file=sys.stderr, flush=True))
     rows = context_rows(envoy_concurrency)
     workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
-    stack = Stack(workdir, envoy_concurrency, response_processing, host, baseline)
+    stack = Stack(workdir, envoy_concurrency, response_processing, host, baseline, grpcio)
     configs = stack.configs
     rows += [Row("context", "request", {"value": f"POST /v1/chat/completions, {len(BODY)}-byte JSON body with "
                                                   "max_tokens, HTTP/1.1 keep-alive, constant backend; "
@@ -439,11 +450,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="the Envoy config's response path, for (b) and (c)")
     ap.add_argument("--host", action="store_true",
                     help="also (d): Envoy with 2 workers, Sluice serve --workers 2 on a Redis store")
+    ap.add_argument("--grpcio", action="store_true",
+                    help="also (f): Sluice with its port served by grpc.aio (--grpc-stack grpcio)")
     ap.add_argument("--baseline-tree", type=Path, help="also (e): Sluice from this checkout, as it renders Envoy")
     args = ap.parse_args(argv)
     rows = run(rounds=args.rounds, requests=args.requests, seconds=args.seconds, connections=args.connections,
                envoy_concurrency=args.envoy_concurrency, keep=args.keep, response_processing=args.response_processing,
-               host=args.host, baseline=args.baseline_tree)
+               host=args.host, baseline=args.baseline_tree, grpcio=args.grpcio)
     print(render_markdown(rows))
     if args.json:
         Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=1))

@@ -17,8 +17,10 @@ from bench.overhead_load import Sample, pct
 CONFIGS = ("a", "b", "c")
 HOST = "d"  # --host: the whole host, Sluice --workers 2 on Redis behind an Envoy with 2 workers
 BASELINE = "e"  # --baseline-tree: Sluice and its Envoy config from another checkout
+GRPCIO = "f"  # --grpcio: Sluice as (c), its port served by grpc.aio instead of extproc.wire.h2grpc
 NAMES = {"a": "(a) Envoy alone", "b": "(b) Envoy + pass-through ext_proc", "c": "(c) Envoy + Sluice",
-         HOST: "(d) Envoy x2 + Sluice --workers 2 + Redis", BASELINE: "(e) Envoy + Sluice, baseline checkout"}
+         HOST: "(d) Envoy x2 + Sluice --workers 2 + Redis", BASELINE: "(e) Envoy + Sluice, baseline checkout",
+         GRPCIO: "(f) Envoy + Sluice on grpc.aio"}
 TARGET_P50_MS, TARGET_P99_MS, TARGET_RPS_RATIO = 0.8, 2.0, 0.80
 TARGET_RPS_PROCESS, TARGET_RPS_HOST = 2000, 2500
 
@@ -46,7 +48,7 @@ def _http_rows(one: dict[str, list[Sample]], many: dict[str, list[Sample]], conn
                                  "errors": sum(s.errors for s in samples[c]), "rounds": rounds}
             if c != "a":
                 v.update(added_p50_over_a=p50[c] - p50["a"], added_p99_over_a=p99[c] - p99["a"])
-            if c in ("c", HOST, BASELINE):
+            if c in ("c", HOST, BASELINE, GRPCIO):
                 v.update(added_p50_over_b=p50[c] - p50["b"], added_p99_over_b=p99[c] - p99["b"])
             rows.append(Row("latency", NAMES[c], v))
     rps = {c: _med([s.rps for s in many[c]]) for c in many}

@@ -85,7 +85,7 @@ async def _serve(args: argparse.Namespace) -> int:
     # Envoy's access-log entries come back to the process that forwarded the request,
     # by the sink key in its metadata: this endpoint as Envoy's config names it.
     log_settles = LogSettles(args.advertise or f"{ghost}:{gport}", runtime.clock, runtime.metrics)
-    server = await serve(runtime, ghost, gport, health=health, log_settles=log_settles)
+    server = await serve(runtime, ghost, gport, health=health, log_settles=log_settles, stack=args.grpc_stack)
     expiry = asyncio.create_task(run_log_expiry(log_settles, runtime.clock))
     admin = await start_admin(runtime, ahost, aport)
     cluster = _cluster_pool(runtime, args)
@@ -106,7 +106,13 @@ async def _serve(args: argparse.Namespace) -> int:
     # the breakers' verdicts without waiting on traffic
     prober = asyncio.create_task(run_prober(runtime))
     eds = asyncio.create_task(_keep_eds(runtime, eds_writer)) if eds_writer is not None else None
-    print(f"sluice extproc: gRPC {ghost}:{gport}, admin http://{ahost}:{aport}/metrics", flush=True)
+    if os.environ.get("SLUICE_GC_FREEZE", "1") == "1":
+        import gc
+
+        gc.collect()
+        gc.freeze()
+    print(f"sluice extproc: gRPC {ghost}:{gport} ({args.grpc_stack}), admin http://{ahost}:{aport}/metrics",
+          flush=True)
     if picker is not None:
         print(f"sluice picker: ext_proc {args.picker} ({'plaintext' if args.picker_plaintext else 'TLS'}), "
               f"health {args.picker_health}, metrics {args.picker_metrics}", flush=True)
@@ -275,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--policy", default="policies", help="directory of policy YAML files")
     s.add_argument("--grpc", default="127.0.0.1:50051")
     s.add_argument("--admin", default="127.0.0.1:9100")
+    s.add_argument("--grpc-stack", choices=("h2", "grpcio"), default="h2",
+                   help="what serves the ext_proc port: Sluice's HTTP/2 server on the event loop (h2) or "
+                   "grpc.aio (grpcio); see docs/round-trips.md")
     s.add_argument("--reload-interval", type=float, default=1.0)
     s.add_argument("--log-level", default="INFO")
     s.add_argument("--console-url", help="take the policy from the console and report status to it")

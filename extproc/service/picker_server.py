@@ -34,7 +34,7 @@ from extproc.request.picker import Answer, PickerOptions, PickerStream
 from extproc.runtime.runtime import Runtime
 from extproc.service.server import SERVER_OPTIONS
 from extproc.wire import tls
-from extproc.wire.h2grpc.calls import Call, unary
+from extproc.wire.h2grpc.calls import Call, Messages, unary
 from extproc.wire.h2grpc.server import Server as H2Server
 from extproc.wire.h2grpc.server import ssl_context
 from extproc.wire.h2grpc.stream import Handler, Stream
@@ -109,24 +109,6 @@ class PickerProcessor:
         return lambda st: _H2Stream(self, st).call
 
 
-class _Requests:
-    """An h2grpc call's messages as the async iterator ``PeerStream`` reads."""
-
-    __slots__ = ("call",)
-
-    def __init__(self, call: Call) -> None:
-        self.call = call
-
-    def __aiter__(self) -> _Requests:
-        return self
-
-    async def __anext__(self) -> pb.ProcessingRequest:
-        data = await self.call.read()
-        if data is None:
-            raise StopAsyncIteration
-        return pb.ProcessingRequest.FromString(data)
-
-
 class _H2Stream:
     """One picker stream on h2grpc. The loop runs in the call's task; an SSE chunk that comes
     while the loop waits for Envoy's next message is answered in the read callback instead
@@ -140,7 +122,7 @@ class _H2Stream:
         self.call = Call(st, self.run, self.fast)
 
     async def run(self, call: Call) -> None:
-        peer = PeerStream(_Requests(call))
+        peer = PeerStream(Messages(call, pb.ProcessingRequest.FromString))
         stream = self.stream = self.proc.stream(peer)
         async for a in self.proc.answers(peer, stream):
             call.write(_serialize(a))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -26,6 +27,9 @@ from extproc.request.revoking import CHUNK_WAIT_S
 from extproc.request.stream import StreamProcessor
 from extproc.runtime.runtime import Runtime
 from extproc.wire import access_log
+from extproc.wire.h2grpc.calls import Call, Messages, streaming, unary
+from extproc.wire.h2grpc.server import Server as H2Server
+from extproc.wire.health import SERVICE as HEALTH_SERVICE
 from extproc.wire.health import Health
 from extproc.wire.peer import PeerStream
 
@@ -57,7 +61,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     async def Process(  # noqa: N802 - the gRPC method name
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        peer = PeerStream(request_iterator)
+        async for response in self.answers(PeerStream(request_iterator)):
+            yield response
+
+    async def answers(self, peer: PeerStream) -> AsyncIterator[pb.ProcessingResponse]:
+        """The stream loop, whatever serves the port: each message's answers, in order."""
         stream = StreamProcessor(self.rt, peer, self.log_settles)
         how = Ending.DISCONNECT
         try:
@@ -123,11 +131,55 @@ async def start_server(servicer: pb_grpc.ExternalProcessorServicer, host: str, p
     return server
 
 
+STACKS = ("h2", "grpcio")  # what serves the port: extproc.wire.h2grpc, or grpc.aio
+PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+
+
+class Answers(Protocol):
+    def answers(self, peer: PeerStream) -> AsyncIterator[pb.ProcessingResponse]: ...
+
+
+class _H2Process:
+    """One ext_proc stream on h2grpc: the same loop as grpc.aio's, run in the call's task."""
+
+    __slots__ = ("proc",)
+
+    def __init__(self, proc: Answers) -> None:
+        self.proc = proc
+
+    async def run(self, call: Call) -> None:
+        async for response in self.proc.answers(PeerStream(Messages(call, pb.ProcessingRequest.FromString))):
+            call.write(response.SerializeToString())
+
+
+async def start_h2(processor: Answers, host: str, port: int, health: Health | None = None,
+                   access_logs: access_log.AccessLogReceiver | None = None) -> H2Server:
+    handlers = {PROCESS: streaming(_H2Process(processor).run),
+                f"/{HEALTH_SERVICE}/Check": unary((health or Health()).check_wire)}
+    if access_logs is not None:
+        handlers[access_log.METHOD] = access_logs.h2_handler()
+    server = H2Server(handlers)
+    try:
+        await server.start(host, port)
+    except OSError as exc:
+        raise OSError(f"cannot bind ext_proc gRPC on {host}:{port}: {exc}") from exc
+    return server
+
+
 async def serve(runtime: Runtime, host: str, port: int, health: Health | None = None,
-                log_settles: LogSettles | None = None) -> grpc.aio.Server:
-    """Sluice's gRPC server; with ``log_settles``, it takes Envoy's access log there too."""
+                log_settles: LogSettles | None = None, stack: str = "h2") -> grpc.aio.Server | H2Server:
+    """Sluice's gRPC server; with ``log_settles``, it takes Envoy's access log there too.
+
+    ``h2`` (the default) serves the port on the event loop (extproc.wire.h2grpc): a message is
+    parsed where the socket's bytes land and its answer written from the stream's task, where
+    grpc.aio crosses threads and futures for each (docs/round-trips.md, "The serving stack")."""
+    if stack not in STACKS:
+        raise ValueError(f"unknown gRPC stack {stack!r} (one of {', '.join(STACKS)})")
     receiver = access_log.AccessLogReceiver(log_settles.consume) if log_settles is not None else None
-    return await start_server(ExternalProcessor(runtime, log_settles), host, port, health, receiver)
+    processor = ExternalProcessor(runtime, log_settles)
+    if stack == "h2":
+        return await start_h2(processor, host, port, health, receiver)
+    return await start_server(processor, host, port, health, receiver)
 
 
 async def run_log_expiry(log_settles: LogSettles, clock: Callable[[], float], interval_s: float = 1.0) -> None:

@@ -70,6 +70,7 @@ class Stack:
     gateway: dict[str, Any] = field(default_factory=dict)
     policy_doc: dict[str, Any] | None = None
     procs: dict[str, Proc] = field(default_factory=dict)
+    extproc_args: list[str] = field(default_factory=list)  # more of serve's options
 
     def __post_init__(self) -> None:
         self.sim_port = free_port()
@@ -117,7 +118,8 @@ class Stack:
     def start_extproc(self) -> None:
         p = Proc("extproc", [sys.executable, "-m", "extproc", "serve", "--policy", str(self.policy_dir),
                              "--grpc", f"127.0.0.1:{self.grpc_port}", "--admin", f"127.0.0.1:{self.admin_port}",
-                             "--reload-interval", "0.2", "--eds-dir", str(self.eds_dir)], self.workdir / "extproc.log")
+                             "--reload-interval", "0.2", "--eds-dir", str(self.eds_dir), *self.extproc_args],
+                 self.workdir / "extproc.log")
         self.procs["extproc"] = p.start()
         wait_http(f"{self.admin_url}/healthz", proc=p.popen)
 

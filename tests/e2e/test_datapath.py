@@ -300,3 +300,9 @@ def test_shadow_mode_records_but_does_not_enforce(stack: Stack) -> None:
     assert float(line.split()[-1]) >= 2
     # The books stay honest: the shadowed bucket was charged, not left full.
     assert stack.state()["buckets"]["t-shadow"]["tokens"] < 100
+
+
+def test_the_serving_stack(stack: Stack) -> None:
+    # The port is served by Sluice's own HTTP/2 server unless serve says otherwise.
+    log = (stack.workdir / "extproc.log").read_text()
+    assert f"gRPC 127.0.0.1:{stack.grpc_port} (h2)" in log

@@ -8,11 +8,14 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
 
 from extproc.wire.h2grpc.status import CANCELLED, INTERNAL, OK, UNKNOWN
 from extproc.wire.h2grpc.stream import Handler, Stream
 
 log = logging.getLogger("sluice.h2grpc")
+
+T = TypeVar("T")
 
 
 class Unary:
@@ -120,3 +123,22 @@ class Call:
 
 def streaming(run: Callable[[Call], Awaitable[None]], fast: Callable[[Call, bytes], bool] | None = None) -> Handler:
     return lambda st: Call(st, run, fast)
+
+
+class Messages(Generic[T]):
+    """A streaming call's messages, parsed, as the async iterator grpc.aio hands a handler
+    (what ``extproc.wire.peer.PeerStream`` reads)."""
+
+    __slots__ = ("call", "parse")
+
+    def __init__(self, call: Call, parse: Callable[[bytes], T]) -> None:
+        self.call, self.parse = call, parse
+
+    def __aiter__(self) -> Messages[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        data = await self.call.read()
+        if data is None:
+            raise StopAsyncIteration
+        return self.parse(data)

@@ -108,13 +108,15 @@ class Connection(Sender, asyncio.Protocol):
             if len(self.buf) < self.need:
                 return
             data, self.buf = bytes(self.buf), bytearray()
-        self.out = out = []
+        if self.out is None:
+            self.out = []
+        out = self.out  # a task's batch not yet flushed goes first, in order
         try:
             pos = self._frames(data)
         except ConnectionError_ as err:
             log.warning("h2grpc: closing the connection from %s: %s", self.peer, err)
             out.append(frame(GOAWAY, 0, 0, pack_goaway(self.last_sid, err.code) + str(err).encode()[:200]))
-            self._flush_out()
+            self.flush_out()
             if self.transport is not None:
                 self.transport.close()
             return
@@ -124,12 +126,7 @@ class Connection(Sender, asyncio.Protocol):
                 self.need = len(PREFACE)
             else:
                 self.need = 9 + int.from_bytes(self.buf[:3], "big") if len(self.buf) >= 9 else 9
-        self._flush_out()
-
-    def _flush_out(self) -> None:
-        out, self.out = self.out, None
-        if out and self.transport is not None and not self.closed:
-            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        self.flush_out()
 
     # -- reading frames -----------------------------------------------------------------
     def _frames(self, data: bytes) -> int:

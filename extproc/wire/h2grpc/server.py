@@ -29,8 +29,10 @@ class Server:
         assert self._server is not None
         return int(self._server.sockets[0].getsockname()[1])
 
-    async def stop(self, grace: float) -> None:
-        """Stop listening; let the streams under way finish within ``grace``; cancel the rest."""
+    async def stop(self, grace: float | None) -> None:
+        """Stop listening; let the streams under way finish within ``grace``; cancel the rest
+        (None: at once, as grpc.aio's ``stop(None)``)."""
+        grace = grace or 0.0
         if self._server is not None:
             self._server.close()
         for c in list(self.connections):

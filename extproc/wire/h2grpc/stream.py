@@ -99,8 +99,11 @@ class Stream:
 
 
 class Sender:
-    """A connection's streams and its sending half. ``write`` batches into ``out`` while a
-    read is handled (``Connection.data_received`` sends the batch in one write)."""
+    """A connection's streams and its sending half. ``write`` batches into ``out``: while a
+    read is handled (``Connection.data_received`` sends the batch in one write), and from a
+    task, until the loop's next turn. A stream's task answers several messages in one step
+    (the request headers' deferred answer, then each body chunk's); one write of them all
+    wakes the peer once instead of once per frame."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -120,7 +123,13 @@ class Sender:
         if self.out is not None:
             self.out.append(data)
         elif self.transport is not None and not self.closed:
-            self.transport.write(data)
+            self.out = [data]
+            asyncio.get_running_loop().call_soon(self.flush_out)
+
+    def flush_out(self) -> None:
+        out, self.out = self.out, None
+        if out and self.transport is not None and not self.closed:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
 
     # -- writing ------------------------------------------------------------------------
     def flush_stream(self, st: Stream) -> None:
@@ -196,5 +205,6 @@ class Sender:
         self._go_away()
         for st in list(self.streams.values()):
             self.reset(st, CANCEL)
+        self.flush_out()
         if self.transport is not None and not self.closed:
             self.transport.close()
