@@ -21,7 +21,8 @@ not: compressed messages (answered UNIMPLEMENTED), server push, priorities (igno
 blocks are written as HPACK literals, never indexed, so no encoder state is needed.
 
 The modules, from the bottom (each imports only those above it in this list):
-``frames`` (HTTP/2's frame layout, codes and this server's limits), ``status`` (gRPC status
+``frames`` (HTTP/2's frame layout, codes and this server's limits), ``blocks`` (the HPACK
+decoder, with the blocks that leave its table alone remembered), ``status`` (gRPC status
 codes and the response header blocks), ``stream`` (one call's sending side and the
 connection's: windows, resets, GOAWAY), ``connection`` (reading frames off the socket),
 ``server`` (the listening socket, stop, TLS) and ``calls`` (unary and streaming handlers).

@@ -9,6 +9,7 @@ import logging
 
 import hpack
 
+from extproc.wire.h2grpc.blocks import BlockDecoder
 from extproc.wire.h2grpc.frames import (
     ACK,
     CANCEL,
@@ -75,8 +76,7 @@ class Connection(Sender, asyncio.Protocol):
         self.need = 0  # the bytes ``buf`` must reach before it is worth parsing
         self.preface = False
         self.recv_unacked = 0
-        self.decoder = hpack.Decoder()
-        self.decoder.max_header_list_size = MAX_HEADER_LIST
+        self.decoder = BlockDecoder(MAX_HEADER_LIST)
         self.block: bytearray | None = None  # a header block continued in CONTINUATION frames
         self.block_sid = self.block_flags = 0
 
@@ -248,7 +248,7 @@ class Connection(Sender, asyncio.Protocol):
 
     def _header_block(self, sid: int, flags: int, block: bytes) -> None:
         try:  # every block goes through the decoder, whatever its stream: it keeps the table
-            headers = self.decoder.decode(block, raw=True)
+            headers = self.decoder.decode(block)
         except hpack.HPACKError as err:
             raise ConnectionError_(COMPRESSION_ERROR, f"HPACK: {err}") from err
         st = self.streams.get(sid)
