@@ -51,12 +51,20 @@ def test_redis_frozen_then_killed_admission_stays_within_the_local_share(server:
             await asyncio.to_thread(server.start)
             marks["killed"] = (t, time.monotonic())
 
+        async def loop_lag(until: float) -> None:
+            # How late this loop wakes a coroutine: a host with more work than cores
+            # deschedules it, and every decision under way waits the same, Redis or not.
+            while (t := time.monotonic()) < until:
+                await asyncio.sleep(0.002)
+                lags.append((t, time.monotonic() - t - 0.002))
+
         t0 = time.monotonic()
-        await asyncio.gather(load.run(9.0), chaos())
+        await asyncio.gather(load.run(9.0), chaos(), loop_lag(t0 + 9.0))
         marks["all"] = (t0, time.monotonic())
         await close_all(states)
         return load, marks, [], ups
 
+    lags: list[tuple[float, float]] = []
     load, marks, _, ups = asyncio.run(main())
     assert not load.not_rate
     assert False in ups and ups[-1] is True  # sluice_state_store_up went 0, then back to 1
@@ -66,10 +74,14 @@ def test_redis_frozen_then_killed_admission_stays_within_the_local_share(server:
         during = [e for e in load.events if a <= e[0] < b]
         assert len(during) > 20, f"admission stopped while Redis was {what}"
         # Every decision (admitted or not) from the outage's start on is made within ~10 ms
-        # (8 ms for the first, unanswered exchange; at once after); generous for a loaded host.
+        # (8 ms for the first, unanswered exchange; at once after); generous for a loaded host,
+        # plus what the loop itself was late by then (the machine's share, not Redis's: a
+        # decision waiting on Redis awaits, and an await does not make the loop late).
         lat = sorted(d for t, d in load.decisions if a <= t < b)
-        p50, p99 = lat[len(lat) // 2], lat[int(len(lat) * 0.99)]
-        assert p50 < 0.005 and p99 < 0.02 and lat[-1] < 0.1, f"{what}: p50 {p50:.4f}s p99 {p99:.4f}s max {lat[-1]:.4f}s"
+        lag = sorted(x for t, x in lags if a <= t < b) or [0.0]
+        p50, p99, lag99 = lat[len(lat) // 2], lat[int(len(lat) * 0.99)], lag[int(len(lag) * 0.99)]
+        assert p50 < 0.005 and p99 < 0.02 + lag99 and lat[-1] < 0.1, (
+            f"{what}: p50 {p50:.4f}s p99 {p99:.4f}s max {lat[-1]:.4f}s; the loop late by {lag99:.4f}s at p99")
         first = min(e[0] for e in during)
         # The local share starts empty and refills at r/N: the first ~15-token request fits after ~30 ms.
         assert first - a < 0.15, f"{what}: first admission {first - a:.3f}s after the outage began"
