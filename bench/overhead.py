@@ -375,12 +375,15 @@ def run(*, rounds: int = 3, requests: int = 1500, seconds: float = 4.0, connecti
         msgs: dict[str, dict[str, float]] = {c: {} for c in configs}
         served: dict[str, int] = dict.fromkeys(configs, 0)
         phases: dict[str, Hist] = {"1 conn": {}, f"{connections} conns": {}}
+        windows: dict[str, list[tuple[float, float]]] = {}  # wall-clock spans of the 1-connection runs
         t_start, busy_start, ours_start = time.monotonic(), _machine_busy_ticks(), sum(stack.cpu_ticks().values())
         for r in range(rounds):
             order = configs[r % len(configs):] + configs[:r % len(configs)]
             for c in order:
                 before_h = parse_phase_histogram(stack.sluice_metrics()) if c == "c" else {}
+                w0 = time.time() + warmup
                 s = asyncio.run(_drive(stack.listen[c], 1, warmup, count=requests))
+                windows.setdefault(c, []).append((w0, time.time()))
                 if c == "c":
                     _hist_add(phases["1 conn"], before_h, parse_phase_histogram(stack.sluice_metrics()))
                 one[c].append(s)
@@ -423,7 +426,7 @@ def run(*, rounds: int = 3, requests: int = 1500, seconds: float = 4.0, connecti
                 r.values["ratio_from_cpu"] = pt_cpu / sluice_cpu
         say("reading Sluice's phase histogram and Envoy's access logs")
         rows += phase_rows(phases)
-        rows += access_log_rows(stack.logs)
+        rows += access_log_rows(stack.logs, windows)
         ok = True
     finally:
         stack.stop()

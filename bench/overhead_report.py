@@ -9,6 +9,7 @@ import math
 import re
 import statistics
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -126,16 +127,27 @@ _LOG_PHASES = (("request_header_latency_us", "request headers"), ("request_body_
                ("response_trailer_latency_us", "response trailers"))
 
 
-def access_log_rows(logs: dict[str, Path], tag: str = "c1") -> list[Row]:
-    """Median per-message ext_proc round trip as Envoy saw it (its access log's filter state)."""
+def _epoch(start_time: str) -> float:
+    return datetime.fromisoformat(start_time).timestamp()
+
+
+def access_log_rows(logs: dict[str, Path], windows: dict[str, list[tuple[float, float]]]) -> list[Row]:
+    """Median per-message ext_proc round trip as Envoy saw it (its access log's filter state),
+    over the requests that started within ``windows`` (wall-clock spans of the 1-connection
+    runs: the log keeps the path without its query, so requests carry no tag there)."""
     per: dict[str, dict[str, list[int]]] = {}
     for c in ("b", "c"):
         per[c] = {k: [] for k, _ in _LOG_PHASES}
+        spans = windows.get(c, [])
         with logs[f"envoy-{c}"].open() as fh:
             for line in fh:
-                if not line.startswith("{") or f'bench={tag}"' not in line:
+                if not line.startswith("{"):
                     continue
-                ep = json.loads(line).get("ext_proc") or {}
+                entry = json.loads(line)
+                t = _epoch(entry.get("start_time") or "1970-01-01T00:00:00Z")
+                if not any(a <= t <= b for a, b in spans):
+                    continue
+                ep = entry.get("ext_proc") or {}
                 for k, _ in _LOG_PHASES:
                     if isinstance(ep.get(k), int):
                         per[c][k].append(ep[k])
@@ -238,7 +250,9 @@ def render_markdown(rows: list[Row]) -> str:
     if "envoy_ext_proc" in by:
         out += ["### ext_proc round trips as Envoy saw them (1 connection, median µs per message)", "",
                 "From the `ext_proc` filter state in Envoy's access log: the time from sending a message "
-                "to the ext_proc server until its answer arrived.", ""]
+                "to the ext_proc server until its answer arrived. With the request side in one round trip "
+                "the headers' answer waits for the body, so their latency is the request's whole wait; the "
+                "body's chunks are answered right after it.", ""]
         out += _table(["message", "(b) pass-through", "(c) Sluice", "added"],
                       [[r.label, _f(r.values["b_us"], 0), _f(r.values["c_us"], 0), _f(r.values["added_us"], 0, True)]
                        for r in by["envoy_ext_proc"]]) + [""]
