@@ -13,7 +13,8 @@ constant backend (``bench.fastbackend``), each Envoy with ``--concurrency 1``:
     (c) Envoy + Sluice (``python -m extproc serve`` with a generated policy)
     (d) with ``--host``: the whole host, Envoy with 2 workers in front of Sluice
         ``serve --workers 2`` (one gRPC port each, both in Envoy's ext_proc cluster) on a
-        Redis store (Debian's ``redis-server``), the deployment that uses both cores
+        Redis store (Debian's ``redis-server``), the deployment that uses both cores;
+        ``--host-envoy-workers`` and ``--host-workers`` change the two counts
     (f) with ``--grpcio``: Sluice as (c) with ``--grpc-stack grpcio``, its port served by
         grpc.aio instead of ``extproc.wire.h2grpc``: the serving stack's share, same run
     (e) with ``--baseline-tree DIR``: Sluice run from another checkout (``git worktree add
@@ -51,7 +52,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -80,6 +81,18 @@ __all__ = ["Row", "main", "render_markdown", "run"]
 
 
 # -- processes ---------------------------------------------------------------------------
+class HostShape(NamedTuple):
+    """(d)'s processes: Envoy's workers, and Sluice's (``serve --workers``, on the Redis store)."""
+    envoy_workers: int = 2
+    sluice_workers: int = 2
+
+    def __str__(self) -> str:
+        return f"Envoy x{self.envoy_workers}, Sluice --workers {self.sluice_workers}"
+
+
+DEFAULT_SHAPE = HostShape()
+
+
 def envoy_binary() -> str:
     # SystemExit, not RuntimeError: bench.run's guard around each part lets it through, so
     # without Envoy the whole run stops rather than reporting this part as failed.
@@ -129,8 +142,10 @@ class Stack(ProcGroup):
     ``host``, also Redis, Sluice's workers and a fourth Envoy (config (d))."""
 
     def __init__(self, workdir: Path, envoy_concurrency: int, response_processing: str = "usage_trailers",
-                 host: bool = False, baseline: Path | None = None, grpcio: bool = False) -> None:
+                 host: bool = False, baseline: Path | None = None, grpcio: bool = False,
+                 host_shape: HostShape = DEFAULT_SHAPE) -> None:
         super().__init__(workdir)
+        self.shape = host_shape
         self.concurrency = envoy_concurrency
         self.response_processing = response_processing
         self.baseline = baseline
@@ -139,7 +154,8 @@ class Stack(ProcGroup):
         self.grpcio_grpc, self.grpcio_admin = free_port(), free_port()
         self.base_grpc, self.base_admin = free_port(), free_port()
         self.backend_port, self.pt_port, self.grpc_port, self.admin_port = (free_port() for _ in range(4))
-        self.workers_grpc, self.workers_admin = (free_ports(2), free_ports(2)) if host else (0, 0)
+        n = host_shape.sluice_workers
+        self.workers_grpc, self.workers_admin = (free_ports(n), free_ports(n)) if host else (0, 0)
         self.listen = {c: free_port() for c in self.configs}
         self.envoy_admin = {c: free_port() for c in self.configs}
         self.redis: Any = None
@@ -173,14 +189,16 @@ class Stack(ProcGroup):
                 continue
             extproc = {"c": self.grpc_port, HOST: self.workers_grpc, GRPCIO: self.grpcio_grpc}.get(c, self.pt_port)
             opts = EnvoyOptions(listen_port=self.listen[c], admin_port=self.envoy_admin[c], extproc_port=extproc,
-                                extproc_more=(("127.0.0.1", extproc + 1),) if c == HOST else (),
+                                extproc_more=tuple(("127.0.0.1", extproc + i)
+                                                   for i in range(1, self.shape.sluice_workers if c == HOST else 1)),
                                 max_body_bytes=gw["max_body_bytes"], message_timeout_ms=gw["message_timeout_ms"],
                                 # (a) has no ext_proc, so no usage filters either: the streamed shape
                                 response_processing="streamed" if c == "a" else self.response_processing)
             cfg = render_bootstrap([BackendRoute("fast", "127.0.0.1", self.backend_port, (MODEL,))], opts)
             if c == "a":
                 cfg = strip_ext_proc(cfg)
-            self.start_envoy(f"envoy-{c}", cfg, self.envoy_admin[c], 2 if c == HOST else self.concurrency)
+            self.start_envoy(f"envoy-{c}", cfg, self.envoy_admin[c],
+                             self.shape.envoy_workers if c == HOST else self.concurrency)
 
     def _policy_dir(self, name: str, doc: dict[str, Any]) -> Path:
         policy = self.dir / name
@@ -193,11 +211,12 @@ class Stack(ProcGroup):
 
         self.redis = RedisServer(self.dir / "redis").start()
         doc = {**doc, "gateway": {**doc["gateway"], "state": self.redis.url}}
-        self.start_proc("sluice-workers", [sys.executable, "-m", "extproc", "serve", "--workers", "2",
+        n = self.shape.sluice_workers
+        self.start_proc("sluice-workers", [sys.executable, "-m", "extproc", "serve", "--workers", str(n),
                                            "--policy", str(self._policy_dir("policies-workers", doc)),
                                            "--grpc", f"127.0.0.1:{self.workers_grpc}",
                                            "--admin", f"127.0.0.1:{self.workers_admin}"],
-                        lambda: all(http_ok(f"http://127.0.0.1:{self.workers_admin + i}/healthz") for i in range(2)))
+                        lambda: all(http_ok(f"http://127.0.0.1:{self.workers_admin + i}/healthz") for i in range(n)))
 
     def _start_baseline(self, doc: dict[str, Any]) -> None:
         """(e): the baseline checkout's Sluice, and the Envoy config it renders, in its default mode."""
@@ -336,12 +355,12 @@ def run(*, rounds: int = 3, requests: int = 1500, seconds: float = 4.0, connecti
         envoy_concurrency: int = 1, warmup: float = 0.5, protobuf_seconds: float = 1.5,
         keep: bool = False, log: Callable[[str], None] | None = None,
         response_processing: str = "usage_trailers", host: bool = False,
-        baseline: Path | None = None, grpcio: bool = False) -> list[Row]:
+        baseline: Path | None = None, grpcio: bool = False, host_shape: HostShape = DEFAULT_SHAPE) -> list[Row]:
     """Start the stack, measure, stop it; return the rows ``render_markdown`` turns into tables."""
     say = log or (lambda s: print(s, file=sys.stderr, flush=True))
     rows = context_rows(envoy_concurrency)
     workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
-    stack = Stack(workdir, envoy_concurrency, response_processing, host, baseline, grpcio)
+    stack = Stack(workdir, envoy_concurrency, response_processing, host, baseline, grpcio, host_shape)
     configs = stack.configs
     rows += [Row("context", "request", {"value": f"POST /v1/chat/completions, {len(BODY)}-byte JSON body with "
                                                   "max_tokens, HTTP/1.1 keep-alive, constant backend; "
@@ -350,7 +369,8 @@ def run(*, rounds: int = 3, requests: int = 1500, seconds: float = 4.0, connecti
                                                  "rotated each round); "
                                                  f"1 conn: {requests} sequential requests per config per round; "
                                                  f"{connections} conns: {seconds:g} s per config per round; "
-                                                 f"{warmup:g} s warm-up before each; medians over rounds"})]
+                                                 f"{warmup:g} s warm-up before each; medians over rounds"
+                                                 + (f"; (d): {host_shape}" if host else "")})]
     ok = False
     try:
         say(f"starting backend, pass-through ext_proc, Sluice and {len(configs)} Envoys in {workdir}")
@@ -453,13 +473,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="the Envoy config's response path, for (b) and (c)")
     ap.add_argument("--host", action="store_true",
                     help="also (d): Envoy with 2 workers, Sluice serve --workers 2 on a Redis store")
+    ap.add_argument("--host-envoy-workers", type=int, default=2, help="(d)'s Envoy --concurrency")
+    ap.add_argument("--host-workers", type=int, default=2, help="(d)'s Sluice serve --workers")
     ap.add_argument("--grpcio", action="store_true",
                     help="also (f): Sluice with its port served by grpc.aio (--grpc-stack grpcio)")
     ap.add_argument("--baseline-tree", type=Path, help="also (e): Sluice from this checkout, as it renders Envoy")
     args = ap.parse_args(argv)
     rows = run(rounds=args.rounds, requests=args.requests, seconds=args.seconds, connections=args.connections,
                envoy_concurrency=args.envoy_concurrency, keep=args.keep, response_processing=args.response_processing,
-               host=args.host, baseline=args.baseline_tree, grpcio=args.grpcio)
+               host=args.host, baseline=args.baseline_tree, grpcio=args.grpcio,
+               host_shape=HostShape(args.host_envoy_workers, args.host_workers))
     print(render_markdown(rows))
     if args.json:
         Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=1))

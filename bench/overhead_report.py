@@ -20,7 +20,7 @@ HOST = "d"  # --host: the whole host, Sluice --workers 2 on Redis behind an Envo
 BASELINE = "e"  # --baseline-tree: Sluice and its Envoy config from another checkout
 GRPCIO = "f"  # --grpcio: Sluice as (c), its port served by grpc.aio instead of extproc.wire.h2grpc
 NAMES = {"a": "(a) Envoy alone", "b": "(b) Envoy + pass-through ext_proc", "c": "(c) Envoy + Sluice",
-         HOST: "(d) Envoy x2 + Sluice --workers 2 + Redis", BASELINE: "(e) Envoy + Sluice, baseline checkout",
+         HOST: "(d) the host: Envoy + Sluice workers on Redis", BASELINE: "(e) Envoy + Sluice, baseline checkout",
          GRPCIO: "(f) Envoy + Sluice on grpc.aio"}
 TARGET_P50_MS, TARGET_P99_MS, TARGET_RPS_RATIO = 0.8, 2.0, 0.80
 TARGET_RPS_PROCESS, TARGET_RPS_HOST = 2000, 2500
