@@ -20,8 +20,12 @@ from extproc.wire.h2grpc.frames import (
     END_STREAM,
     GOAWAY,
     HEADERS,
+    PING,
     PREFACE,
+    RST_STREAM,
     SETTINGS,
+    STREAM_WINDOW,
+    WINDOW_UPDATE,
     frame,
 )
 from extproc.wire.h2grpc.server import Server, ssl_context
@@ -321,6 +325,70 @@ def test_frames_read_a_byte_at_a_time() -> None:
                 data += await asyncio.wait_for(loop.sock_recv(s, 65536), 5)
         assert b"task:hello" in data
         assert rec.seen == [b"hello"] and rec.ended == ["eof"]
+        await server.stop(0)
+
+    run(go)
+
+
+def frames_in(data: bytes) -> list[tuple[int, int, int, bytes]]:
+    """(type, flags, stream id, payload) of each whole frame in ``data``."""
+    out, i = [], 0
+    while i + 9 <= len(data):
+        n = int.from_bytes(data[i:i + 3], "big")
+        out.append((data[i + 3], data[i + 4], int.from_bytes(data[i + 5:i + 9], "big") & 0x7FFFFFFF,
+                    data[i + 9:i + 9 + n]))
+        i += 9 + n
+    return out
+
+
+def test_what_comes_after_the_answer_is_dropped_and_its_window_kept() -> None:
+    """Envoy streams a request's body without waiting for the headers' answer: a stream the
+    handler has ended (a refusal) is reset after its trailers (NO_ERROR) and gets none of its
+    window back, so the peer stops once the window is spent, and what it sent meanwhile
+    reaches no handler. A stream still being read gets its window back once half is used."""
+    seen: list[bytes] = []
+
+    async def refuse_on_cue(call: Call) -> None:
+        while (data := await call.read()) is not None:
+            seen.append(data)
+            if data == b"refuse":
+                call.write(b"refused")
+                return
+
+    def msg(body: bytes) -> bytes:
+        return b"\x00" + len(body).to_bytes(4, "big") + body
+
+    async def go() -> None:
+        server, port = await serve({ECHO: streaming(refuse_on_cue)})
+        loop = asyncio.get_running_loop()
+        block = __import__("hpack").Encoder().encode([
+            (":method", "POST"), (":scheme", "http"), (":path", ECHO), (":authority", "x"),
+            ("content-type", "application/grpc"), ("te", "trailers")])
+        big = bytes(STREAM_WINDOW // 2 + 100)
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.setblocking(False)
+
+            async def until(marker: bytes, data: bytes = b"") -> bytes:
+                while marker not in data:
+                    data += await asyncio.wait_for(loop.sock_recv(s, 65536), 5)
+                return data
+
+            await loop.sock_sendall(s, PREFACE + frame(SETTINGS, 0, 0) + frame(HEADERS, END_HEADERS, 1, block)
+                                    + frame(DATA, 0, 1, msg(b"hello")) + frame(DATA, 0, 1, msg(big)))
+            await loop.sock_sendall(s, frame(PING, 0, 0, b"ping-one"))
+            before = await until(b"ping-one")
+            await loop.sock_sendall(s, frame(DATA, 0, 1, msg(b"refuse")))
+            answered = await until(b"grpc-status")
+            # the rest of the upload, sent on after the answer: most of the window it was given
+            after_answer = msg(bytes(STREAM_WINDOW - 1000))
+            await loop.sock_sendall(s, frame(DATA, 0, 1, after_answer) + frame(PING, 0, 0, b"ping-two"))
+            after = await until(b"ping-two")
+        updates = [(f[2], int.from_bytes(f[3], "big")) for f in frames_in(before) if f[0] == WINDOW_UPDATE]
+        assert (1, len(msg(b"hello")) + len(msg(big))) in updates, updates
+        assert b"refused" in answered
+        assert (RST_STREAM, 1, (0).to_bytes(4, "big")) in [(f[0], f[2], f[3]) for f in frames_in(answered)]
+        assert not [f for f in frames_in(after) if f[0] == WINDOW_UPDATE and f[2] == 1], frames_in(after)
+        assert seen == [b"hello", big, b"refuse"]
         await server.stop(0)
 
     run(go)

@@ -14,9 +14,15 @@ S_HEADER_TABLE_SIZE, S_ENABLE_PUSH, S_MAX_CONCURRENT_STREAMS = 0x1, 0x2, 0x3
 S_INITIAL_WINDOW_SIZE, S_MAX_FRAME_SIZE, S_MAX_HEADER_LIST_SIZE = 0x4, 0x5, 0x6
 
 MAX_WINDOW = (1 << 31) - 1
-# What this server lets a peer send ahead: generous (the peer is the gateway's Envoy), and
-# returned as soon as half is used, so a stream never stalls on its window.
-STREAM_WINDOW = 1 << 24
+# What this server lets a peer send ahead on one stream, returned as soon as half is used,
+# so a stream being read never stalls on it. Small on purpose: Envoy streams the request
+# body without waiting for the headers' answer, so with a large window a request refused
+# from its headers (a spent budget) has its whole upload sent on anyway, a MiB of junk per
+# refusal for Python to read; a stream answered is reset (RST_STREAM NO_ERROR after its trailers, stream.py)
+# and gets no window back, so now at most about this much of it comes. 128 KiB: a small
+# body, and a 128 KiB prompt but for its last bytes, fit in the first window.
+STREAM_WINDOW = 1 << 17
+# Across streams: many at once, each within its own window.
 CONNECTION_WINDOW = 1 << 28
 MAX_FRAME_RECV = 1 << 20
 MAX_STREAMS = 100000
