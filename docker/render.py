@@ -87,7 +87,8 @@ def render(out: Path = OUT, policies: Path = ROOT / "policies") -> list[Path]:
             shutil.copy(f, merged / f.name)
         shutil.copy(backends, merged / BACKENDS_FILE)
         subprocess.run([sys.executable, "-m", "extproc", "envoy-config", str(merged), "-o", str(envoy),
-                        "--listen", f"{LISTEN[0]}:{LISTEN[1]}", "--extproc", ",".join(f"{r}:{EXTPROC[1]}" for r in EXTPROC_REPLICAS),
+                        "--listen", f"{LISTEN[0]}:{LISTEN[1]}",
+                        "--extproc", ",".join(f"{r}:{EXTPROC[1]}" for r in EXTPROC_REPLICAS),
                         "--extproc-admin", f"{EXTPROC[0]}:{EXTPROC_ADMIN_PORT}",
                         "--admin-port", str(ENVOY_ADMIN_PORT), "--eds-dir", EDS_DIR, "--no-eds-files"],
                        check=True, cwd=ROOT, capture_output=True)
