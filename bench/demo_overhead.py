@@ -13,11 +13,14 @@ lifted, since the bench sends hundreds of requests a second):
     baseline        with ``--baseline-tree``: Sluice and its rendered Envoy config from that
                     checkout (e.g. ``git worktree add /tmp/before main``), its default mode
 
-Rounds interleave: direct to the pool's first engine, then each variant, the same small
-non-streaming chat completion (``sk-demo-premium``, one output token) one after the other
-on one keep-alive connection. The table shows medians over rounds of p50 and p99, and what
-each variant adds over the engine directly in the same round; then Sluice's handler time
-per ext_proc message and phase (``sluice_extproc_phase_seconds``) over the same requests.
+Rounds interleave: direct to each of the pool's two engines, then each variant, the same
+small non-streaming chat completion (``sk-demo-premium``, one output token) one after the
+other on one keep-alive connection. The table shows medians over rounds of p50 and p99, and
+what each variant adds over the engines called directly in the same round: over the engine
+that served the variant's requests (each engine's ``vllm:request_success_total`` counted
+around the series; prefix affinity sends the same prompt to the same one), weighted by
+share if both did. Then Sluice's handler time per ext_proc message and phase
+(``sluice_extproc_phase_seconds``) over the same requests.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from bench.procs import ROOT, Proc, ProcGroup, free_port, http_ok, wait_until
 from bench.report import table
 
 KEY = "sk-demo-premium"
+POOL = (8000, 8002)  # the sim-llama-8b pool's engines (bench.demo.ENGINES), which the request is for
 TARGET_ADDED_P50_MS = 1.2
 BODY = json.dumps({"model": "sim-llama-8b", "max_tokens": 1,
                    "messages": [{"role": "user", "content": "Say hello to the benchmark."}]}).encode()
@@ -110,6 +114,15 @@ class Stack(ProcGroup):
                                            "--concurrency", "1"],
                             lambda p=p: http_ok(f"http://127.0.0.1:{p['envoy_admin']}/ready"))
 
+    def served(self) -> dict[int, float]:
+        """Requests each pool engine has finished (its own counter), by demo port."""
+        out = {}
+        for demo_port in POOL:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.engines[demo_port]}/metrics", timeout=5) as r:
+                out[demo_port] = sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
+                                     if line.startswith("vllm:request_success_total"))
+        return out
+
     def phases(self, v: str) -> dict[str, dict[str, float]]:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.ports[v]['admin']}/metrics", timeout=5) as r:
             return parse_phase_histogram(r.read().decode())
@@ -137,26 +150,32 @@ async def _series(port: int, n: int) -> list[int]:
 def run(rounds: int, requests: int, baseline: Path | None, log: Any = print) -> str:
     workdir = Path(tempfile.mkdtemp(prefix="sluice-demo-overhead-"))
     stack = Stack(workdir, baseline)
-    direct_port = stack.engines[8000]
-    names = ["direct", *stack.variants]
+    direct = {f"engine {i + 1}": stack.engines[p] for i, p in enumerate(POOL)}
+    names = [*direct, *stack.variants]
     p50: dict[str, list[float]] = {n: [] for n in names}
     p99: dict[str, list[float]] = {n: [] for n in names}
     added50: dict[str, list[float]] = {n: [] for n in stack.variants}
     added99: dict[str, list[float]] = {n: [] for n in stack.variants}
+    shares: dict[str, list[list[float]]] = {n: [] for n in stack.variants}
     phase_delta: dict[str, dict[str, list[float]]] = {v: {} for v in stack.variants}
     try:
         stack.start()
         for v in stack.variants:  # warm: connections, tokenizer, placement
             asyncio.run(_series(stack.ports[v]["listen"], 100))
-        asyncio.run(_series(direct_port, 100))
+        for port in direct.values():
+            asyncio.run(_series(port, 100))
         for r in range(rounds):
             order = names[r % len(names):] + names[:r % len(names)]
-            got50, got99 = {}, {}
+            got50, got99, share = {}, {}, {}
             for n in order:
-                before = stack.phases(n) if n != "direct" else {}
-                lat = asyncio.run(_series(direct_port if n == "direct" else stack.ports[n]["listen"], requests))
-                if n != "direct":
-                    after = stack.phases(n)
+                before = stack.phases(n) if n in stack.variants else {}
+                served = stack.served()
+                lat = asyncio.run(_series(direct[n] if n in direct else stack.ports[n]["listen"], requests))
+                if n in stack.variants:
+                    after, now = stack.phases(n), stack.served()
+                    # the engines' own counts: the direct calls ran before or after, never meanwhile
+                    done = [now[p] - served[p] for p in POOL]
+                    share[n] = [d / max(1.0, sum(done)) for d in done]
                     for phase, vals in after.items():
                         cnt = vals.get("count", 0) - before.get(phase, {}).get("count", 0)
                         if cnt:
@@ -167,18 +186,21 @@ def run(rounds: int, requests: int, baseline: Path | None, log: Any = print) -> 
                 p99[n].append(got99[n])
                 log(f"round {r + 1}/{rounds} {n:15} p50 {got50[n]:.3f} ms p99 {got99[n]:.3f} ms")
             for v in stack.variants:
-                added50[v].append(got50[v] - got50["direct"])
-                added99[v].append(got99[v] - got99["direct"])
+                shares[v].append(share[v])
+                added50[v].append(got50[v] - sum(w * got50[e] for w, e in zip(share[v], direct, strict=True)))
+                added99[v].append(got99[v] - sum(w * got99[e] for w, e in zip(share[v], direct, strict=True)))
     finally:
         stack.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     med = statistics.median
-    rows = [["engine directly", f"{med(p50['direct']):.3f}", f"{med(p99['direct']):.3f}", ""]]
-    rows += [[v, f"{med(p50[v]):.3f}", f"{med(p99[v]):.3f}", f"{med(added50[v]):+.3f} / {med(added99[v]):+.3f}"]
+    rows = [[f"{e} directly", f"{med(p50[e]):.3f}", f"{med(p99[e]):.3f}", "", ""] for e in direct]
+    rows += [[v, f"{med(p50[v]):.3f}", f"{med(p99[v]):.3f}", f"{med(added50[v]):+.3f} / {med(added99[v]):+.3f}",
+              " / ".join(f"{statistics.mean(s[i] for s in shares[v]):.0%}" for i in range(len(POOL)))]
              for v in stack.variants]
     out = [f"`make demo`'s stack with the example policy: {rounds} rounds of {requests} sequential small "
            "non-streaming chat completions per path (one output token), medians over rounds:", "",
-           table(["path", "p50 ms", "p99 ms", "added over the engine, p50 / p99 ms"], rows), ""]
+           table(["path", "p50 ms", "p99 ms", "added over the engine that served it, p50 / p99 ms",
+                  "served by engine 1 / 2"], rows), ""]
     phases = sorted({p for d in phase_delta.values() for p in d})
     out += ["Sluice's handler time per request, by ext_proc phase (µs; `sluice_extproc_phase_seconds` "
             "over the same requests, divided by the requests):", "",
