@@ -111,6 +111,11 @@ SERVER_OPTIONS = [
     ("grpc.max_concurrent_streams", 100000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # Envoy streams a request's body without waiting for the headers' answer; grpc core's
+    # bandwidth probe grows a stream's window to megabytes, so a request refused from its
+    # headers had its whole upload sent on. Off, the window stays at 64 KiB, as h2grpc
+    # keeps its own small (STREAM_WINDOW; tests/e2e/test_refused_uploads.py).
+    ("grpc.http2.bdp_probe", 0),
 ]
 
 
