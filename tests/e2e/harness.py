@@ -7,6 +7,7 @@ tails, which the fixtures print when a test fails.
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import urllib.request
 from collections.abc import Iterator
@@ -164,6 +165,11 @@ class Stack:
             if series.startswith(name + "{") and want <= set(series[len(name) + 1:-1].split(",")):
                 total += float(value)
         return total
+
+    def access_log(self) -> list[dict[str, Any]]:
+        """Envoy's access-log entries so far (its JSON lines in envoy.log, 0.25 s behind)."""
+        lines = (self.workdir / "envoy.log").read_text().splitlines()
+        return [json.loads(line) for line in lines if line.startswith("{")]
 
     def sim_requests(self) -> list[dict[str, Any]]:
         return get_json(f"{self.sim_url}/admin/requests")

@@ -43,14 +43,9 @@ def chat(text: str = "hi") -> dict[str, Any]:
 
 
 
-def access_log(stack: Stack) -> list[dict[str, Any]]:
-    lines = (stack.workdir / "envoy.log").read_text().splitlines()
-    return [json.loads(line) for line in lines if line.startswith("{")]
-
-
 def log_line_for(stack: Stack, marker: str) -> dict[str, Any]:
     """The access-log line of the request whose prompt carried ``marker`` (matched by bytes_in)."""
-    return eventually(lambda: next((e for e in access_log(stack) if e.get("upstream_cluster") == "sim"
+    return eventually(lambda: next((e for e in stack.access_log() if e.get("upstream_cluster") == "sim"
                                     and e.get("bytes_in") == len(marker)), None), 5, "the access log line")
 
 
@@ -60,7 +55,7 @@ def test_client_sent_internal_headers_are_not_trusted(stack: Stack) -> None:
         **auth(), "x-envoy-original-path": "/admin", "x-request-id": "forged",
         "x-envoy-upstream-rq-timeout-ms": "1", "x-forwarded-for": "10.9.9.9"}, timeout=20)
     assert r.status_code == 200, r.text
-    line = eventually(lambda: next((e for e in access_log(stack) if e.get("bytes_in") == len(body)), None), 5,
+    line = eventually(lambda: next((e for e in stack.access_log() if e.get("bytes_in") == len(body)), None), 5,
                       "the access log line")
     assert line["path"] == CHAT
     assert line["request_id"] not in ("forged", None) and len(line["request_id"]) == 36
@@ -88,14 +83,14 @@ def test_query_string_keys_are_neither_logged_nor_forwarded(stack: Stack) -> Non
     assert seen["path"] == CHAT
     assert seen["query"] == "keep=1"  # the other parameters go through as sent
     assert secret not in json.dumps(seen)
-    line = eventually(lambda: next((e for e in access_log(stack) if e.get("bytes_in") == len(body)), None), 5,
+    line = eventually(lambda: next((e for e in stack.access_log() if e.get("bytes_in") == len(body)), None), 5,
                       "the access log line")
     assert line["path"] == CHAT
     # an unauthenticated request with the key only in the query: 401, and still not logged
     r = httpx.post(f"{stack.url}{CHAT}?key={secret}", content=body, headers={"content-type": "application/json"},
                    timeout=20)
     assert r.status_code == 401
-    eventually(lambda: any(e.get("status") == 401 for e in access_log(stack)), 5, "the 401's log line")
+    eventually(lambda: any(e.get("status") == 401 for e in stack.access_log()), 5, "the 401's log line")
     assert secret not in (stack.workdir / "envoy.log").read_text()
 
 

@@ -34,13 +34,8 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 def refused_uploads(stack: Stack) -> list[int]:
     """``bytes_sent`` on the ext_proc stream of each request Sluice refused for its key (all
     this module's requests; Envoy may log one before the rest of its body has come in)."""
-    out = []
-    for line in (stack.workdir / "envoy.log").read_text().splitlines():
-        if line.startswith("{") and '"status":401' in line:
-            entry = json.loads(line)
-            if entry.get("sluice_reason") == "unknown_key":
-                out.append((entry.get("ext_proc") or {}).get("bytes_sent", 0))
-    return out
+    return [(e.get("ext_proc") or {}).get("bytes_sent", 0) for e in stack.access_log()
+            if e.get("status") == 401 and e.get("sluice_reason") == "unknown_key"]
 
 
 def test_an_upload_refused_from_its_headers_mostly_stays_in_envoy(stack: Stack) -> None:

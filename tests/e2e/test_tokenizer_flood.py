@@ -74,13 +74,8 @@ def metric_reasons(stack: Stack) -> str:
 
 def refused_uploads_sent(stack: Stack) -> list[int]:
     """Bytes Envoy sent on the ext_proc stream of each request refused 429 from its headers."""
-    out = []
-    for line in (stack.workdir / "envoy.log").read_text().splitlines():
-        if line.startswith("{") and '"status":429' in line:
-            entry = json.loads(line)
-            if (entry.get("bytes_in") or 0) >= MIB:
-                out.append((entry.get("ext_proc") or {}).get("bytes_sent", 0))
-    return out
+    return [(e.get("ext_proc") or {}).get("bytes_sent", 0) for e in stack.access_log()
+            if e.get("status") == 429 and (e.get("bytes_in") or 0) >= MIB]
 
 
 def policy(port: int) -> dict[str, Any]:
