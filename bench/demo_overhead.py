@@ -45,6 +45,7 @@ from bench.overhead_load import _connect, pct
 from bench.overhead_report import parse_phase_histogram
 from bench.procs import ROOT, Proc, ProcGroup, free_port, http_ok, wait_until
 from bench.report import table
+from bench.settle_lag import sample
 
 KEY = "sk-demo-premium"
 POOL = (8000, 8002)  # the sim-llama-8b pool's engines (bench.demo.ENGINES), which the request is for
@@ -119,8 +120,7 @@ class Stack(ProcGroup):
         out = {}
         for demo_port in POOL:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.engines[demo_port]}/metrics", timeout=5) as r:
-                out[demo_port] = sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
-                                     if line.startswith("vllm:request_success_total"))
+                out[demo_port] = sample(r.read().decode(), "vllm:request_success_total")
         return out
 
     def phases(self, v: str) -> dict[str, dict[str, float]]:

@@ -31,9 +31,8 @@ BODY = json.dumps({
 }, separators=(",", ":")).encode()
 
 
-def request_bytes(tag: str) -> bytes:
-    # The query string tags the phase in Envoy's access log; Sluice ignores it.
-    head = (f"POST /v1/chat/completions?bench={tag} HTTP/1.1\r\nhost: bench\r\n"
+def request_bytes() -> bytes:
+    head = ("POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\n"
             f"authorization: Bearer {KEY}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(BODY)}\r\n\r\n")
     return head.encode() + BODY
@@ -122,7 +121,7 @@ class Sample:
 async def _drive(port: int, conns: int, warm: float, *, count: int = 0, seconds: float = 0.0) -> Sample:
     """Warm up for ``warm`` s, then ``count`` sequential requests per connection or ``seconds`` of load."""
     clients = [await _connect(port) for _ in range(conns)]
-    warm_req, req = request_bytes("warmup"), request_bytes(f"c{conns}")
+    req = request_bytes()
     lat: list[int] = []
     errors = warmed = 0
 
@@ -140,7 +139,7 @@ async def _drive(port: int, conns: int, warm: float, *, count: int = 0, seconds:
                 errors += status != 200
 
     end_warm = time.perf_counter() + warm
-    await asyncio.gather(*(loop(c, end_warm, 0, warm_req, False) for c in clients))
+    await asyncio.gather(*(loop(c, end_warm, 0, req, False) for c in clients))
     gc.collect()
     gc.disable()
     try:
