@@ -18,11 +18,10 @@ MAX_WINDOW = (1 << 31) - 1
 # so a stream being read never stalls on it. Small on purpose: Envoy streams the request
 # body without waiting for the headers' answer, so with a large window a request refused
 # from its headers (a spent budget) has its whole upload sent on anyway, a MiB of junk per
-# refusal for Python to read; a stream answered is reset (RST_STREAM NO_ERROR after its trailers, stream.py)
-# and gets no window back, so now at most about this much of it comes. 128 KiB: a small
-# body, and a 128 KiB prompt but for its last bytes, fit in the first window.
+# refusal for Python to read. An answered stream is reset (RST_STREAM NO_ERROR after its
+# trailers, stream.py) and gets no window back, so at most about this much of it comes.
+# 128 KiB: a small body, and a 128 KiB prompt but for its last bytes, fit in the first window.
 STREAM_WINDOW = 1 << 17
-# Across streams: many at once, each within its own window.
 CONNECTION_WINDOW = 1 << 28
 MAX_FRAME_RECV = 1 << 20
 MAX_STREAMS = 100000
