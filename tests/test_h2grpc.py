@@ -392,3 +392,52 @@ def test_what_comes_after_the_answer_is_dropped_and_its_window_kept() -> None:
         await server.stop(0)
 
     run(go)
+
+
+def test_a_stream_its_handler_reads_on_gets_the_window_it_asks_for() -> None:
+    """A handler that goes on to read a large body (``Stream.widen``) gives the peer its
+    window in one WINDOW_UPDATE up to what it asked, so the body does not come a small
+    window per round trip; asking for no more than the window left sends nothing."""
+    asked: list[int] = []
+
+    async def read_on(call: Call) -> None:
+        while (data := await call.read()) is not None:
+            if data.startswith(b"expect:"):
+                n = int(data[7:])
+                asked.append(n)
+                call.st.widen(n)
+                call.write(b"ok")
+
+    def msg(body: bytes) -> bytes:
+        return b"\x00" + len(body).to_bytes(4, "big") + body
+
+    async def go() -> None:
+        server, port = await serve({ECHO: streaming(read_on)})
+        loop = asyncio.get_running_loop()
+        enc = __import__("hpack").Encoder()
+        head = [(":method", "POST"), (":scheme", "http"), (":path", ECHO), (":authority", "x"),
+                ("content-type", "application/grpc"), ("te", "trailers")]
+        small, large = msg(b"expect:1000"), msg(b"expect:1048576")
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.setblocking(False)
+
+            async def until(marker: bytes, data: bytes = b"") -> bytes:
+                while marker not in data:
+                    data += await asyncio.wait_for(loop.sock_recv(s, 65536), 5)
+                return data
+
+            await loop.sock_sendall(s, PREFACE + frame(SETTINGS, 0, 0)
+                                    + frame(HEADERS, END_HEADERS, 1, enc.encode(head)) + frame(DATA, 0, 1, small)
+                                    + frame(HEADERS, END_HEADERS, 3, enc.encode(head)) + frame(DATA, 0, 3, large))
+            got = b""
+            while got.count(b"ok") < 2:
+                got += await asyncio.wait_for(loop.sock_recv(s, 65536), 5)
+            await loop.sock_sendall(s, frame(PING, 0, 0, b"ping-one"))
+            got = await until(b"ping-one", got)
+        updates = {f[2]: int.from_bytes(f[3], "big") for f in frames_in(got) if f[0] == WINDOW_UPDATE}
+        assert asked == [1000, 1048576]
+        assert 1 not in updates, updates  # 1,000 more fits in what is left of its window
+        assert updates.get(3) == 1048576 - (STREAM_WINDOW - len(large)), updates
+        await server.stop(0)
+
+    run(go)

@@ -76,12 +76,15 @@ def test_redis_frozen_then_killed_admission_stays_within_the_local_share(server:
         # Every decision (admitted or not) from the outage's start on is made within ~10 ms
         # (8 ms for the first, unanswered exchange; at once after); generous for a loaded host,
         # plus what the loop itself was late by then (the machine's share, not Redis's: a
-        # decision waiting on Redis awaits, and an await does not make the loop late).
+        # decision waiting on Redis awaits, and an await does not make the loop late), at
+        # p99 and at the worst. A decision that blocked the loop on Redis would excuse itself
+        # in the worst case, not in the median: that bound is the loop's alone.
         lat = sorted(d for t, d in load.decisions if a <= t < b)
         lag = sorted(x for t, x in lags if a <= t < b) or [0.0]
         p50, p99, lag99 = lat[len(lat) // 2], lat[int(len(lat) * 0.99)], lag[int(len(lag) * 0.99)]
-        assert p50 < 0.005 and p99 < 0.02 + lag99 and lat[-1] < 0.1, (
-            f"{what}: p50 {p50:.4f}s p99 {p99:.4f}s max {lat[-1]:.4f}s; the loop late by {lag99:.4f}s at p99")
+        assert p50 < 0.005 and p99 < 0.02 + lag99 and lat[-1] < 0.1 + lag[-1], (
+            f"{what}: p50 {p50:.4f}s p99 {p99:.4f}s max {lat[-1]:.4f}s; "
+            f"the loop late by {lag99:.4f}s at p99, {lag[-1]:.4f}s at most")
         first = min(e[0] for e in during)
         # The local share starts empty and refills at r/N: the first ~15-token request fits after ~30 ms.
         assert first - a < 0.15, f"{what}: first admission {first - a:.3f}s after the outage began"

@@ -20,6 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.envoy import usage_record
 from extproc.envoy.headers import SETTLE_KEY
 from extproc.policy.schema import build_policy, hash_key
+from extproc.request.intake import chunked_limit
 from extproc.request.log_settle import LogSettles, expires_after_s
 from extproc.request.outcome import DISCONNECT, END_OF_STREAM, from_log_entry
 from extproc.request.stream import StreamProcessor
@@ -140,6 +141,38 @@ def test_a_refusal_at_the_headers_does_not_wait_for_the_body() -> None:
     sp = StreamProcessor(rt, peer=None)  # type: ignore[arg-type]
     (first,) = run(sp, headers(key="nope"))[0]
     assert first.immediate_response.status.code == 401 and sp.finished
+    rt.close()
+
+
+class WideningPeer:
+    """A peer whose transport windows a stream (extproc.wire.h2grpc): what it was told to expect."""
+
+    def __init__(self) -> None:
+        self.expected: list[int] = []
+
+    def expect(self, ahead: int) -> None:
+        self.expected.append(ahead)
+
+
+def test_the_peer_is_told_how_much_body_comes_once_the_headers_pass() -> None:
+    """Past its headers a request's body will be read: its transport lets it all come at
+    once (the content-length, or a chunked upload's most, and the messages' framing); a
+    request refused from its headers asks for none of it."""
+    rt = runtime()  # max_body_bytes 4096
+    raw = chat()
+    for more, at_least in (({"content-length": str(len(raw))}, len(raw)), ({}, chunked_limit(4096))):
+        peer = WideningPeer()
+        sp = StreamProcessor(rt, peer=peer)  # type: ignore[arg-type]
+        assert run(sp, headers(**more)) == [[]]
+        (ahead,) = peer.expected
+        assert at_least < ahead < at_least * 1.01 + (16 << 10)
+        run(sp, *chunks(raw))
+        sp.end("disconnect")
+    peer = WideningPeer()
+    sp = StreamProcessor(rt, peer=peer)  # type: ignore[arg-type]
+    run(sp, headers(key="nope"))
+    assert sp.finished and peer.expected == []
+    assert rt.status()["ledger"]["balanced"] and rt.status()["in_flight"] == 0
     rt.close()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from extproc.envoy.options import buffer_limit_bytes
 from extproc.openai_api import models_list
 from extproc.openai_api.body import BadRequest, ParsedRequest, parse_request, path_kind
 from extproc.openai_api.redact import redact_query
@@ -91,6 +92,22 @@ def route(policy: Policy, tenant: Tenant, headers: dict[str, str], end_of_stream
                       "send the body uncompressed.",
                       code="unsupported_media_type")
     return Route(kind, clean_path)
+
+
+def body_ahead(headers: dict[str, str], gw: Gateway) -> int:
+    """How much of ext_proc's messages a request Sluice goes on to read has still to send:
+    its body (the content-length, which ``route`` held to the cap, or sent chunked, the most
+    that is read before it is refused) and each chunk's framing."""
+    length = headers.get("content-length")
+    size = int(length) if length is not None and length.isdigit() else chunked_limit(gw.max_body_bytes)
+    return size + size // 256 + (16 << 10)
+
+
+def chunked_limit(cap: int) -> int:
+    """The most of a body sent without a content-length that is read before it is refused
+    for its size: past the cap Envoy's buffer fills and stops reading, so waiting for the
+    end would only end in its message timeout (``StreamProcessor._take_chunk``)."""
+    return (cap + buffer_limit_bytes(cap)) // 2
 
 
 def _models(policy: Policy, tenant: Tenant, served: tuple[bool, str | None], method: str) -> bytes:

@@ -188,6 +188,7 @@ class PickerStream(StreamProcessor):
         self.settlement = Settlement(self.rt, tenant, self.limits, self.policy.tiers[tenant.tier], self.arrived_s)
         self.admission = Admission(self.rt, self.policy, tenant, self.limits, self.peer, self.settlement)
         self.admission.precheck(self.rt.clock())  # a key that cannot pay for one token: before its body
+        self._read_on(headers)
         path = {":path": got.clean_path} if got.clean_path else {}
         if self.duplex_request:
             self.held_path = path  # answered with the routing once the body is in

@@ -28,7 +28,6 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.envoy import usage_record
 from extproc.envoy.headers import SETTLE_KEY, UPSTREAM_ATTRIBUTE
-from extproc.envoy.options import buffer_limit_bytes
 from extproc.openai_api.errors import budget_headers, error_body, ratelimit_headers
 from extproc.openai_api.usage import JSONTracker, SSETracker
 from extproc.policy.reasons import Ending, Reason
@@ -170,7 +169,7 @@ class StreamProcessor:
             self.chunks = [b""]  # only counted from here on
             if b.end_of_stream:
                 raise Refusal(Reason.BODY_TOO_LARGE, f"Request body is {self.body_bytes} bytes; the limit is {cap}.")
-            if self.body_bytes > (cap + buffer_limit_bytes(cap)) // 2:
+            if self.body_bytes > intake.chunked_limit(cap):
                 raise Refusal(Reason.BODY_TOO_LARGE,
                               f"Request body is more than {self.body_bytes} bytes; the limit is {cap}.")
         return b.end_of_stream
@@ -269,10 +268,17 @@ class StreamProcessor:
         self.mode = msg.response_mode(got.kind, self.policy.gateway.response_processing)
         self.reads_body = self.mode.response_body_mode == msg.PM.STREAMED
         new_path = {":path": got.clean_path} if got.clean_path else {}
+        self._read_on(headers)
         if can_defer:
             self.deferred, self.new_path = True, new_path
             return None
         return msg.headers_response("request_headers", new_path, mode_override=self.mode)
+
+    def _read_on(self, headers: dict[str, str]) -> None:
+        """The headers passed: the body comes next and is read whole, so its transport may
+        let all of it come at once (a stream's first window is small: extproc.wire.h2grpc)."""
+        if self.peer is not None:  # None in process, where nothing is sent
+            self.peer.expect(intake.body_ahead(headers, self.policy.gateway))
 
     async def on_request_body(self, raw: bytes) -> AsyncIterator[pb.ProcessingResponse]:
         """The complete body: checked, admitted; a wait hint first when the request must

@@ -122,7 +122,7 @@ class _H2Stream:
         self.call = Call(st, self.run, self.fast)
 
     async def run(self, call: Call) -> None:
-        peer = PeerStream(Messages(call, pb.ProcessingRequest.FromString))
+        peer = PeerStream(Messages(call, pb.ProcessingRequest.FromString), call.st.widen)
         stream = self.stream = self.proc.stream(peer)
         async for a in self.proc.answers(peer, stream):
             call.write(_serialize(a))

@@ -153,7 +153,8 @@ class _H2Process:
         self.proc = proc
 
     async def run(self, call: Call) -> None:
-        async for response in self.proc.answers(PeerStream(Messages(call, pb.ProcessingRequest.FromString))):
+        peer = PeerStream(Messages(call, pb.ProcessingRequest.FromString), call.st.widen)
+        async for response in self.proc.answers(peer):
             call.write(response.SerializeToString())
 
 

@@ -8,15 +8,23 @@ ahead only then keeps the common path to a plain ``__anext__``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 
 class PeerStream:
-    def __init__(self, iterator: AsyncIterator[pb.ProcessingRequest]) -> None:
+    def __init__(self, iterator: AsyncIterator[pb.ProcessingRequest],
+                 widen: Callable[[int], None] | None = None) -> None:
         self._it = iterator
         self._ahead: asyncio.Future[pb.ProcessingRequest | None] | None = None
+        self._widen = widen
+
+    def expect(self, ahead: int) -> None:
+        """About ``ahead`` bytes of messages are coming and will be read: a transport that
+        holds the peer to a small window (extproc.wire.h2grpc) lets them all come at once."""
+        if self._widen is not None and ahead > 0:
+            self._widen(ahead)
 
     async def _read(self) -> pb.ProcessingRequest | None:
         try:

@@ -192,8 +192,10 @@ class Connection(Sender, asyncio.Protocol):
                 raise ConnectionError_(PROTOCOL_ERROR, f"DATA on idle stream {sid}")
             return  # a stream this side has reset or finished: what was in flight is dropped
         st.recv_unacked += n
+        st.recv_window -= n
         if st.recv_unacked >= STREAM_WINDOW // 2 and not flags & END_STREAM:
             self.write(frame(WINDOW_UPDATE, 0, sid, pack_u32(st.recv_unacked)))
+            st.recv_window += st.recv_unacked
             st.recv_unacked = 0
         if flags & PADDED:
             payload = self._unpad(flags, payload)

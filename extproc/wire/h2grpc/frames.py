@@ -20,7 +20,8 @@ MAX_WINDOW = (1 << 31) - 1
 # from its headers (a spent budget) has its whole upload sent on anyway, a MiB of junk per
 # refusal for Python to read. An answered stream is reset (RST_STREAM NO_ERROR after its
 # trailers, stream.py) and gets no window back, so at most about this much of it comes.
-# 128 KiB: a small body, and a 128 KiB prompt but for its last bytes, fit in the first window.
+# 128 KiB: a small body, and a 128 KiB prompt but for its last bytes, fit in the first window;
+# a handler that reads on opens the window to the body it expects (Stream.widen).
 STREAM_WINDOW = 1 << 17
 CONNECTION_WINDOW = 1 << 28
 MAX_FRAME_RECV = 1 << 20

@@ -21,6 +21,8 @@ from extproc.wire.h2grpc.frames import (
     NO_ERROR,
     PING,
     RST_STREAM,
+    STREAM_WINDOW,
+    WINDOW_UPDATE,
     frame,
     pack_goaway,
     pack_head,
@@ -48,7 +50,7 @@ class Stream:
     """One gRPC call: messages out with ``send``, the status with ``finish``."""
 
     __slots__ = ("sid", "conn", "path", "headers", "app", "send_window", "pending", "trailers", "headers_sent",
-                 "remote_closed", "local_closed", "recv_unacked", "msgbuf")
+                 "remote_closed", "local_closed", "recv_unacked", "recv_window", "msgbuf")
 
     def __init__(self, conn: Sender, sid: int, path: str, headers: list[tuple[bytes, bytes]]) -> None:
         self.sid, self.conn, self.path, self.headers = sid, conn, path, headers
@@ -57,7 +59,8 @@ class Stream:
         self.pending = bytearray()  # DATA payload waiting for window
         self.trailers: bytes | None = None  # a trailers block waiting for ``pending`` to go out
         self.headers_sent = self.remote_closed = self.local_closed = False
-        self.recv_unacked = 0
+        self.recv_unacked = 0  # bytes read and not yet given back to the peer's window
+        self.recv_window = STREAM_WINDOW  # what the peer may still send on this stream
         self.msgbuf = bytearray()
 
     @property
@@ -81,6 +84,18 @@ class Stream:
             return
         self.pending += b"\x00" + pack_u32(n - 5) + message
         conn.flush_stream(self)
+
+    def widen(self, ahead: int) -> None:
+        """Let the peer send ``ahead`` bytes on this stream without waiting for more window.
+
+        The first window is small so that a stream ended from its first message has little
+        of the rest sent; a handler that goes on to read a known amount says so here, and
+        the rest comes in one go instead of a window's worth per round trip."""
+        ahead = min(ahead, MAX_WINDOW)
+        if self.local_closed or self.remote_closed or ahead <= self.recv_window:
+            return
+        self.conn.write(frame(WINDOW_UPDATE, 0, self.sid, pack_u32(ahead - self.recv_window)))
+        self.recv_window = ahead
 
     def finish(self, status: int = OK, message: str = "") -> None:
         """End the call with ``status`` (after any data still waiting for window)."""
