@@ -74,8 +74,7 @@ class Stack(ProcGroup):
 
         envoy_binary()
         py = sys.executable
-        self.start_proc("backend", [py, "-m", "bench.fastbackend", "--port", str(self.backend)],
-                        lambda: http_ok(f"http://127.0.0.1:{self.backend}/health"))
+        self.start_fast_backend(self.backend)
         doc = bench_policy(self.backend)
         doc["gateway"]["response_processing"] = self.rp
         doc["backends"][0]["models"].append({"name": LONG_MODEL, "context_window": 131072,

@@ -165,8 +165,7 @@ class Stack(ProcGroup):
 
         envoy_binary()  # without Envoy, stop the whole run here (SystemExit), not mid-stack
         py = sys.executable
-        self.start_proc("backend", [py, "-m", "bench.fastbackend", "--port", str(self.backend_port)],
-                        lambda: http_ok(f"http://127.0.0.1:{self.backend_port}/health"))
+        self.start_fast_backend(self.backend_port)
         self.start_proc("passthrough", [py, "-m", "bench.passthrough_extproc", "--grpc", f"127.0.0.1:{self.pt_port}"],
                         lambda: tcp_open(self.pt_port), "pass-through ext_proc")
         doc = bench_policy(self.backend_port)

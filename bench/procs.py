@@ -255,6 +255,11 @@ class ProcGroup:
         wait_until(ready, what or name, p.popen, log=p.log)
         return p
 
+    def start_fast_backend(self, port: int) -> Proc:
+        """``bench.fastbackend`` on ``port``: a constant backend, ready once it answers."""
+        return self.start_proc("backend", [sys.executable, "-m", "bench.fastbackend", "--port", str(port)],
+                               lambda: http_ok(f"http://127.0.0.1:{port}/health"))
+
     def start_envoy(self, name: str, cfg: dict[str, Any], admin_port: int, concurrency: int) -> Proc:
         """An Envoy on ``cfg`` (written next to its log), ready when its admin says so."""
         import yaml

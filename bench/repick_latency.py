@@ -30,7 +30,7 @@ from typing import Any
 import betterproto2
 
 from bench.metrics import pct
-from bench.procs import ProcGroup, free_port, http_ok
+from bench.procs import ProcGroup, free_port
 from extproc.envoy.clusters import pool_cluster
 from extproc.envoy.eds import render, write_if_changed
 from extproc.envoy.headers import ENDPOINT_HEADER
@@ -89,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         write_if_changed(d / "eds.eds.yaml", render("eds", [live, dead]))
         group = ProcGroup(d)
         try:
-            group.start_proc("backend", [sys.executable, "-m", "bench.fastbackend", "--port", str(backend)],
-                             lambda: http_ok(f"http://{live}/health"))
+            group.start_fast_backend(backend)
             group.start_envoy("envoy", config(d, listen, admin), admin, 1)
             conn = http.client.HTTPConnection("127.0.0.1", listen, timeout=10)
             times: dict[str, list[float]] = {c: [] for c in CASES}

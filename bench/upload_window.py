@@ -62,8 +62,7 @@ class Stack(ProcGroup):
 
         envoy_binary()
         py = sys.executable
-        self.start_proc("backend", [py, "-m", "bench.fastbackend", "--port", str(self.backend)],
-                        lambda: http_ok(f"http://127.0.0.1:{self.backend}/health"))
+        self.start_fast_backend(self.backend)
         doc = bench_policy(self.backend)
         doc["gateway"].update(response_processing="access_log", max_body_bytes=MAX_BODY)
         pol = self.dir / "policies"

@@ -341,6 +341,23 @@ def frames_in(data: bytes) -> list[tuple[int, int, int, bytes]]:
     return out
 
 
+# What a client's HEADERS for ECHO carry, and one gRPC message of ``body``, framed by hand.
+ECHO_HEAD = [(":method", "POST"), (":scheme", "http"), (":path", ECHO), (":authority", "x"),
+             ("content-type", "application/grpc"), ("te", "trailers")]
+
+
+def grpc_msg(body: bytes) -> bytes:
+    return b"\x00" + len(body).to_bytes(4, "big") + body
+
+
+async def recv_until(s: socket.socket, marker: bytes, data: bytes = b"") -> bytes:
+    """What ``s`` has sent, read until it holds ``marker`` (on top of ``data``)."""
+    loop = asyncio.get_running_loop()
+    while marker not in data:
+        data += await asyncio.wait_for(loop.sock_recv(s, 65536), 5)
+    return data
+
+
 def test_what_comes_after_the_answer_is_dropped_and_its_window_kept() -> None:
     """Envoy streams a request's body without waiting for the headers' answer: a stream the
     handler has ended (a refusal) is reset after its trailers (NO_ERROR) and gets none of its
@@ -355,23 +372,18 @@ def test_what_comes_after_the_answer_is_dropped_and_its_window_kept() -> None:
                 call.write(b"refused")
                 return
 
-    def msg(body: bytes) -> bytes:
-        return b"\x00" + len(body).to_bytes(4, "big") + body
+    msg = grpc_msg
 
     async def go() -> None:
         server, port = await serve({ECHO: streaming(refuse_on_cue)})
         loop = asyncio.get_running_loop()
-        block = __import__("hpack").Encoder().encode([
-            (":method", "POST"), (":scheme", "http"), (":path", ECHO), (":authority", "x"),
-            ("content-type", "application/grpc"), ("te", "trailers")])
+        block = __import__("hpack").Encoder().encode(ECHO_HEAD)
         big = bytes(STREAM_WINDOW // 2 + 100)
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.setblocking(False)
 
             async def until(marker: bytes, data: bytes = b"") -> bytes:
-                while marker not in data:
-                    data += await asyncio.wait_for(loop.sock_recv(s, 65536), 5)
-                return data
+                return await recv_until(s, marker, data)
 
             await loop.sock_sendall(s, PREFACE + frame(SETTINGS, 0, 0) + frame(HEADERS, END_HEADERS, 1, block)
                                     + frame(DATA, 0, 1, msg(b"hello")) + frame(DATA, 0, 1, msg(big)))
@@ -408,32 +420,21 @@ def test_a_stream_its_handler_reads_on_gets_the_window_it_asks_for() -> None:
                 call.st.widen(n)
                 call.write(b"ok")
 
-    def msg(body: bytes) -> bytes:
-        return b"\x00" + len(body).to_bytes(4, "big") + body
-
     async def go() -> None:
         server, port = await serve({ECHO: streaming(read_on)})
         loop = asyncio.get_running_loop()
         enc = __import__("hpack").Encoder()
-        head = [(":method", "POST"), (":scheme", "http"), (":path", ECHO), (":authority", "x"),
-                ("content-type", "application/grpc"), ("te", "trailers")]
-        small, large = msg(b"expect:1000"), msg(b"expect:1048576")
+        small, large = grpc_msg(b"expect:1000"), grpc_msg(b"expect:1048576")
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.setblocking(False)
-
-            async def until(marker: bytes, data: bytes = b"") -> bytes:
-                while marker not in data:
-                    data += await asyncio.wait_for(loop.sock_recv(s, 65536), 5)
-                return data
-
             await loop.sock_sendall(s, PREFACE + frame(SETTINGS, 0, 0)
-                                    + frame(HEADERS, END_HEADERS, 1, enc.encode(head)) + frame(DATA, 0, 1, small)
-                                    + frame(HEADERS, END_HEADERS, 3, enc.encode(head)) + frame(DATA, 0, 3, large))
+                                    + frame(HEADERS, END_HEADERS, 1, enc.encode(ECHO_HEAD)) + frame(DATA, 0, 1, small)
+                                    + frame(HEADERS, END_HEADERS, 3, enc.encode(ECHO_HEAD)) + frame(DATA, 0, 3, large))
             got = b""
             while got.count(b"ok") < 2:
                 got += await asyncio.wait_for(loop.sock_recv(s, 65536), 5)
             await loop.sock_sendall(s, frame(PING, 0, 0, b"ping-one"))
-            got = await until(b"ping-one", got)
+            got = await recv_until(s, b"ping-one", got)
         updates = {f[2]: int.from_bytes(f[3], "big") for f in frames_in(got) if f[0] == WINDOW_UPDATE}
         assert asked == [1000, 1048576]
         assert 1 not in updates, updates  # 1,000 more fits in what is left of its window
