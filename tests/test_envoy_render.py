@@ -311,6 +311,22 @@ def test_edge_settings_come_from_the_gateway_policy() -> None:
     assert log_format["formatters"][0]["name"] == "envoy.formatter.req_without_query"
 
 
+def test_the_access_log_flush_interval_comes_from_the_gateway_policy() -> None:
+    from extproc.policy.schema import build_policy
+
+    def flushes(doc_gateway: dict[str, object]) -> list[str]:
+        policy = build_policy({"gateway": {"response_processing": "access_log", **doc_gateway},
+                               "backends": [{"name": "b", "address": "127.0.0.1:1",
+                                             "models": [{"name": "m", "context_window": 4096}]}],
+                               "tiers": {"t": {"tpm": 1000, "rpm": 10}}, "tenants": []})
+        manager = hcm(render_bootstrap(BACKENDS, EnvoyOptions(**gateway_options(policy.gateway))))
+        return [log["typed_config"]["common_config"]["buffer_flush_interval"] for log in manager["access_log"]
+                if log["name"] == "envoy.access_loggers.http_grpc"]
+
+    assert flushes({}) == ["0.010s"]  # the default
+    assert flushes({"access_log_flush_ms": 25}) == ["0.025s"]
+
+
 def test_envoy_replies_speak_the_error_shape() -> None:
     mappers = hcm(render_bootstrap(BACKENDS, EnvoyOptions()))["local_reply_config"]["mappers"]
     assert len(mappers) == len(ENVOY_REPLIES)

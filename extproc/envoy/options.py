@@ -74,11 +74,10 @@ class EnvoyOptions:
     # while its stream to Sluice is congested it keeps entries up to it and drops the rest
     # (grpc_access_logger_clients.h: a flush fails above the stream's write watermark).
     # Seen with 16 KiB under 64 streaming clients on a loaded box: 26 of 1,206 entries
-    # dropped; 1 MiB rides out such a stall (~1,000 entries). 5 ms, not 20: a batch is
-    # settled on the same cores Envoy and the backend need, so the request beside a 20 ms
-    # batch was the 1-connection p99 (bench.overhead, 2 cores: +2.32 / +2.77 ms with 20,
-    # +1.80 / +1.98 with 10, +1.64 / +1.74 / +1.71 with 5; req/s within 3 %, docs/round-trips.md).
-    access_log_flush_ms: int = 5
+    # dropped; 1 MiB rides out such a stall (~1,000 entries). The flush interval is the
+    # policy's (gateway.access_log_flush_ms, 10 ms): a shorter one spreads the settles, a
+    # longer one sends fewer messages (docs/round-trips.md).
+    access_log_flush_ms: int = 10
     access_log_buffer_bytes: int = 1 << 20
     # Envoy runtime flag: ext_proc half-closes a finished stream and waits for the
     # server's close instead of resetting it (measured in bench.overhead).
@@ -106,6 +105,7 @@ def gateway_options(gw: Gateway) -> dict[str, object]:
         "extproc_unhealthy_threshold": gw.extproc_unhealthy_threshold,
         "response_processing": gw.response_processing,
         "response_timeout_s": gw.response_timeout_s,
+        "access_log_flush_ms": gw.access_log_flush_ms,
     }
 
 

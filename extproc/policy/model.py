@@ -69,6 +69,9 @@ class Gateway:
     # The longest a response may take once the request went upstream (0: no limit); Envoy
     # ends a longer one with 504. Under access_log it bounds a settle's wait for its entry.
     response_timeout_s: float = 600.0
+    # Under access_log: how often each Envoy worker sends its entries (docs/round-trips.md:
+    # shorter spreads the settles thinner, each flush costs Envoy and Sluice a message).
+    access_log_flush_ms: int = 10
 
 
 @dataclass(frozen=True)

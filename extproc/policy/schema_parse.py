@@ -68,6 +68,7 @@ def _gateway(r: Reader, doc: Any) -> Gateway:
         currency=read_currency(r, m, path),
         response_timeout_s=float(r.get(m, path, "response_timeout_s", (int, float),
                                        d.response_timeout_s, minimum=0)),
+        access_log_flush_ms=r.get(m, path, "access_log_flush_ms", int, d.access_log_flush_ms, minimum=1),
     )
 
 

@@ -23,7 +23,7 @@ TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 
 # Inter-token latency: 10-50 ms per token is the normal range of a decoding batch.
 ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
-# Response end -> settled from Envoy's access log: its flush interval (5 ms) plus the batch's trip.
+# Response end -> settled from Envoy's access log: its flush interval (10 ms by default) plus the batch's trip.
 SETTLE_LAG_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 10.0)
 PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 NO_TENANT = "-"  # the tenant label of a request refused before its key was known

@@ -13,7 +13,7 @@ them, so settling it whole held every request that arrived meanwhile for ~1.4 ms
 at one connection, ``bench.overhead``). Each turn also takes at least an eighth of what
 waits, so under load the settles keep pace with the requests the turns between them
 answer (the backlog settles near 8 turns' worth) instead of falling further behind.
-Envoy flushes every 5 ms now (``EnvoyOptions.access_log_flush_ms``): the slices of a
+Envoy flushes every 10 ms by default (``gateway.access_log_flush_ms``): the slices of a
 smaller batch also take the cores from Envoy and the backend in smaller bursts.
 """
 

@@ -52,7 +52,7 @@ def test_no_response_message_reaches_extproc_and_settles_come_from_the_log(stack
     assert responses_seen() == seen
     assert metric(stack, "sluice_access_log_entries_total", '{outcome="settled"}') == before + 2
     assert metric(stack, "sluice_access_log_awaiting") == 0
-    # From the response's end to the settle: the access log's flush (5 ms) and its trip.
+    # From the response's end to the settle: the access log's flush (10 ms) and its trip.
     assert 0 < metric(stack, "sluice_settle_lag_seconds_sum") / metric(stack, "sluice_settle_lag_seconds_count") < 1
 
 
