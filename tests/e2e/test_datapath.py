@@ -115,17 +115,19 @@ def response_processing(stack: Stack) -> str:
 
 def test_stream_from_backend_without_usage_counts_streamed_text(stack: Stack) -> None:
     # /v1/completions: a plain prompt, so Sluice and the backend count it the same way.
-    body = {"model": "sim-llama-8b", "prompt": "count me in", "max_tokens": 40}
+    # 60 tokens, a stream of ~0.3 s: long enough that the suite's load on the host (a loop
+    # late by tens of ms) is a small part of the time the estimate multiplies.
+    body = {"model": "sim-llama-8b", "prompt": "count me in", "max_tokens": 80}
     # A stream that reports its usage first: usage_trailers learns the decode rate from it.
-    assert post(stack, {**body, "stream": True}, {**auth(), "x-sim-tokens": "21"},
+    assert post(stack, {**body, "stream": True}, {**auth(), "x-sim-tokens": "60"},
                 path="/v1/completions").status_code == 200
     before = stack.wait_settled()["ledger"]
-    r = post(stack, {**body, "stream": True}, {**auth(), "x-sim-tokens": "21", "x-sim-usage": "none"},
+    r = post(stack, {**body, "stream": True}, {**auth(), "x-sim-tokens": "60", "x-sim-usage": "none"},
              path="/v1/completions")
     assert r.status_code == 200
     assert "usage" not in r.text
     after = stack.wait_settled()["ledger"]
-    ref = post(stack, body, {**auth(), "x-sim-tokens": "21"}, path="/v1/completions").json()["usage"]
+    ref = post(stack, body, {**auth(), "x-sim-tokens": "60"}, path="/v1/completions").json()["usage"]
     charged = after["charged"] - before["charged"]
     if response_processing(stack) == "streamed":
         # Counted by Sluice with tiktoken: the same total the backend would have reported.
