@@ -48,7 +48,7 @@ from bench.demo import ENGINES
 from bench.overhead import envoy_binary, strip_ext_proc
 from bench.overhead_load import _connect, pct
 from bench.overhead_report import parse_phase_histogram
-from bench.procs import ROOT, Proc, ProcGroup, free_port, http_ok, wait_until
+from bench.procs import ROOT, ProcGroup, free_port, http_ok
 from bench.report import table
 from bench.settle_lag import sample
 
@@ -105,13 +105,10 @@ class Stack(ProcGroup):
             p = self.ports[v]
             pol = example_policy(self.dir / f"policies-{v}", self.engines, mode)
             eds = self.dir / f"eds-{v}"
-            proc = Proc(f"sluice-{v}", [py, "-m", "extproc", "serve", "--policy", str(pol), "--grpc",
-                                        f"127.0.0.1:{p['grpc']}", "--admin", f"127.0.0.1:{p['admin']}",
-                                        "--eds-dir", str(eds), "--log-level", "WARNING"],
-                        self.dir / f"sluice-{v}.log", cwd=tree).start()
-            self.procs[proc.name] = proc
-            wait_until(lambda p=p: http_ok(f"http://127.0.0.1:{p['admin']}/healthz"), proc.name, proc.popen,
-                       log=proc.log)
+            self.start_proc(f"sluice-{v}", [py, "-m", "extproc", "serve", "--policy", str(pol), "--grpc",
+                                            f"127.0.0.1:{p['grpc']}", "--admin", f"127.0.0.1:{p['admin']}",
+                                            "--eds-dir", str(eds), "--log-level", "WARNING"],
+                            lambda p=p: http_ok(f"http://127.0.0.1:{p['admin']}/healthz"), cwd=tree)
             cfg = self.dir / f"envoy-{v}.yaml"
             # The checkout's own renderer: a baseline gets the Envoy config it was written for.
             subprocess.run([py, "-m", "extproc", "envoy-config", str(pol), "-o", str(cfg),

@@ -73,7 +73,7 @@ from bench.overhead_report import (
     phase_rows,
     render_markdown,
 )
-from bench.procs import Proc, ProcGroup, free_port, free_ports, http_ok, tcp_open, wait_until
+from bench.procs import ProcGroup, free_port, free_ports, http_ok, tcp_open, wait_until
 from bench.procs import envoy_binary as _envoy_binary
 from bench.protobench import protobuf_rows
 
@@ -222,12 +222,11 @@ class Stack(ProcGroup):
         assert self.baseline is not None
         doc = {**doc, "gateway": {k: v for k, v in doc["gateway"].items() if k != "response_processing"}}
         pol = self._policy_dir("policies-baseline", doc)
-        p = self.procs["sluice-baseline"] = Proc(
-            "sluice-baseline", [sys.executable, "-m", "extproc", "serve", "--policy", str(pol),
-                                "--grpc", f"127.0.0.1:{self.base_grpc}", "--admin", f"127.0.0.1:{self.base_admin}"],
-            self.dir / "sluice-baseline.log", cwd=self.baseline).start()
-        wait_until(lambda: http_ok(f"http://127.0.0.1:{self.base_admin}/healthz"), "baseline Sluice", p.popen,
-                   log=p.log)
+        self.start_proc("sluice-baseline", [sys.executable, "-m", "extproc", "serve", "--policy", str(pol),
+                                            "--grpc", f"127.0.0.1:{self.base_grpc}",
+                                            "--admin", f"127.0.0.1:{self.base_admin}"],
+                        lambda: http_ok(f"http://127.0.0.1:{self.base_admin}/healthz"), "baseline Sluice",
+                        cwd=self.baseline)
         cfg = self.dir / "envoy-e.yaml"
         subprocess.run(
             [

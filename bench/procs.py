@@ -250,8 +250,10 @@ class ProcGroup:
         self.dir = workdir
         self.procs: dict[str, Proc] = {}
 
-    def start_proc(self, name: str, args: list[str], ready: Callable[[], bool], what: str = "") -> Proc:
-        p = self.procs[name] = Proc(name, args, self.dir / f"{name}.log").start()
+    def start_proc(self, name: str, args: list[str], ready: Callable[[], bool], what: str = "",
+                   cwd: Path = ROOT) -> Proc:
+        """``cwd``: another checkout's tree runs its own code (a baseline)."""
+        p = self.procs[name] = Proc(name, args, self.dir / f"{name}.log", cwd=cwd).start()
         wait_until(ready, what or name, p.popen, log=p.log)
         return p
 

@@ -34,7 +34,7 @@ import yaml
 
 from bench.overhead import bench_policy, envoy_binary
 from bench.overhead_load import KEY, _connect
-from bench.procs import ROOT, Proc, ProcGroup, free_port, http_ok, tcp_open, wait_until
+from bench.procs import ROOT, ProcGroup, free_port, http_ok, tcp_open
 from bench.report import table
 
 SIZES = (1 << 10, 128 << 10, 1 << 20)
@@ -70,11 +70,9 @@ class Stack(ProcGroup):
         (pol / "policy.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
         for name, tree in self.trees.items():
             admin = free_port()
-            p = self.procs[f"sluice-{name}"] = Proc(
-                f"sluice-{name}", [py, "-m", "extproc", "serve", "--policy", str(pol), "--grpc",
-                                   f"127.0.0.1:{self.grpc[name]}", "--admin", f"127.0.0.1:{admin}"],
-                self.dir / f"sluice-{name}.log", cwd=tree).start()
-            wait_until(lambda admin=admin: http_ok(f"http://127.0.0.1:{admin}/healthz"), p.name, p.popen, log=p.log)
+            self.start_proc(f"sluice-{name}", [py, "-m", "extproc", "serve", "--policy", str(pol), "--grpc",
+                                               f"127.0.0.1:{self.grpc[name]}", "--admin", f"127.0.0.1:{admin}"],
+                            lambda admin=admin: http_ok(f"http://127.0.0.1:{admin}/healthz"), cwd=tree)
             for d in self.delays:
                 extproc = self.grpc[name]
                 if d:
