@@ -34,13 +34,13 @@ from extproc.request.picker import Answer, PickerOptions, PickerStream
 from extproc.runtime.runtime import Runtime
 from extproc.service.server import SERVER_OPTIONS
 from extproc.wire import tls
-from extproc.wire.h2grpc.calls import Call, Messages, unary
+from extproc.wire.h2grpc.calls import Call, unary
 from extproc.wire.h2grpc.server import Server as H2Server
 from extproc.wire.h2grpc.server import ssl_context
 from extproc.wire.h2grpc.stream import Handler, Stream
 from extproc.wire.health import PICKER_SERVICES, Health
 from extproc.wire.health import SERVICE as HEALTH_SERVICE
-from extproc.wire.peer import PeerStream
+from extproc.wire.peer import PeerStream, h2_peer
 
 log = logging.getLogger("sluice.picker")
 
@@ -122,7 +122,7 @@ class _H2Stream:
         self.call = Call(st, self.run, self.fast)
 
     async def run(self, call: Call) -> None:
-        peer = PeerStream(Messages(call, pb.ProcessingRequest.FromString), call.st.widen)
+        peer = h2_peer(call)
         stream = self.stream = self.proc.stream(peer)
         async for a in self.proc.answers(peer, stream):
             call.write(_serialize(a))

@@ -27,11 +27,11 @@ from extproc.request.revoking import CHUNK_WAIT_S
 from extproc.request.stream import StreamProcessor
 from extproc.runtime.runtime import Runtime
 from extproc.wire import access_log
-from extproc.wire.h2grpc.calls import Call, Messages, streaming, unary
+from extproc.wire.h2grpc.calls import Call, streaming, unary
 from extproc.wire.h2grpc.server import Server as H2Server
 from extproc.wire.health import SERVICE as HEALTH_SERVICE
 from extproc.wire.health import Health
-from extproc.wire.peer import PeerStream
+from extproc.wire.peer import PeerStream, h2_peer
 
 log = logging.getLogger("sluice.server")
 
@@ -153,8 +153,7 @@ class _H2Process:
         self.proc = proc
 
     async def run(self, call: Call) -> None:
-        peer = PeerStream(Messages(call, pb.ProcessingRequest.FromString), call.st.widen)
-        async for response in self.proc.answers(peer):
+        async for response in self.proc.answers(h2_peer(call)):
             call.write(response.SerializeToString())
 
 

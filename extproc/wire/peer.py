@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator, Callable
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc.wire.h2grpc.calls import Call, Messages
+
 
 class PeerStream:
     def __init__(self, iterator: AsyncIterator[pb.ProcessingRequest],
@@ -48,3 +50,9 @@ class PeerStream:
     def cancel(self) -> None:
         if self._ahead is not None and not self._ahead.done():
             self._ahead.cancel()
+
+
+def h2_peer(call: Call) -> PeerStream:
+    """An ext_proc call on extproc.wire.h2grpc: its messages, parsed, and its stream's
+    window to open for a body that will be read."""
+    return PeerStream(Messages(call, pb.ProcessingRequest.FromString), call.st.widen)
