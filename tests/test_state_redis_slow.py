@@ -1,7 +1,7 @@
 """A Redis that answers slowly but answers (a busy host) is not taken for a down one.
 
 With a fixed 8 ms bound, every exchange slower than that tripped the store's breaker:
-requests fell back to the local share, which starts empty, and a tenant far from its
+requests fell back to the local share, which then started empty, and a tenant far from its
 budget got 429 ``tpm`` (seen on a loaded CI host at the start of a fleet test). The bound
 now follows recent answers (``extproc.store.round_trips``); a frozen Redis still trips.
 """

@@ -79,6 +79,10 @@ class TenantLease:
         """The lease is running out: refill it ahead of need."""
         return self.last_slice > 0 and self.lease_t < self.last_slice / 2
 
+    def unsent_t(self) -> float:
+        """Tokens this replica charged (debits less refunds) that the store has not confirmed."""
+        return (self.debit - self.sent[1]) - (self.credit - self.sent[0])
+
     def dirty(self) -> bool:
         return (self.credit, self.debit, self.debit_r) != self.sent
 
@@ -120,13 +124,20 @@ class TenantLease:
 def local_share(lease: TenantLease, limits: Limits, replicas: int, now: float) -> tuple[TokenBucket, TokenBucket]:
     """This replica's buckets while the store is unreachable: 1/replicas of the contract.
 
-    They start empty and refill at 1/replicas of the rate, so the replicas together
-    stay within the rate whatever the bucket held; the burst is what each still holds
-    in its unexpired lease (already taken out of the shared bucket). Starting empty also
-    bounds what a false alarm (a slow answer, the others still on Redis) can add: the
-    rate / replicas for as long as it lasts.
+    They refill at 1/replicas of the rate and start at 1/replicas of the room the store
+    last reported (refilled since, less what this replica charged that the store has not
+    heard), so the replicas together admit what the bucket held and its refill, as the
+    bucket would. Shares that started empty refused the first request after every trip
+    for the few ms their refill took: a 429 for a tenant far under its limit whenever one
+    answer came late on a loaded host (the others still on Redis: a false alarm). What a
+    false alarm adds is bounded instead by that room / replicas, once: its debits reach
+    Redis on the return, which carries them as the bucket's debt. A tenant the store never
+    answered for starts empty (nothing says what room it has).
     """
     n = max(1, replicas)
-    tb = TokenBucket(limits.burst_tokens / n, limits.tpm * lease.scale / 60.0 / n, now, level=0.0)
-    rb = TokenBucket(limits.rpm / n, limits.rpm / 60.0 / n, now, level=0.0)
+    seen = lease.level_t is not None
+    room_t = max(0.0, lease.estimate_t(now) - lease.unsent_t()) if seen else 0.0
+    room_r = max(0.0, lease.estimate_r(now) - (lease.debit_r - lease.sent[2])) if seen else 0.0
+    tb = TokenBucket(limits.burst_tokens / n, limits.tpm * lease.scale / 60.0 / n, now, level=room_t / n)
+    rb = TokenBucket(limits.rpm / n, limits.rpm / 60.0 / n, now, level=room_r / n)
     return tb, rb

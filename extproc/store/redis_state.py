@@ -133,8 +133,7 @@ class RedisState(Exchanges):
             room = ls.fallback[0].remaining(now) + ls.lease_t
         else:
             # The raw level (the view floors debt at 0), less what the store has not heard yet.
-            pending = (ls.debit - ls.sent[1]) - (ls.credit - ls.sent[0])
-            room = ls.estimate_t(now) + ls.lease_t - pending
+            room = ls.estimate_t(now) + ls.lease_t - ls.unsent_t()
         if room >= cost and rv.remaining >= 1:
             return Verdict(True, tv, rv)
         tpm_wait = max(0.0, cost - room) / max(limits.tpm * ls.scale / 60.0, 1e-9)

@@ -4,7 +4,8 @@ what recent answers took.
 A fixed bound (8 ms for an exchange) fits a quiet host; on a busy one (Redis and the
 replica share cores with other work) answers of 10-30 ms are normal, and a fixed bound
 trips the store's breaker on a store that is answering. Every request then falls back
-to the local share, which starts empty, and a tenant far from its budget gets 429.
+to the local share, which started empty then, and a tenant far from its budget got 429
+(the share now starts from the room last seen: ``extproc.policy.lease.local_share``).
 The bound here follows the answers: the larger of RFC 6298's estimate (as TCP's
 retransmission timer: the smoothed time plus four times its variation) and 1.5 times
 the slowest recent answer (a peak that fades by ``PEAK_FADE`` per answer, so a run of
