@@ -130,13 +130,14 @@ def test_a_trip_does_not_refuse_a_tenant_far_under_its_limit(server: RedisServer
     assert seen / n <= started <= seen / n + 0.1 * RATE, (seen, started)
 
 
-def test_a_local_share_starts_empty_without_a_view_of_the_bucket() -> None:
-    """Nothing seen (the store never answered for this tenant) or the bucket in debt: the share
-    starts empty and refills at r / n, as it always did."""
+def test_a_local_share_is_a_part_of_the_room_last_seen() -> None:
+    """The share is 1 / n of the bucket, refilled at r / n, and starts at 1 / n of the room:
+    the store's last answer refilled since, less what it has not heard; full for a tenant it
+    never answered for (a replica's first exchange, late); empty for a bucket in debt."""
     lim = Limits(tpm=60_000, rpm=60_000, burst_tokens=1000, max_concurrency=10)
     fresh = TenantLease(lim)
     tb, rb = local_share(fresh, lim, 4, now=10.0)
-    assert (tb.remaining(10.0), rb.remaining(10.0)) == (0.0, 0.0)
+    assert (tb.remaining(10.0), rb.remaining(10.0)) == (1000 / 4, 60_000 / 4)
     assert tb.rate_per_s == 1000 / 4 and tb.capacity == 1000 / 4
     owing = TenantLease(lim, level_t=-500.0, level_r=0.0, seen_at=10.0)
     assert local_share(owing, lim, 4, now=10.0)[0].remaining(10.0) == 0.0

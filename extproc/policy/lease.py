@@ -126,18 +126,18 @@ def local_share(lease: TenantLease, limits: Limits, replicas: int, now: float) -
 
     They refill at 1/replicas of the rate and start at 1/replicas of the room the store
     last reported (refilled since, less what this replica charged that the store has not
-    heard), so the replicas together admit what the bucket held and its refill, as the
-    bucket would. Shares that started empty refused the first request after every trip
-    for the few ms their refill took: a 429 for a tenant far under its limit whenever one
-    answer came late on a loaded host (the others still on Redis: a false alarm). What a
-    false alarm adds is bounded instead by that room / replicas, once: its debits reach
-    Redis on the return, which carries them as the bucket's debt. A tenant the store never
-    answered for starts empty (nothing says what room it has).
+    heard; full for a tenant it never answered for, as the store itself starts a bucket it
+    does not have from the caller's estimate), so the replicas together admit what the
+    bucket held and its refill, as the bucket would. Shares that started empty refused the
+    first request after every trip for the few ms their refill took: a 429 for a tenant far
+    under its limit whenever one answer came late on a loaded host (a false alarm, the
+    others still on Redis; or a replica's first exchange, before any answer set its bound).
+    What a false alarm adds is bounded instead by that room / replicas, once: its debits
+    reach Redis on the return, which carries them as the bucket's debt.
     """
     n = max(1, replicas)
-    seen = lease.level_t is not None
-    room_t = max(0.0, lease.estimate_t(now) - lease.unsent_t()) if seen else 0.0
-    room_r = max(0.0, lease.estimate_r(now) - (lease.debit_r - lease.sent[2])) if seen else 0.0
+    room_t = max(0.0, lease.estimate_t(now) - lease.unsent_t())
+    room_r = max(0.0, lease.estimate_r(now) - (lease.debit_r - lease.sent[2]))
     tb = TokenBucket(limits.burst_tokens / n, limits.tpm * lease.scale / 60.0 / n, now, level=room_t / n)
     rb = TokenBucket(limits.rpm / n, limits.rpm / 60.0 / n, now, level=room_r / n)
     return tb, rb
