@@ -105,7 +105,7 @@ def test_a_trip_does_not_refuse_a_tenant_far_under_its_limit(server: RedisServer
     at what the bucket held."""
     n = 2
 
-    async def main() -> tuple[Verdict, Verdict, float, float]:
+    async def main() -> tuple[Verdict, Verdict, float, float, Verdict]:
         states = replicas(server.url, n, "farunder", probe_s=60)
         for s in states:
             assert (await admit(s, 1)).admitted  # each holds a lease of 0.1 B now
@@ -119,11 +119,15 @@ def test_a_trip_does_not_refuse_a_tenant_far_under_its_limit(server: RedisServer
         assert not s.up and ls.fallback is not None
         started = ls.fallback[0].remaining(time.monotonic()) + cost
         beyond = await admit(s, int(seen / n))  # more than the share has left
+        # A tenant this replica never exchanged for (its first request, as on a fresh
+        # replica whose first exchange came late): a full share, B / n, as Redis would start it.
+        fresh = await admit(s, BURST // n - 10, tenant="fresh")
         await close_all(states)
-        return first, beyond, seen, started
+        return first, beyond, seen, started, fresh
 
-    first, beyond, seen, started = asyncio.run(main())
+    first, beyond, seen, started, fresh = asyncio.run(main())
     assert first.admitted, first
+    assert fresh.admitted, fresh
     assert not beyond.admitted and beyond.reason == "tpm", beyond
     # what the share started with: the room this replica last saw, halved (plus the few ms
     # of refill since, the bucket's at r / n and the share's own at r / n)
