@@ -98,8 +98,10 @@ async def test_a_client_that_hangs_up_aborts_its_request_and_the_record_says_wha
                 await r.read()
         w = await _until_record(s, url, f"hang-{stream}")
         assert w["finished_reason"] == "abort" and w["tenant"] == "t-hang"
-        # ~0.4 s at 50 tokens/s: the engine stopped long before the 1000 it was asked for.
-        assert 5 <= w["generation_tokens"] <= 40, w
+        # ~0.4 s at 50 tokens/s (~20): the engine stopped long before the 1000 it was asked
+        # for (20 s). The bound allows a loaded host noticing the hang-up late (58 tokens,
+        # ~1.2 s, seen in a full run).
+        assert 5 <= w["generation_tokens"] <= 200, w
         assert w["prompt_tokens"] > 0
         assert not e.running and e.used_blocks == 0
 

@@ -4,8 +4,9 @@ Four "conversations" (groups), each with its own long system prompt, send one re
 per round, concurrently, arriving in a different order every round (rotated). Without
 affinity the score places a group wherever there is most room at that moment, so it
 keeps landing on the engine that does not hold its prefix; with affinity it returns to
-the engine that served it last, whose prefix cache hits: the engines' hit counters and
-the time to first token tell, measured in the same run.
+the engine that served it last, whose prefix cache hits: the engines' own counters tell
+(tokens found cached, tokens prefilled), measured in the same run; the time to first
+token is printed beside them.
 """
 
 from __future__ import annotations
@@ -27,12 +28,9 @@ pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
 BLOCK = 16
 BLOCKS = 256  # 4,096 tokens of KV per engine: two of these requests at once, not three
-# Prefill is made expensive (1 s per 1k tokens: ~1.4 s for a system prompt, ~0.1 s for the
-# question after it) so a cache hit is plain in the TTFT even when the suite's other modules
-# make the host late by a few hundred ms for a whole phase (at 400 ms a CI run read on 525 ms,
-# off 675 ms, with the engines' hits as expected).
+# Prefill is made expensive (400 ms per 1k tokens) so a cache hit is plain in the TTFT printed.
 COMMON = ["--block-size", str(BLOCK), "--kv-blocks", str(BLOCKS), "--max-num-seqs", "16", "--max-model-len", "4096",
-          "--prefill-ms-per-1k-tokens", "1000", "--enable-prefix-caching"]
+          "--prefill-ms-per-1k-tokens", "400", "--enable-prefix-caching"]
 KEY = "sk-affinity-premium"
 GROUPS = 4
 ROUNDS = 4
@@ -117,8 +115,13 @@ def counter(url: str, name: str) -> float:
     return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(name + "{") or x.startswith(name + " "))
 
 
-def engine_hits(s: TwoEngines) -> float:
+def engine_hits(s: Stack) -> float:
     return sum(counter(u, "vllm:prefix_cache_hits_total") for u in (s.sim_url, s.b_url))
+
+
+def engine_queried(s: Stack) -> float:
+    """Prompt tokens the engines were asked to prefill (cached or not), as vLLM counts them."""
+    return sum(counter(u, "vllm:prefix_cache_queries_total") for u in (s.sim_url, s.b_url))
 
 
 def affinity_count(s: Stack, result: str) -> float:
@@ -135,10 +138,12 @@ def served_by(s: TwoEngines, tag: str) -> dict[str, int]:
     return out
 
 
-def run_rounds(s: TwoEngines, phase: str) -> list[float]:
-    """ROUNDS rounds of one request per group, rotated order; the TTFTs after the first round."""
+def run_rounds(s: TwoEngines, phase: str) -> tuple[list[float], float]:
+    """ROUNDS rounds of one request per group, rotated order: the TTFTs after the first round,
+    and the prompt tokens the engines prefilled (asked less found cached) in those rounds."""
     systems = [system_prompt(f"{phase}-{g}") for g in range(GROUPS)]
     ttfts: list[float] = []
+    prefilled = 0.0
     with ThreadPoolExecutor(GROUPS) as pool:
         for r in range(ROUNDS):
             order = [(r + i) % GROUPS for i in range(GROUPS)]
@@ -149,19 +154,21 @@ def run_rounds(s: TwoEngines, phase: str) -> list[float]:
             got = [f.result() for f in futs]
             if r:
                 ttfts += got
-    return ttfts
+            else:
+                prefilled = engine_hits(s) - engine_queried(s)
+    return ttfts, prefilled + engine_queried(s) - engine_hits(s)
 
 
-def test_shared_prefixes_stay_on_their_engine_hit_its_cache_and_cut_ttft(stack: TwoEngines) -> None:
+def test_shared_prefixes_stay_on_their_engine_and_hit_its_cache(stack: TwoEngines) -> None:
     set_affinity(stack, False)
     hits0 = engine_hits(stack)
-    off = run_rounds(stack, "off")
+    off, prefilled_off = run_rounds(stack, "off")
     hits_off = engine_hits(stack) - hits0
     stack.wait_settled()
 
     set_affinity(stack, True)
     hits0, placed0 = engine_hits(stack), affinity_count(stack, "hit")
-    on = run_rounds(stack, "on")
+    on, prefilled_on = run_rounds(stack, "on")
     hits_on = engine_hits(stack) - hits0
     stack.wait_settled()
 
@@ -175,10 +182,17 @@ def test_shared_prefixes_stay_on_their_engine_hit_its_cache_and_cut_ttft(stack: 
     # Without affinity the headroom score decides and a group lands where it lands: some of
     # its rounds hit by chance (4k-11k tokens measured under load), never all of them.
     assert hits_on > hits_off, (hits_on, hits_off)
+    # What the engines prefilled after the first round, the work a TTFT waits for: with
+    # affinity the questions alone (~85 tokens a request), without it most system prompts
+    # again (~1,400 each, less the chance hits). The TTFT saved is printed, not asserted:
+    # timed by clients on two cores shared with the suite's other modules, a phase the host
+    # made late read on 525 ms / off 675 ms in CI with these counters as expected (the
+    # TTFT with and without affinity is bench.pool's).
     mean_on, mean_off = sum(on) / len(on), sum(off) / len(off)
-    print(f"TTFT mean: affinity on {mean_on * 1000:.0f} ms, off {mean_off * 1000:.0f} ms; "
-          f"engine prefix hits (tokens): on {hits_on:.0f}, off {hits_off:.0f}")
-    assert mean_on < 0.75 * mean_off, (on, off)  # ~0.25 on an idle machine
+    print(f"after the first round: TTFT mean affinity on {mean_on * 1000:.0f} ms, off {mean_off * 1000:.0f} ms; "
+          f"tokens prefilled on {prefilled_on:.0f}, off {prefilled_off:.0f}; engine prefix hits (all rounds): "
+          f"on {hits_on:.0f}, off {hits_off:.0f}")
+    assert 0 < prefilled_on < 0.25 * prefilled_off, (prefilled_on, prefilled_off)
 
 
 def test_a_full_preferred_engine_spills_to_the_other(stack: TwoEngines) -> None:
