@@ -391,6 +391,29 @@ def test_a_heartbeat_whose_answer_was_lost_leaves_no_member_behind_once_the_repl
         f.close()
 
 
+def test_a_fence_whose_answer_was_lost_on_a_redis_restarted_empty_is_still_reported(server: RedisServer) -> None:
+    """A Redis restarted empty counts epochs from 0 again: it gave the first replica to come
+    back its old member name, so when the answer to the heartbeat that fenced it was lost
+    (timed out while Redis came back), the next heartbeat found "its" member, reported no
+    fence, and the replica never recovered its slot leases (once in
+    tests/e2e/test_fleet_redis_down.py[killed]). Names carry the time they were given."""
+    f = Fleet(server, 2)
+    try:
+        a, b = f.replicas
+        _steady(f, [2, 2])
+        held = a.registry.member
+        f.run(f.client.flushall())  # as a restart without persistence: the epoch counter too
+        lost = f.run(f.client.eval(HEARTBEAT, 3, *a.registry.keys, *a.registry.args("")))  # a never hears of it
+        assert int(lost[2]) == 1  # that one fenced it
+        assert f.beat(a), "the fence was lost with the answer"
+        assert a.registry.fences == 1 and a.registry.member not in (held, "")
+        members = {m.decode() if isinstance(m, bytes) else m for m in f.run(f.client.zrange(a.registry.keys[0], 0, -1))}
+        assert members == {a.registry.member}  # the retry got the lost attempt's member, not a second
+        assert f.beat(b) and b.registry.member != a.registry.member
+    finally:
+        f.close()
+
+
 def test_two_processes_with_one_replica_id_keep_a_member_each(server: RedisServer) -> None:
     """The replica id defaults to the host name: a registration is idempotent per process
     (its token), not per id, so two processes on one host never take each other's member."""

@@ -162,7 +162,12 @@ return out
 # replica never heard of; the retry gets that member rather than a second one (else it
 # counts as a replica for a ttl: the live count, and the registered replicas a
 # recovering slot lease waits for, extproc.store.slot_leases). Not by replica id: two
-# processes may share one (it defaults to the host name).
+# processes may share one (it defaults to the host name). A member's name carries the
+# Redis time it was given, not only the epoch: a Redis restarted empty counts epochs from
+# 0 again and handed a replica its old name back, so when the answer to the heartbeat that
+# fenced it was lost (timed out while Redis came back), the next found "its" member and
+# reported no fence: the replica never recovered its slot leases (seen once in
+# test_fleet_redis_down[killed]).
 HEARTBEAT = r"""
 local now
 if ARGV[4] ~= '' then now = tonumber(ARGV[4]) else
@@ -176,7 +181,8 @@ if member == '' then
   if given and redis.call('ZSCORE', KEYS[1], given) then
     member = given  -- registered by an attempt whose answer was lost: still nobody else's
   else
-    member = ARGV[1] .. '#' .. redis.call('INCR', KEYS[2])
+    local t = redis.call('TIME')
+    member = ARGV[1] .. '#' .. redis.call('INCR', KEYS[2]) .. '.' .. t[1] .. string.format('%06d', tonumber(t[2]))
     redis.call('HSET', KEYS[3], ARGV[5], member)
     local raw = redis.call('HGETALL', KEYS[3])  -- forget the tokens whose members are gone
     for i = 1, #raw, 2 do
