@@ -119,9 +119,11 @@ def engine_hits(s: Stack) -> float:
     return sum(counter(u, "vllm:prefix_cache_hits_total") for u in (s.sim_url, s.b_url))
 
 
-def engine_queried(s: Stack) -> float:
-    """Prompt tokens the engines were asked to prefill (cached or not), as vLLM counts them."""
-    return sum(counter(u, "vllm:prefix_cache_queries_total") for u in (s.sim_url, s.b_url))
+def engine_prefilled(s: Stack) -> float:
+    """Prompt tokens the engines computed: asked for (cached or not) less found cached, as
+    vLLM counts them."""
+    return sum(counter(u, "vllm:prefix_cache_queries_total") - counter(u, "vllm:prefix_cache_hits_total")
+               for u in (s.sim_url, s.b_url))
 
 
 def affinity_count(s: Stack, result: str) -> float:
@@ -143,7 +145,7 @@ def run_rounds(s: TwoEngines, phase: str) -> tuple[list[float], float]:
     and the prompt tokens the engines prefilled (asked less found cached) in those rounds."""
     systems = [system_prompt(f"{phase}-{g}") for g in range(GROUPS)]
     ttfts: list[float] = []
-    prefilled = 0.0
+    after_first = 0.0
     with ThreadPoolExecutor(GROUPS) as pool:
         for r in range(ROUNDS):
             order = [(r + i) % GROUPS for i in range(GROUPS)]
@@ -155,8 +157,8 @@ def run_rounds(s: TwoEngines, phase: str) -> tuple[list[float], float]:
             if r:
                 ttfts += got
             else:
-                prefilled = engine_hits(s) - engine_queried(s)
-    return ttfts, prefilled + engine_queried(s) - engine_hits(s)
+                after_first = engine_prefilled(s)
+    return ttfts, engine_prefilled(s) - after_first
 
 
 def test_shared_prefixes_stay_on_their_engine_and_hit_its_cache(stack: TwoEngines) -> None:
