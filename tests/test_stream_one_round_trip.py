@@ -71,7 +71,9 @@ async def _answers(sp: StreamProcessor, messages: list[pb.ProcessingRequest]) ->
     for m in messages:
         phase = m.WhichOneof("request")
         if phase == "request_body":
-            out.append([r async for r in sp.handle_body(m)])
+            # The forward answer comes in wire form (extproc.wire.forward_answer): read it back.
+            out.append([pb.ProcessingResponse.FromString(r) if isinstance(r, bytes) else r
+                        async for r in sp.handle_body(m)])
         else:
             r = sp.handle(phase, m)
             out.append([] if r is None else [r])

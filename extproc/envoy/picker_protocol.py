@@ -25,6 +25,8 @@ from __future__ import annotations
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc.wire.pbwire import length, read_varint, tag
+
 NAMESPACE = "envoy.lb"
 DESTINATION = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
@@ -41,55 +43,27 @@ NONE = processing_mode_pb2.ProcessingMode.NONE
 # ProcessingResponse fields (external_processor.proto): the direction of a body answer.
 REQUEST_BODY_FIELD, RESPONSE_BODY_FIELD = 3, 4
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-_VARINTS = [_varint(i) for i in range(1 << 14)]  # every length up to 16 KiB, written once
-
-
-def _v(n: int) -> bytes:
-    return _VARINTS[n] if n < 16384 else _varint(n)
-
-
 _EOS = b"\x10\x01"  # StreamedBodyResponse.end_of_stream = true
-_FIELD_TAGS = {REQUEST_BODY_FIELD: _varint(REQUEST_BODY_FIELD << 3 | 2),
-               RESPONSE_BODY_FIELD: _varint(RESPONSE_BODY_FIELD << 3 | 2)}
+_FIELD_TAGS = {REQUEST_BODY_FIELD: tag(REQUEST_BODY_FIELD), RESPONSE_BODY_FIELD: tag(RESPONSE_BODY_FIELD)}
 
 
 def echo(field: int, chunk: bytes, end_of_stream: bool) -> bytes:
     """``ProcessingResponse{<field>: BodyResponse{response: CommonResponse{body_mutation:
     BodyMutation{streamed_response: StreamedBodyResponse{body, end_of_stream}}}}}`` as bytes."""
     n = len(chunk)
-    body_len = _v(n) if n else b""
+    body_len = length(n) if n else b""
     inner = (1 + len(body_len) + n if n else 0) + (2 if end_of_stream else 0)
-    inner_v = _v(inner)
+    inner_v = length(inner)
     streamed = 1 + len(inner_v) + inner  # BodyMutation.streamed_response = 3
-    streamed_v = _v(streamed)
+    streamed_v = length(streamed)
     mutation = 1 + len(streamed_v) + streamed  # CommonResponse.body_mutation = 3
-    mutation_v = _v(mutation)
+    mutation_v = length(mutation)
     common = 1 + len(mutation_v) + mutation  # BodyResponse.response = 1
-    return b"".join((_FIELD_TAGS[field], _v(common), b"\x0a", mutation_v, b"\x1a", streamed_v, b"\x1a", inner_v,
+    return b"".join((_FIELD_TAGS[field], length(common), b"\x0a", mutation_v, b"\x1a", streamed_v, b"\x1a", inner_v,
                      b"\x0a" if n else b"", body_len, chunk, _EOS if end_of_stream else b""))
 
 
 _RESPONSE_BODY_TAG = 5 << 3 | 2  # ProcessingRequest.response_body, length-delimited
-
-
-def _read_varint(data: bytes, i: int) -> tuple[int, int]:
-    n = shift = 0
-    while True:
-        b = data[i]
-        i += 1
-        n |= (b & 0x7F) << shift
-        if b < 0x80:
-            return n, i
-        shift += 7
 
 
 _EMPTY_METADATA = b"\x42\x00"  # ProcessingRequest.metadata_context, empty: Envoy 1.40 sends it on every message
@@ -103,14 +77,14 @@ def response_chunk(data: bytes) -> tuple[bytes, bool] | None:
     if len(data) < 2 or data[0] != _RESPONSE_BODY_TAG:
         return None
     try:
-        n, i = _read_varint(data, 1)
+        n, i = read_varint(data, 1)
         if i + n != len(data):
             if i + n != len(data) - 2 or not data.endswith(_EMPTY_METADATA):
                 return None
             data = data[:-2]
         body, eos = b"", False
         if i < len(data) and data[i] == 0x0A:  # HttpBody.body
-            m, i = _read_varint(data, i + 1)
+            m, i = read_varint(data, i + 1)
             body, i = data[i:i + m], i + m
         if i < len(data) and data[i] == 0x10:  # HttpBody.end_of_stream
             eos, i = data[i + 1] == 1, i + 2

@@ -51,7 +51,7 @@ from extproc.wire.peer import PeerStream
 
 __all__ = ["Answer", "PickerOptions", "PickerStream"]
 
-Answer = pb.ProcessingResponse | bytes  # bytes: an echo already in wire form (picker_protocol.echo)
+Answer = msg.Answer
 
 _TRAILERS = {"request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),
              "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse())}

@@ -43,6 +43,7 @@ from extproc.request.ticket import Ticket
 from extproc.runtime.metrics import NO_TENANT
 from extproc.runtime.runtime import Runtime
 from extproc.runtime.usage_history import NO_MODEL
+from extproc.wire import forward_answer
 from extproc.wire import messages as msg
 from extproc.wire.peer import PeerStream
 
@@ -127,7 +128,7 @@ class StreamProcessor:
             self._timed(phase, t0)
         return response
 
-    async def handle_body(self, request: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingResponse]:
+    async def handle_body(self, request: pb.ProcessingRequest) -> AsyncIterator[msg.Answer]:
         """A request-body message's answers: none until the body is complete (its chunks are
         answered together, after the headers), a wait hint first when the request must wait."""
         t0 = time.perf_counter()
@@ -280,7 +281,7 @@ class StreamProcessor:
         if self.peer is not None:  # None in process, where nothing is sent
             self.peer.expect(intake.body_ahead(headers, self.policy.gateway))
 
-    async def on_request_body(self, raw: bytes) -> AsyncIterator[pb.ProcessingResponse]:
+    async def on_request_body(self, raw: bytes) -> AsyncIterator[msg.Answer]:
         """The complete body: checked, admitted; a wait hint first when the request must
         wait, then the answers that send it on (``_forward``)."""
         assert self.tenant is not None and self.kind is not None
@@ -298,7 +299,7 @@ class StreamProcessor:
         for answer in self._forward(fwd, raw):
             yield answer
 
-    def _forward(self, fwd: upstream.Forward, raw: bytes) -> list[pb.ProcessingResponse]:
+    def _forward(self, fwd: upstream.Forward, raw: bytes) -> list[msg.Answer]:
         """The answers that send an admitted request on: the headers' (deferred) with every
         mutation, then one per body chunk; or, to an Envoy that buffered the body, the
         body's with the mutations."""
@@ -323,8 +324,7 @@ class StreamProcessor:
             return [msg.body_response("request_body", fwd.body, set_headers, fwd.remove_headers,
                                       clear_route_cache=True, metadata=metadata)]
         chunks, self.chunks = len(self.chunks), []
-        return [msg.headers_response("request_headers", set_headers, fwd.remove_headers, clear_route_cache=True,
-                                     metadata=metadata, mode_override=self.mode),
+        return [forward_answer.request_headers(set_headers, fwd.remove_headers, metadata, self.mode),
                 *msg.request_chunk_answers(chunks, fwd.body)]
 
     # -- response side ------------------------------------------------------

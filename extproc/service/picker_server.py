@@ -32,7 +32,8 @@ from extproc.envoy import picker_protocol as pp
 from extproc.policy.reasons import Ending
 from extproc.request.picker import Answer, PickerOptions, PickerStream
 from extproc.runtime.runtime import Runtime
-from extproc.service.server import SERVER_OPTIONS
+from extproc.service.server import SERVER_OPTIONS, SERVICE
+from extproc.wire import messages as msg
 from extproc.wire import tls
 from extproc.wire.h2grpc.calls import Call, unary
 from extproc.wire.h2grpc.server import Server as H2Server
@@ -43,12 +44,6 @@ from extproc.wire.health import SERVICE as HEALTH_SERVICE
 from extproc.wire.peer import PeerStream, h2_peer
 
 log = logging.getLogger("sluice.picker")
-
-SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-
-
-def _serialize(answer: Answer) -> bytes:
-    return answer if isinstance(answer, bytes) else answer.SerializeToString()
 
 
 class PickerProcessor:
@@ -102,7 +97,7 @@ class PickerProcessor:
         return grpc.method_handlers_generic_handler(SERVICE, {
             "Process": grpc.stream_stream_rpc_method_handler(
                 self.process, request_deserializer=pb.ProcessingRequest.FromString,
-                response_serializer=_serialize),
+                response_serializer=msg.serialize),
         })
 
     def h2_handler(self) -> Handler:
@@ -125,7 +120,7 @@ class _H2Stream:
         peer = h2_peer(call)
         stream = self.stream = self.proc.stream(peer)
         async for a in self.proc.answers(peer, stream):
-            call.write(_serialize(a))
+            call.write(msg.serialize(a))
 
     def fast(self, call: Call, data: bytes) -> bool:
         stream = self.stream
@@ -141,7 +136,7 @@ class _H2Stream:
             stream.settle(Ending.ERROR)
             raise  # the call ends with an error status and its task is cancelled
         for a in answers:
-            call.write(_serialize(a))
+            call.write(msg.serialize(a))
         return True
 
 

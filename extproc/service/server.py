@@ -27,6 +27,7 @@ from extproc.request.revoking import CHUNK_WAIT_S
 from extproc.request.stream import StreamProcessor
 from extproc.runtime.runtime import Runtime
 from extproc.wire import access_log
+from extproc.wire import messages as msg
 from extproc.wire.h2grpc.calls import Call, streaming, unary
 from extproc.wire.h2grpc.server import Server as H2Server
 from extproc.wire.health import SERVICE as HEALTH_SERVICE
@@ -60,11 +61,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     async def Process(  # noqa: N802 - the gRPC method name
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.ProcessingResponse]:
+    ) -> AsyncIterator[msg.Answer]:
         async for response in self.answers(PeerStream(request_iterator)):
             yield response
 
-    async def answers(self, peer: PeerStream) -> AsyncIterator[pb.ProcessingResponse]:
+    async def answers(self, peer: PeerStream) -> AsyncIterator[msg.Answer]:
         """The stream loop, whatever serves the port: each message's answers, in order."""
         stream = StreamProcessor(self.rt, peer, self.log_settles)
         how = Ending.DISCONNECT
@@ -125,7 +126,11 @@ async def start_server(servicer: pb_grpc.ExternalProcessorServicer, host: str, p
     # No SO_REUSEPORT (grpc-core's default is on: a second server on a taken port would
     # silently share it instead of failing to bind); `serve --workers N` binds N ports.
     server = grpc.aio.server(options=[*SERVER_OPTIONS, ("grpc.so_reuseport", 0)])
-    pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+    # Registered by hand, not with the generated helper: answers may come in wire form.
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {
+        "Process": grpc.stream_stream_rpc_method_handler(
+            servicer.Process, request_deserializer=pb.ProcessingRequest.FromString,
+            response_serializer=msg.serialize)})])
     if access_logs is not None:
         access_log.add_to_server(server, access_logs)
     # grpc.health.v1, which Envoy's ext_proc cluster checks (extproc/wire/health.py)
@@ -137,11 +142,12 @@ async def start_server(servicer: pb_grpc.ExternalProcessorServicer, host: str, p
 
 
 STACKS = ("h2", "grpcio")  # what serves the port: extproc.wire.h2grpc, or grpc.aio
-PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+PROCESS = f"/{SERVICE}/Process"
 
 
 class Answers(Protocol):
-    def answers(self, peer: PeerStream) -> AsyncIterator[pb.ProcessingResponse]: ...
+    def answers(self, peer: PeerStream) -> AsyncIterator[msg.Answer]: ...
 
 
 class _H2Process:
@@ -154,7 +160,7 @@ class _H2Process:
 
     async def run(self, call: Call) -> None:
         async for response in self.proc.answers(h2_peer(call)):
-            call.write(response.SerializeToString())
+            call.write(msg.serialize(response))
 
 
 async def start_h2(processor: Answers, host: str, port: int, health: Health | None = None,

@@ -24,6 +24,13 @@ RESPONSE_HEADERS_FROM_METADATA = (
     "x-ratelimit-remaining-budget-cost", "x-ratelimit-reset-budget", "x-sluice-budget-period",
 )
 PM = processing_mode_pb2.ProcessingMode
+# An answer is a message, or one already in wire form (extproc.wire.forward_answer,
+# extproc.envoy.picker_protocol.echo): the gRPC writers pass bytes through.
+Answer = pb.ProcessingResponse | bytes
+
+
+def serialize(answer: Answer) -> bytes:
+    return answer if isinstance(answer, bytes) else answer.SerializeToString()
 
 
 def _mode(response_headers: int, response_body: int, response_trailers: int) -> PM:
