@@ -1,6 +1,6 @@
 """Sluice's own work per request, in process and without gRPC: what the handlers cost.
 
-    python -m bench.handler_cost [--n 3000] [--rounds 5] [--policy minimal|demo] [--profile]
+    python -m bench.handler_cost [--n 3000] [--rounds 5] [--policy minimal|demo] [--idle-ms MS] [--profile]
 
 Runs ``n`` small chat completions through ``StreamProcessor`` exactly as the server would
 hand them over under ``response_processing: access_log`` (the request headers, the body
@@ -8,6 +8,9 @@ and its end-of-stream chunk, then the settle from an access-log entry), and prin
 median over rounds of the microseconds per request each phase took, timed around the
 handler calls. ``--policy demo`` uses the example policy of ``make demo`` (a pool with
 placement and prefix affinity, three tiers) with its backends' metrics taken as fresh;
+``--idle-ms`` sleeps that long before each request (not timed), as the demo's one client
+does between its requests: on a VM whose idle vCPU halts, the same work then costs about
+twice as much (caches and predictors cold at each wake);
 ``--profile`` prints the 25 most expensive functions of one more round (cProfile).
 
 Nothing here is a target: it is the part of ``bench.overhead``'s Sluice CPU that is
@@ -141,7 +144,7 @@ class _Clock:
         return self.now
 
 
-def measure(policy: str, n: int, rounds: int, profile: bool = False) -> dict[str, list[float]]:
+def measure(policy: str, n: int, rounds: int, profile: bool = False, idle_s: float = 0.0) -> dict[str, list[float]]:
     p, key, model = _policy(policy)
     clock = _Clock()
     rt = Runtime(p, clock=clock)
@@ -154,6 +157,8 @@ def measure(policy: str, n: int, rounds: int, profile: bool = False) -> dict[str
             clock.now += 0.001
             if i % 200 == 0:
                 _fresh(rt)
+            if idle_s:
+                await asyncio.sleep(idle_s)
             await _one(rt, settles, messages, took)
         return took
 
@@ -180,11 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--policy", choices=["minimal", "demo"], default="minimal")
+    ap.add_argument("--idle-ms", type=float, default=0.0, help="idle before each request (not timed)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
-    got = measure(args.policy, args.n, args.rounds, args.profile)
+    got = measure(args.policy, args.n, args.rounds, args.profile, args.idle_ms / 1000)
     rows: list[Any] = [(k, statistics.median(v), min(v)) for k, v in got.items()]
-    print(f"| phase ({args.policy} policy) | median µs / request | best round |\n|---|---|---|")
+    idle = f", {args.idle_ms:g} ms idle before each" if args.idle_ms else ""
+    print(f"| phase ({args.policy} policy{idle}) | median µs / request | best round |\n|---|---|---|")
     for k, med, best in rows:
         print(f"| {k} | {med:.1f} | {best:.1f} |")
     print(f"| total | {sum(r[1] for r in rows):.1f} | {sum(r[2] for r in rows):.1f} |")

@@ -184,3 +184,20 @@ def test_separate_inputs_are_each_held_to_the_limit_and_all_counted() -> None:
     assert over.over_text == 1 and not over.complete and 4096 < over.tokens < 5010
     fits = c.count(["", " the" * 4096, "a"], limit=4096, per_text=True)
     assert fits.over_text is None and fits.tokens == 4097
+
+
+def test_a_short_prompt_counted_in_a_row_says_what_the_sliced_job_says() -> None:
+    # The inline count of short prompts (Runtime.count_prompt) must be the job's, to the
+    # stop past the limit, the completeness and the text that passed it alone.
+    counter = TokenCounter("cl100k_base")
+    rng = random.Random(7)
+    words = ["hello", "", "Жизнь", "😀" * 3, "x=42/7", " " * 9, "The quick brown fox", "\n\n"]
+    for _ in range(600):
+        texts = ["".join(rng.choice(words) for _ in range(rng.randrange(0, 12))) for _ in range(rng.randrange(0, 6))]
+        assert sum(map(len, texts)) <= tokenizer.SHORT_CHARS
+        limit = rng.choice([None, 0, 3, 10, 40])
+        for per_text in (False, True):
+            short = counter.count_short(texts, limit, per_text)
+            sliced = counter.count(texts, limit, per_text)
+            assert (short.counted, short.complete, short.hard_cuts, short.over_text) == \
+                (sliced.counted, sliced.complete, sliced.hard_cuts, sliced.over_text), (texts, limit, per_text)

@@ -93,14 +93,18 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return d
 
 
+# Built once: json.loads with any keyword builds a decoder and its scanner on every call
+# (~3 µs of a small body's 8).
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float, object_pairs_hook=unique_keys)
+
+
 def decode_json(raw: bytes) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BadRequest(f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_encoding") from None
     try:
-        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float,
-                          object_pairs_hook=unique_keys)
+        body = _DECODER.decode(text)
     except DuplicateKey as exc:
         raise BadRequest(f"request body has the key {exc.key!r} more than once in one object", exc.key,
                          "duplicate_key") from None

@@ -152,6 +152,10 @@ class TokenBucket:
         """Seconds until the bucket is full again (0 if full, inf if it never refills)."""
         return self._time_to_reach(self._capacity, self._level_at(now))
 
+    def refill_s(self, level: float) -> float:
+        """``reset_after_s`` from a level already read (``remaining``) at the same time."""
+        return self._time_to_reach(self._capacity, level)
+
     def __repr__(self) -> str:
         return (
             f"TokenBucket(capacity={self._capacity!r}, rate_per_s={self._rate!r}, "

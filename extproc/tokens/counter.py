@@ -46,6 +46,7 @@ log = logging.getLogger("sluice.tokenizer")
 
 SLICE_CHARS = 8192
 CUT_WINDOW = 256  # where a slice looks for a safe place to end
+SHORT_CHARS = SLICE_CHARS // 4  # texts this short in all are never cut (TokenCounter.count_short)
 HARD_CUT_MARGIN = 1  # a hard cut lowered the count by at most 1 token (measured)
 # A space between two non-space characters. Python's \s is a superset of the Unicode
 # White_Space the encodings' regexes use, so "non-space" here is non-space there too.
@@ -178,6 +179,25 @@ class TokenCounter:
             if isinstance(exc, _NOT_OURS):
                 raise
             raise TokenizerFailed(f"{self.name}: {type(exc).__name__}: {str(exc)[:200]}") from exc
+
+    def count_short(self, texts: list[str], limit: int | None = None, per_text: bool = False) -> Count:
+        """``count`` of texts of at most ``SHORT_CHARS`` characters in all (most requests),
+        without a job: each text is one slice (4 UTF-8 bytes a character at most, so none is
+        ever cut), counted in a row, with the same stop past ``limit`` and the same result."""
+        t0 = time.perf_counter()
+        counted = tokens = 0
+        last, complete = -1, True
+        for i, text in enumerate(texts):
+            if not text:
+                continue
+            tokens = self.count_piece(text)
+            counted += tokens
+            last = i
+            if limit is not None and (tokens if per_text else counted) > limit:
+                complete = not any(texts[i + 1:])
+                break
+        over = last if per_text and limit is not None and tokens > limit else None
+        return Count(counted, complete, 0, time.perf_counter() - t0, over)
 
     def job(self, texts: list[str], limit: int | None = None, per_text: bool = False) -> CountJob:
         return CountJob(self, texts, limit, per_text)
