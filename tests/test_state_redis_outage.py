@@ -120,8 +120,8 @@ def test_a_trip_does_not_refuse_a_tenant_far_under_its_limit(server: RedisServer
         started = ls.fallback[0].remaining(time.monotonic()) + cost
         beyond = await admit(s, int(seen / n))  # more than the share has left
         # A tenant this replica never exchanged for (its first request, as on a fresh
-        # replica whose first exchange came late): a full share, B / n, as Redis would start it.
-        fresh = await admit(s, BURST // n - 10, tenant="fresh")
+        # replica whose first exchange came late): the whole bucket's part, B (n + 1) / 2n².
+        fresh = await admit(s, BURST * (n + 1) // (2 * n * n) - 10, tenant="fresh")
         await close_all(states)
         return first, beyond, seen, started, fresh
 
@@ -129,25 +129,29 @@ def test_a_trip_does_not_refuse_a_tenant_far_under_its_limit(server: RedisServer
     assert first.admitted, first
     assert fresh.admitted, fresh
     assert not beyond.admitted and beyond.reason == "tpm", beyond
-    # what the share started with: the room this replica last saw, halved (plus the few ms
-    # of refill since, the bucket's at r / n and the share's own at r / n)
-    assert seen / n <= started <= seen / n + 0.1 * RATE, (seen, started)
+    # what the share started with: its part of the room this replica last saw, (n + 1) / 2n²
+    # (the other may have been granted a lease out of it since), plus the few ms of refill
+    part = (n + 1) / (2 * n * n)
+    assert seen * part <= started <= seen * part + 0.1 * RATE, (seen, started)
 
 
 def test_a_local_share_is_a_part_of_the_room_last_seen() -> None:
-    """The share is 1 / n of the bucket, refilled at r / n, and starts at 1 / n of the room:
-    the store's last answer refilled since, less what it has not heard; full for a tenant it
-    never answered for (a replica's first exchange, late); empty for a bucket in debt."""
+    """The share is 1 / n of the bucket, refilled at r / n, and starts at (n + 1) / 2n² of the
+    room (what is left whatever one lease granted to each other replica since took, split n
+    ways): the store's last answer refilled since, less what it has not heard; the whole
+    bucket for a tenant it never answered for (a replica's first exchange, late); empty for
+    a bucket in debt."""
     lim = Limits(tpm=60_000, rpm=60_000, burst_tokens=1000, max_concurrency=10)
     fresh = TenantLease(lim)
     tb, rb = local_share(fresh, lim, 4, now=10.0)
-    assert (tb.remaining(10.0), rb.remaining(10.0)) == (1000 / 4, 60_000 / 4)
+    part = 5 / 32  # (4 + 1) / (2 x 4²)
+    assert (tb.remaining(10.0), rb.remaining(10.0)) == (1000 * part, 60_000 * part)
     assert tb.rate_per_s == 1000 / 4 and tb.capacity == 1000 / 4
     owing = TenantLease(lim, level_t=-500.0, level_r=0.0, seen_at=10.0)
     assert local_share(owing, lim, 4, now=10.0)[0].remaining(10.0) == 0.0
     seen = TenantLease(lim, level_t=600.0, level_r=800.0, seen_at=10.0, debit=120.0, sent=(0.0, 20.0, 0.0))
     tb, rb = local_share(seen, lim, 4, now=10.5)  # 600 + 0.5 s of refill, capped, less 100 unsent
-    assert tb.remaining(10.5) == (1000 - 100) / 4 and rb.remaining(10.5) == (800 + 500) / 4
+    assert tb.remaining(10.5) == (1000 - 100) * part and rb.remaining(10.5) == (800 + 500) * part
 
 
 def test_fail_closed_refuses_while_redis_is_down(server: RedisServer) -> None:

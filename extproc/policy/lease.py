@@ -126,18 +126,23 @@ def local_share(lease: TenantLease, limits: Limits, replicas: int, now: float) -
 
     They refill at 1/replicas of the rate and start at 1/replicas of the room the store
     last reported (refilled since, less what this replica charged that the store has not
-    heard; full for a tenant it never answered for, as the store itself starts a bucket it
-    does not have from the caller's estimate), so the replicas together admit what the
-    bucket held and its refill, as the bucket would. Shares that started empty refused the
-    first request after every trip for the few ms their refill took: a 429 for a tenant far
-    under its limit whenever one answer came late on a loaded host (a false alarm, the
-    others still on Redis; or a replica's first exchange, before any answer set its bound).
-    What a false alarm adds is bounded instead by that room / replicas, once: its debits
-    reach Redis on the return, which carries them as the bucket's debt.
+    heard; the whole bucket for a tenant it never answered for, as the store itself starts
+    a bucket it does not have from the caller's estimate), less what the others may have
+    been granted out of it since. The room each replica saw is as old as its last answer,
+    and since then each other replica may have been granted a lease, of at most
+    room / (2 x replicas) (the store's slice): (n + 1) / 2n of the room is there whatever
+    one grant each took. Started at all of it, the shares admitted ~4 % over the contract
+    in a 0.5 s window (tests/test_state_redis_outage.py, once in a loaded run). Shares
+    that started empty refused the first request after every trip for the few ms their
+    refill took: a 429 for a tenant far under its limit whenever one answer came late on a
+    loaded host (a false alarm, the others still on Redis; or a replica's first exchange,
+    before any answer set its bound). What a false alarm adds is bounded by that part of the room, once: its
+    debits reach Redis on the return, which carries them as the bucket's debt.
     """
     n = max(1, replicas)
+    part = (n + 1) / (2 * n * n)  # of the room: what one grant to each other left, split n ways
     room_t = max(0.0, lease.estimate_t(now) - lease.unsent_t())
     room_r = max(0.0, lease.estimate_r(now) - (lease.debit_r - lease.sent[2]))
-    tb = TokenBucket(limits.burst_tokens / n, limits.tpm * lease.scale / 60.0 / n, now, level=room_t / n)
-    rb = TokenBucket(limits.rpm / n, limits.rpm / 60.0 / n, now, level=room_r / n)
+    tb = TokenBucket(limits.burst_tokens / n, limits.tpm * lease.scale / 60.0 / n, now, level=room_t * part)
+    rb = TokenBucket(limits.rpm / n, limits.rpm / 60.0 / n, now, level=room_r * part)
     return tb, rb
