@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 
 from extproc.backends import build
@@ -286,13 +286,15 @@ class EndpointSet:
             st.kv_in_use += kv
             st.in_flight += 1
             count(st.kv_by_tier, tier, kv)
-            if second is not None:
-                got = replace(got, second=second)
+            result = None
             if aff is not None:
                 aff.record(prefix, got.key, now)
                 result = "miss" if preferred is None else "hit" if got.preferred else "spill"
                 self.affinity_counts[result] += 1
-                got = replace(got, affinity=result)
+            if second is not None or result is not None:
+                # One new Placement, not dataclasses.replace twice (~2.8 µs each).
+                got = Placement(got.key, got.score, got.preferred, result if result is not None else got.affinity,
+                                second if second is not None else got.second)
         return got
 
     def fits_somewhere(self, kv: int, now: float, exclude: Collection[str] = (),
