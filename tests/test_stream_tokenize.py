@@ -114,7 +114,7 @@ def test_a_prompt_that_fits_is_charged_exactly_as_before(rt: Runtime) -> None:
     assert not out[-1].HasField("immediate_response")
     # Forwarded: the prompt (exact count + chat overhead) + max_tokens was pre-charged.
     prompt = rt.encodings["cl100k_base"].count(["user", "hello " * 3000]).tokens + 3 + 3
-    assert rt.metrics.child(rt.metrics.tokens_precharged, "a")._value.get() == prompt + 10
+    assert rt.metrics.registry.get_sample_value("sluice_tokens_precharged_total", {"tenant": "a"}) == prompt + 10
 
 
 def test_a_key_with_max_concurrency_prompts_waiting_to_be_counted_gets_429(rt: Runtime) -> None:
