@@ -130,17 +130,15 @@ class LocalState:
         requests, tokens = b.rpm.remaining(now), b.tpm.remaining(now)
         if requests >= 1 and tokens >= need:
             return None
+        # Short of one or the other, so at least one wait is positive.
         rpm_wait = max(0.0, 1 - requests) / max(b.rpm.rate_per_s, 1e-9)
         tpm_wait = max(0.0, need - tokens) / max(b.tpm.rate_per_s, 1e-9)
-        if rpm_wait > 0 or tpm_wait > 0:
-            tv, rv = _view(b.tpm, limits.tpm, now), _view(b.rpm, limits.rpm, now)
-            if rpm_wait >= tpm_wait:
-                return Verdict(False, tv, rv, Reason.RPM,
-                               f"Rate limit reached: {limits.rpm} requests per minute.", rpm_wait)
-            return Verdict(False, tv, rv, Reason.TPM,
-                           f"Rate limit reached: {limits.tpm} tokens per minute; this request needs {cost}.",
-                           tpm_wait)
-        return None
+        tv, rv = _view(b.tpm, limits.tpm, now), _view(b.rpm, limits.rpm, now)
+        if rpm_wait >= tpm_wait:
+            return Verdict(False, tv, rv, Reason.RPM, f"Rate limit reached: {limits.rpm} requests per minute.",
+                           rpm_wait)
+        return Verdict(False, tv, rv, Reason.TPM,
+                       f"Rate limit reached: {limits.tpm} tokens per minute; this request needs {cost}.", tpm_wait)
 
     def _admitted(self, b: _TenantBuckets, limits: Limits, cost: int, now: float) -> Verdict:
         self.ledger.record_precharge(cost)

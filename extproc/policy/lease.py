@@ -136,8 +136,9 @@ def local_share(lease: TenantLease, limits: Limits, replicas: int, now: float) -
     that started empty refused the first request after every trip for the few ms their
     refill took: a 429 for a tenant far under its limit whenever one answer came late on a
     loaded host (a false alarm, the others still on Redis; or a replica's first exchange,
-    before any answer set its bound). What a false alarm adds is bounded by that part of the room, once: its
-    debits reach Redis on the return, which carries them as the bucket's debt.
+    before any answer set its bound). What a false alarm adds is bounded by that part of
+    the room, once: its debits reach Redis on the return, which carries them as the
+    bucket's debt.
     """
     n = max(1, replicas)
     part = (n + 1) / (2 * n * n)  # of the room: what one grant to each other left, split n ways

@@ -17,7 +17,6 @@ from extproc.wire import messages as msg
 from extproc.wire.pbwire import delimited, length, tag
 
 _T1, _T2, _T3, _T5, _T8, _T9 = (tag(f) for f in (1, 2, 3, 5, 8, 9))
-_OVERWRITE = b"\x18" + bytes([msg.OVERWRITE])  # HeaderValueOption.append_action (field 3, varint)
 _CLEAR_ROUTE_CACHE = b"\x28\x01"  # CommonResponse.clear_route_cache = true (field 5, varint)
 _CACHE_LIMIT = 4096  # header pairs kept encoded (tenant, tier, backend, endpoint: few distinct)
 
@@ -27,21 +26,21 @@ _MODES: dict[int, tuple[msg.PM, bytes]] = {}
 
 
 def _set_header(key: str, value: str) -> bytes:
-    """HeaderMutation.set_headers (field 1): one HeaderValueOption, overwriting."""
+    """HeaderMutation.set_headers (field 1): one HeaderValueOption, overwriting. A HeaderMutation
+    of that one header, serialized, is exactly that field: the builder's own, encoded once."""
     got = _SET.get((key, value))
     if got is None:
-        header = delimited(_T1, key.encode()) + delimited(_T3, value.encode())  # HeaderValue key, raw_value
-        got = delimited(_T1, delimited(_T1, header) + _OVERWRITE)
+        got = msg.mutation({key: value}).SerializeToString()
         if len(_SET) < _CACHE_LIMIT:
             _SET[(key, value)] = got
     return got
 
 
 def _removals(names: tuple[str, ...]) -> bytes:
-    """HeaderMutation.remove_headers (field 2, repeated)."""
+    """HeaderMutation.remove_headers (field 2, repeated), as the builder writes them."""
     got = _REMOVE.get(names)
     if got is None:
-        got = b"".join(delimited(_T2, n.encode()) for n in names)
+        got = msg.mutation(remove=names).SerializeToString()
         if len(_REMOVE) < _CACHE_LIMIT:
             _REMOVE[names] = got
     return got
